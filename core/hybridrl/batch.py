@@ -1,0 +1,160 @@
+"""The batch that flows between roles: a TensorDict of padded tensors plus per-sample Python fields.
+
+Tensor layout (B = sequences): prompts are left-padded to P tokens, responses right-padded to R tokens, so
+``input_ids = cat(prompt_ids, response_ids)`` puts every response at the same columns ``P .. P+R``.
+Per-token tensors of the response (log-probs, advantages, masks) are all ``(B, R)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+from tensordict import TensorDict
+
+PROMPT_IDS = "prompt_ids"
+PROMPT_MASK = "prompt_mask"
+RESPONSE_IDS = "response_ids"
+RESPONSE_MASK = "response_mask"
+ROLLOUT_LOG_PROBS = "rollout_log_probs"
+OLD_LOG_PROBS = "old_log_probs"
+REF_LOG_PROBS = "ref_log_probs"
+LOG_PROBS = "log_probs"
+ENTROPY = "entropy"
+ADVANTAGES = "advantages"
+RETURNS = "returns"
+TOKEN_REWARDS = "token_rewards"
+SCORES = "scores"
+
+
+@dataclass
+class Batch:
+    """Padded tensors (batch dimension first) plus per-sample non-tensor fields and batch-level info."""
+
+    tensors: TensorDict
+    non_tensors: dict[str, list[Any]] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self)
+        for key, values in self.non_tensors.items():
+            if len(values) != n:
+                raise ValueError(f"non-tensor field '{key}' has {len(values)} entries for a batch of {n}")
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], non_tensors: dict[str, list[Any]] | None = None,
+                     info: dict[str, Any] | None = None) -> "Batch":
+        sizes = {t.shape[0] for t in tensors.values()}
+        if len(sizes) > 1:
+            raise ValueError(f"tensors disagree on batch size: {sizes}")
+        size = sizes.pop() if sizes else len(next(iter((non_tensors or {}).values()), []))
+        return cls(TensorDict(tensors, batch_size=[size]), dict(non_tensors or {}), dict(info or {}))
+
+    def __len__(self) -> int:
+        return int(self.tensors.batch_size[0]) if self.tensors.batch_size else 0
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.tensors.keys():
+            return self.tensors[key]
+        return self.non_tensors[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors.keys() or key in self.non_tensors
+
+    def set(self, key: str, value: torch.Tensor | list[Any]) -> None:
+        if isinstance(value, torch.Tensor):
+            self.tensors.set(key, value)
+        else:
+            if len(value) != len(self):
+                raise ValueError(f"field '{key}' has {len(value)} entries for a batch of {len(self)}")
+            self.non_tensors[key] = list(value)
+
+    def update(self, other: "Batch") -> "Batch":
+        """Add (or overwrite) the fields of ``other``, which must have the same length."""
+        if len(other) != len(self):
+            raise ValueError(f"cannot merge a batch of {len(other)} into one of {len(self)}")
+        self.tensors.update(other.tensors)
+        self.non_tensors.update(other.non_tensors)
+        self.info.update(other.info)
+        return self
+
+    def select(self, *keys: str) -> "Batch":
+        tensor_keys = [k for k in keys if k in self.tensors.keys()]
+        other = {k: self.non_tensors[k] for k in keys if k in self.non_tensors}
+        missing = set(keys) - set(tensor_keys) - set(other)
+        if missing:
+            raise KeyError(f"batch has no field(s) {sorted(missing)}")
+        return Batch(self.tensors.select(*tensor_keys), other, dict(self.info))
+
+    def index(self, idx: torch.Tensor | Sequence[int]) -> "Batch":
+        idx_t = torch.as_tensor(idx, dtype=torch.long)
+        idx_l = idx_t.tolist()
+        return Batch(self.tensors[idx_t], {k: [v[i] for i in idx_l] for k, v in self.non_tensors.items()},
+                     dict(self.info))
+
+    def repeat_interleave(self, n: int) -> "Batch":
+        """Each sample ``n`` times in a row (the n samples of one prompt stay adjacent)."""
+        return self.index(torch.arange(len(self)).repeat_interleave(n))
+
+    def chunk(self, parts: int) -> list["Batch"]:
+        """Split into ``parts`` equal batches; the length must divide (see ``pad_to_multiple``)."""
+        if len(self) % parts:
+            raise ValueError(f"batch of {len(self)} does not split into {parts} equal parts")
+        size = len(self) // parts
+        return [self.index(range(i * size, (i + 1) * size)) for i in range(parts)]
+
+    def pad_to_multiple(self, divisor: int) -> tuple["Batch", int]:
+        """Append copies of the first rows so the length divides ``divisor``; returns (batch, pad count)."""
+        pad = (-len(self)) % divisor
+        if pad == 0:
+            return self, 0
+        idx = list(range(len(self))) + [i % len(self) for i in range(pad)]
+        return self.index(idx), pad
+
+    def unpad(self, pad: int) -> "Batch":
+        return self if pad == 0 else self.index(range(len(self) - pad))
+
+    @staticmethod
+    def concat(batches: Iterable["Batch"]) -> "Batch":
+        batches = list(batches)
+        if not batches:
+            raise ValueError("cannot concatenate zero batches")
+        tensors = torch.cat([b.tensors for b in batches], dim=0)
+        keys = batches[0].non_tensors.keys()
+        non_tensors = {k: [x for b in batches for x in b.non_tensors[k]] for k in keys}
+        info: dict[str, Any] = {}
+        for b in batches:
+            info.update(b.info)
+        return Batch(tensors, non_tensors, info)
+
+
+def sequence_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, position_ids)`` of prompt+response, positions counted over real tokens."""
+    input_ids = torch.cat([batch[PROMPT_IDS], batch[RESPONSE_IDS]], dim=1)
+    attention_mask = torch.cat([batch[PROMPT_MASK], batch[RESPONSE_MASK]], dim=1).long()
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into ``(ids, mask)`` of shape (B, width)."""
+    width = width or max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if len(seq):
+            ids[i, width - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq):] = 1
+    return ids, mask
+
+
+def right_pad(sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists into ``(ids, mask)`` of shape (B, width)."""
+    width = width or max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        mask[i, : len(seq)] = 1
+    return ids, mask

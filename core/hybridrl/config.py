@@ -1,0 +1,246 @@
+"""Run configuration: YAML plus dotted overrides, validated into typed models before any process starts.
+
+Every problem is reported with its key path (``roles.rollout.backend: unknown rollout backend 'vlm' ...``),
+and all problems are reported at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """One or more config problems; ``problems`` holds ``(key path, reason)`` pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        lines = "\n".join(f"  {path or '<root>'}: {reason}" for path, reason in problems)
+        super().__init__(f"invalid config ({len(problems)} problem{'s' if len(problems) != 1 else ''}):\n{lines}")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class TinyModelConfig(Strict):
+    """A small Qwen2 built from this config (no download), with the bundled character tokenizer."""
+
+    hidden_size: int = Field(128, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    intermediate_size: int = Field(256, gt=0)
+    max_position: int = Field(128, gt=0)
+    seed: int = 0
+
+
+class ModelConfig(Strict):
+    path: str | None = None
+    tiny: TinyModelConfig | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("give exactly one of model.path (an HF checkpoint folder) or model.tiny")
+        return self
+
+
+class DataConfig(Strict):
+    train: str | None = Field(None, description="jsonl or parquet file of prompts")
+    dataset: str | None = Field(None, description="name of a registered dataset instead of a file")
+    dataset_args: dict[str, Any] = Field(default_factory=dict)
+    prompt_key: str = "prompt"
+    max_prompt_len: int = Field(512, gt=0)
+    long_prompts: Literal["error", "drop"] = "error"
+    prompts_per_step: int = Field(32, gt=0)
+    shuffle: bool = True
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataConfig":
+        if (self.train is None) == (self.dataset is None):
+            raise ValueError("give exactly one of data.train (a file) or data.dataset (a registered name)")
+        return self
+
+
+class KLConfig(Strict):
+    coef: float = Field(0.001, ge=0)
+    estimator: str = "k3"
+    apply_as: Literal["loss", "reward"] = Field("loss", alias="as")
+
+
+class AlgorithmConfig(Strict):
+    name: str = "grpo"
+    n_samples: int = Field(8, gt=0)
+    advantage: str | None = None  # default: from the algorithm preset
+    policy_loss: str | None = None
+    loss_agg: str | None = None
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)
+    dual_clip: float | None = Field(None, gt=1)
+    norm_adv_by_std: bool = True
+    entropy_coef: float = 0.0
+    kl: KLConfig | None = Field(default_factory=KLConfig)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class PoolConfig(Strict):
+    nodes: int = Field(1, gt=0)
+    devices_per_node: int = Field(1, gt=0)
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+class RoleBase(Strict):
+    pool: str | None = None
+    backend: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict, description="backend-specific settings")
+
+
+class ActorConfig(RoleBase):
+    backend: str | None = "fsdp"
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch: int = Field(16, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+
+
+class RefConfig(RoleBase):
+    backend: str | None = None  # default: the actor's
+    micro_batch: int = Field(32, gt=0)
+
+
+class RolloutConfig(RoleBase):
+    backend: str | None = "hf"
+    max_new_tokens: int = Field(32, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    min_new_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    tensor_parallel: int = Field(1, gt=0)
+    bucket_mb: float = Field(64.0, gt=0)
+
+
+class RewardConfig(RoleBase):
+    fn: str = "reverse"  # a registered reward name or "module:function"
+
+
+class RolesConfig(Strict):
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    ref: RefConfig | None = Field(default_factory=RefConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+
+
+class ClusterConfig(Strict):
+    address: str | None = Field(None, description="Ray address to join; default: RAY_ADDRESS, else a local Ray")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    nodes: int | None = Field(None, gt=0, description="declare the cluster instead of asking Ray (for plans)")
+    devices_per_node: int | None = Field(None, gt=0)
+    max_colocate_count: int = Field(1, gt=0, description="processes allowed per device")
+    threads_per_worker: int | None = Field(None, gt=0)
+
+
+class TrainerConfig(Strict):
+    steps: int = Field(100, gt=0)
+    out: str = "runs/default"
+    seed: int = 0
+    trackers: list[str] = Field(default_factory=lambda: ["console", "jsonl"])
+    log_every: int = Field(1, gt=0)
+    progress: bool = True
+
+    @field_validator("trackers")
+    @classmethod
+    def _jsonl_always(cls, value: list[str]) -> list[str]:
+        return value if "jsonl" in value else [*value, "jsonl"]
+
+
+class RunConfig(Strict):
+    model: ModelConfig
+    data: DataConfig
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    pools: dict[str, PoolConfig] = Field(default_factory=lambda: {"default": PoolConfig()})
+    roles: RolesConfig = Field(default_factory=RolesConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    plugins: list[str] = Field(default_factory=list, description="extra plugin modules to load")
+
+    def role_configs(self) -> dict[str, RoleBase]:
+        """The enabled roles that run on a pool (the reward role only when it names a pool)."""
+        out: dict[str, RoleBase] = {}
+        for name in type(self.roles).model_fields:
+            cfg = getattr(self.roles, name)
+            if cfg is not None and (name != "reward" or cfg.pool is not None):
+                out[name] = cfg
+        return out
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a","b","c"], value parsed as YAML)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError([(text, "override must look like key.path=value")])
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError([(".".join(path[: i + 1]), f"is a {type(child).__name__}, cannot set '{path[i + 1]}' in it")])
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _format_errors(err: ValidationError) -> list[tuple[str, str]]:
+    problems = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            reason = "unknown key"
+        elif e["type"] == "missing":
+            reason = "required key missing"
+        else:
+            reason = e["msg"].removeprefix("Value error, ")
+            if "input" in e and e["type"] not in ("model_type", "dict_type") and not isinstance(e["input"], dict):
+                reason += f" (got {e['input']!r})"
+        problems.append((path, reason))
+    return problems
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None, base: dict[str, Any] | None = None) -> RunConfig:
+    """Read YAML (or start from ``base``), apply dotted overrides, validate. Raises ``ConfigError``."""
+    data: dict[str, Any] = dict(base or {})
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([("<file>", f"config file '{p}' not found")])
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError([("<file>", f"{p} is not valid YAML: {exc}")]) from None
+        if not isinstance(loaded, dict):
+            raise ConfigError([("<file>", f"{p} must hold a mapping at the top level")])
+        data.update(loaded)
+    data = apply_overrides(data, list(overrides or []))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None

@@ -1,0 +1,159 @@
+"""The contracts between the core and its backends: ``TrainEngine`` and ``RolloutEngine``.
+
+A backend plugin implements one of these and registers it with ``registry.add_train_engine`` /
+``registry.add_rollout``. The core never imports a backend; it only calls these methods, inside the worker
+process that hosts the role (see ``hybridrl.worker``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol
+
+import torch
+
+from hybridrl.batch import Batch
+
+NamedTensor = tuple[str, torch.Tensor]
+WeightBucket = list[NamedTensor]
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """Where and as what an engine runs. ``options`` holds the role's backend-specific config keys."""
+
+    role: str
+    backend: str
+    model_path: str
+    rank: int
+    world_size: int
+    device: str = "cpu"  # "cpu" or "cuda"
+    dtype: str = "float32"
+    seed: int = 0
+    trainable: bool = True
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class DataParallelInfo:
+    """How a rank takes part in scatter/gather: ranks with the same ``dp_rank`` get the same chunk
+    (tensor/pipeline parallel peers); only ranks with ``returns_output`` send results back."""
+
+    dp_rank: int
+    dp_size: int
+    returns_output: bool = True
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 32
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Global sizes of the mini-batch, summed over data-parallel ranks, so that an objective evaluated on
+    one micro-batch of one rank returns its exact share of the global loss (gradients are averaged over
+    ``dp_size`` ranks by the engine's all-reduce, so the share is multiplied back by ``dp_size``)."""
+
+    total_tokens: float
+    total_sequences: float
+    dp_size: int
+
+
+class Objective(Protocol):
+    """The training loss the core hands to ``TrainEngine.update`` (policy loss, value loss ...)."""
+
+    #: tensors the engine must compute per micro-batch: "log_probs", "entropy", "values".
+    needs: tuple[str, ...]
+
+    def __call__(self, outputs: dict[str, torch.Tensor], micro_batch: Batch, scale: LossScale
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Scalar loss of this micro-batch (already scaled, see ``LossScale``) and metrics to average."""
+
+
+class TrainEngine(ABC):
+    """A trainable (or frozen, for the reference policy) model sharded over the ranks of its pool."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        self.ctx = ctx
+
+    def data_parallel(self) -> DataParallelInfo:
+        return DataParallelInfo(self.ctx.rank, self.ctx.world_size)
+
+    @abstractmethod
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
+        """Per-token log-probs ``(B, R)`` of the response tokens (``log_probs``; ``entropy`` if asked)."""
+
+    @abstractmethod
+    def update(self, batch: Batch, objective: Objective) -> dict[str, float]:
+        """One optimiser step over ``batch`` (micro-batched inside); returns averaged metrics."""
+
+    @abstractmethod
+    def export_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """Full (unsharded) weights under Hugging Face names, in buckets of about ``bucket_bytes``.
+        Collective: every rank must iterate to the end; ranks that are not ``exports_on_rank`` may yield
+        nothing useful and the bridge ignores them."""
+
+    def exports_on_rank(self) -> bool:
+        """Whether this rank's exported buckets are the ones sent to a rollout on another pool."""
+        return self.ctx.rank == 0
+
+    def offload(self) -> None:
+        """Release device memory (parameters, gradients, optimiser state) so a colocated engine can use it."""
+
+    def onload(self) -> None:
+        """Undo ``offload``."""
+
+    def save_checkpoint(self, path: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not save checkpoints yet")
+
+    def load_checkpoint(self, path: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not load checkpoints yet")
+
+
+class RolloutEngine(ABC):
+    """Token-in/token-out generation. One instance per rank; ``data_parallel`` says which ranks form a replica."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        self.ctx = ctx
+
+    def data_parallel(self) -> DataParallelInfo:
+        return DataParallelInfo(self.ctx.rank, self.ctx.world_size)
+
+    @abstractmethod
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        """Sample one response per row of ``prompt_ids``/``prompt_mask``. Returns ``response_ids``,
+        ``response_mask`` (right-padded) and ``rollout_log_probs`` (log-probs of the sampled tokens under
+        the sampling distribution)."""
+
+    @abstractmethod
+    def import_weights(self, bucket: WeightBucket) -> None:
+        """Load one bucket of Hugging Face-named tensors into the engine's model."""
+
+    def finish_weight_import(self) -> None:
+        """Called after the last bucket: reset prefix caches and the like."""
+
+    def sleep(self) -> None:
+        """Release device memory (KV cache, and weights where the engine can) while the trainer works."""
+
+    def wake(self) -> None:
+        """Undo ``sleep`` before the next generation."""
+
+    def named_weights(self) -> Iterator[NamedTensor]:
+        """The engine's current weights under HF names (for verification; optional)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its weights")

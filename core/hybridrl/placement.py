@@ -1,0 +1,210 @@
+"""Placement: pools of devices, roles mapped onto pools, and the resolved device map.
+
+Pure logic, no Ray: the same code checks a plan against a declared cluster on a laptop and places the
+real run. Roles on one pool are colocated; roles whose backends are of the same *process family* are fused
+into one process per device, and a device may hold at most ``cluster.max_colocate_count`` processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridrl.config import ConfigError, RunConfig
+from hybridrl.registry import BackendEntry, Registry, RegistryError
+
+# Which registry kind each role's backend comes from; the reward role runs in the driver unless pooled.
+ROLE_KIND = {"actor": "train", "ref": "train", "critic": "train", "rollout": "rollout", "reward": "train"}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    nodes: int
+    devices_per_node: int
+    device: str  # "cpu" or "cuda"
+    declared: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def describe(self) -> str:
+        kind = "GPU" if self.device == "cuda" else "CPU slot"
+        return f"{self.nodes} node(s) x {self.devices_per_node} {kind}(s){' (declared)' if self.declared else ''}"
+
+
+@dataclass(frozen=True)
+class Device:
+    node: int
+    index: int
+
+    def __str__(self) -> str:
+        return f"node{self.node}:{self.index}"
+
+
+@dataclass
+class ProcessGroupPlan:
+    """One process per device of a pool, hosting the fused roles of one process family."""
+
+    pool: str
+    family: str
+    roles: dict[str, str]  # role -> backend
+    devices: list[Device]
+    slot: int  # which process on the device (0 .. max_colocate_count-1)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def name(self) -> str:
+        return f"{self.pool}/{'+'.join(self.roles)}"
+
+
+@dataclass
+class PlacementPlan:
+    cluster: ClusterSpec
+    pools: dict[str, list[Device]]
+    groups: list[ProcessGroupPlan]
+    role_pool: dict[str, str] = field(default_factory=dict)
+
+    def group_of(self, role: str) -> ProcessGroupPlan:
+        for group in self.groups:
+            if role in group.roles:
+                return group
+        raise KeyError(role)
+
+    def colocated(self, role_a: str, role_b: str) -> bool:
+        return self.role_pool.get(role_a) == self.role_pool.get(role_b)
+
+    def same_process(self, role_a: str, role_b: str) -> bool:
+        return self.group_of(role_a) is self.group_of(role_b)
+
+    def split_roles(self) -> list[str]:
+        """Roles that run on a pool of their own (at the same time as the others)."""
+        shared = {p for p in self.role_pool.values() if list(self.role_pool.values()).count(p) > 1}
+        return sorted(r for r, p in self.role_pool.items() if p not in shared)
+
+    def rows(self) -> list[tuple[str, str, str, str]]:
+        """(device, pool, process slot, roles with backend and rank) for printing."""
+        out = []
+        for pool, devices in self.pools.items():
+            for rank, device in enumerate(devices):
+                for group in self.groups:
+                    if group.pool == pool:
+                        roles = ", ".join(f"{r}[{b}] rank {rank}/{group.world_size}" for r, b in group.roles.items())
+                        out.append((str(device), pool, f"proc {group.slot} ({group.family})", roles))
+        return out
+
+    def render(self) -> str:
+        header = ("device", "pool", "process", "roles")
+        rows = [header, *self.rows()]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = [f"cluster: {self.cluster.describe()}"]
+        for i, row in enumerate(rows):
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        modes = []
+        for pool in self.pools:
+            roles = [r for r, p in self.role_pool.items() if p == pool]
+            modes.append(f"{pool}: {' + '.join(roles) or '(unused)'}{' (colocated)' if len(roles) > 1 else ''}")
+        lines.append("pools: " + "; ".join(modes))
+        if "actor" in self.role_pool and "rollout" in self.role_pool:
+            how = "in-process" if self.same_process("actor", "rollout") else (
+                "colocated, separate processes" if self.colocated("actor", "rollout") else "split pools (broadcast)")
+            lines.append(f"reshard actor -> rollout: {how}")
+        return "\n".join(lines)
+
+
+def resolve_backends(cfg: RunConfig, registry: Registry, check_engines: bool = True) -> tuple[dict[str, BackendEntry], list[tuple[str, str]]]:
+    """Backend entry for every pooled role, and the problems found (unknown backend, engine missing)."""
+    entries: dict[str, BackendEntry] = {}
+    problems: list[tuple[str, str]] = []
+    for role, rcfg in cfg.role_configs().items():
+        name = rcfg.backend or (cfg.roles.actor.backend if role == "ref" else None)
+        if name is None:
+            problems.append((f"roles.{role}.backend", "required for a role placed on a pool"))
+            continue
+        try:
+            entry = registry.backend(ROLE_KIND.get(role, "train"), name)  # type: ignore[arg-type]
+        except RegistryError as exc:
+            problems.append((f"roles.{role}.backend", str(exc)))
+            continue
+        if check_engines and (problem := entry.engine_problem()):
+            problems.append((f"roles.{role}.backend", f"backend '{name}' from {entry.plugin} is {problem}"))
+        entries[role] = entry
+    return entries, problems
+
+
+def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, BackendEntry]) -> PlacementPlan:
+    """Assign pools to devices and fuse colocated roles into processes. Raises ``ConfigError``."""
+    problems: list[tuple[str, str]] = []
+    default_pool = next(iter(cfg.pools), None)
+    role_pool: dict[str, str] = {}
+    for role, rcfg in cfg.role_configs().items():
+        pool = rcfg.pool or default_pool
+        if pool not in cfg.pools:
+            problems.append((f"roles.{role}.pool", f"unknown pool '{pool}' (pools: {', '.join(cfg.pools) or 'none'})"))
+            continue
+        role_pool[role] = pool
+        entry = backends.get(role)
+        if entry is not None and cluster.device not in entry.devices:
+            problems.append((f"roles.{role}.backend",
+                             f"backend '{entry.name}' runs on {'/'.join(entry.devices)}, the cluster has {cluster.device}"))
+
+    used = [p for p in cfg.pools if p in role_pool.values()]
+    need = sum(cfg.pools[p].size for p in used)
+    if need > cluster.total:
+        detail = ", ".join(f"{p}={cfg.pools[p].nodes}x{cfg.pools[p].devices_per_node}" for p in used)
+        problems.append(("pools", f"the pools ask for {need} devices ({detail}) but the cluster has {cluster.total} "
+                                  f"({cluster.describe()})"))
+    for name, pool in cfg.pools.items():
+        if pool.devices_per_node > cluster.devices_per_node:
+            problems.append((f"pools.{name}.devices_per_node",
+                             f"{pool.devices_per_node} devices per node, a node has {cluster.devices_per_node}"))
+        if pool.nodes > cluster.nodes:
+            problems.append((f"pools.{name}.nodes", f"{pool.nodes} nodes, the cluster has {cluster.nodes}"))
+    if problems:
+        raise ConfigError(problems)
+
+    pools = _allocate(cfg, used, cluster)
+    groups: list[ProcessGroupPlan] = []
+    for pool in used:
+        families: dict[str, dict[str, str]] = {}
+        for role, p in role_pool.items():
+            if p != pool:
+                continue
+            entry = backends.get(role)
+            family = entry.process_family if entry else "any"
+            if family == "any":
+                family = next(iter(families), "any")
+            families.setdefault(family, {})[role] = entry.name if entry else "-"
+        if len(families) > cfg.cluster.max_colocate_count:
+            desc = "; ".join(f"{fam}: {', '.join(f'{r}[{b}]' for r, b in roles.items())}" for fam, roles in families.items())
+            problems.append((f"roles (pool '{pool}')",
+                             f"colocated roles need {len(families)} processes per device because their backends "
+                             f"cannot share a process ({desc}); cluster.max_colocate_count is "
+                             f"{cfg.cluster.max_colocate_count}"))
+        for slot, (family, roles) in enumerate(families.items()):
+            groups.append(ProcessGroupPlan(pool, family, roles, pools[pool], slot))
+    if problems:
+        raise ConfigError(problems)
+    return PlacementPlan(cluster, pools, groups, role_pool)
+
+
+def _allocate(cfg: RunConfig, used: list[str], cluster: ClusterSpec) -> dict[str, list[Device]]:
+    """Give each pool ``nodes`` nodes with ``devices_per_node`` free devices each, first fit."""
+    free = {n: list(range(cluster.devices_per_node)) for n in range(cluster.nodes)}
+    out: dict[str, list[Device]] = {}
+    for name in used:
+        pool = cfg.pools[name]
+        nodes = [n for n in free if len(free[n]) >= pool.devices_per_node][: pool.nodes]
+        if len(nodes) < pool.nodes:
+            raise ConfigError([(f"pools.{name}", f"needs {pool.nodes} node(s) with {pool.devices_per_node} free "
+                                                 f"device(s) each; the pools before it leave too few ({cluster.describe()})")])
+        devices = []
+        for n in nodes:
+            take, free[n] = free[n][: pool.devices_per_node], free[n][pool.devices_per_node:]
+            devices += [Device(n, i) for i in take]
+        out[name] = devices
+    return out

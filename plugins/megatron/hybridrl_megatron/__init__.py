@@ -1,0 +1,1 @@
+"""hybridrl-megatron: Megatron-core training engine (tensor, pipeline and data parallel)."""

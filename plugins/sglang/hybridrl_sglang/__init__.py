@@ -1,0 +1,1 @@
+"""hybridrl-sglang: SGLang rollout engine (memory saver, tensor weight updates, split mode)."""

