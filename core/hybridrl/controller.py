@@ -1,0 +1,66 @@
+"""Worker groups: one Ray actor per device of a pool (per process slot), and the calls the driver makes.
+
+``call_all`` broadcasts a call to every rank; ``run`` scatters a batch over the data-parallel ranks (padding
+it to a multiple of the data-parallel size), gathers the results in order and strips the padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridrl.batch import Batch
+from hybridrl.engines import DataParallelInfo
+from hybridrl.placement import ProcessGroupPlan
+
+
+@dataclass
+class WorkerGroup:
+    plan: ProcessGroupPlan
+    workers: list[Any]  # Ray actor handles of RoleWorker, in rank order
+    dp: dict[str, list[DataParallelInfo]] = field(default_factory=dict)
+    last_compute_s: float = 0.0
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def build(self, role: str, backend: str, ctx_fields: dict[str, Any]) -> None:
+        self.dp[role] = self.call_all("build", role, backend, ctx_fields)
+
+    def dp_size(self, role: str) -> int:
+        return self.dp[role][0].dp_size
+
+    def run(self, role: str, method: str, batch: Batch, *args: Any, worker_method: str = "call",
+            **kwargs: Any) -> Any:
+        """Scatter ``batch`` over the role's data-parallel ranks, run ``method`` on each, gather.
+
+        Batches come back concatenated (padding removed); dicts of metrics come back averaged."""
+        import ray
+
+        infos = self.dp[role]
+        dp_size = infos[0].dp_size
+        padded, pad = batch.pad_to_multiple(dp_size)
+        chunk_refs = [ray.put(c) for c in padded.chunk(dp_size)]
+        if worker_method == "call":
+            futures = [w.call.remote(role, method, chunk_refs[info.dp_rank], *args, **kwargs)
+                       for w, info in zip(self.workers, infos)]
+        else:
+            futures = [getattr(w, worker_method).remote(role, chunk_refs[info.dp_rank], *args, **kwargs)
+                       for w, info in zip(self.workers, infos)]
+        results = ray.get(futures)
+        self.last_compute_s = max(ray.get([w.compute_seconds.remote() for w in self.workers]))
+        outputs = sorted(((info.dp_rank, r) for info, r in zip(infos, results) if info.returns_output),
+                         key=lambda x: x[0])
+        values = [r for _, r in outputs]
+        if isinstance(values[0], Batch):
+            return Batch.concat(values).unpad(pad)
+        if isinstance(values[0], dict):
+            return average_metrics(values)
+        return values
+
+
+def average_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = rows[0].keys()
+    return {k: sum(float(r[k]) for r in rows) / len(rows) for k in keys}

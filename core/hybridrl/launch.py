@@ -1,0 +1,70 @@
+"""Turn a placement plan into running worker groups: placement groups, Ray actors, process groups, engines."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hybridrl.cluster import create_placement_group, ensure_ray
+from hybridrl.config import RunConfig
+from hybridrl.controller import WorkerGroup
+from hybridrl.placement import PlacementPlan
+from hybridrl.worker import RoleWorker
+
+TRAIN_ROLE_FIELDS = {"pool", "backend", "options"}
+
+
+def role_options(cfg: RunConfig, role: str) -> dict[str, Any]:
+    """A role's settings as the engine sees them: the typed keys plus its free-form ``options``."""
+    rcfg = getattr(cfg.roles, role)
+    options = rcfg.model_dump(exclude=TRAIN_ROLE_FIELDS)
+    options.update(rcfg.options)
+    if role == "ref" and cfg.roles.actor is not None:
+        options.setdefault("micro_batch", cfg.roles.actor.micro_batch)
+    return options
+
+
+def start_worker_groups(cfg: RunConfig, plan: PlacementPlan) -> tuple[dict[str, WorkerGroup], list[Any]]:
+    """One ``WorkerGroup`` per process group of the plan; returns role -> its group, and the placement
+    groups (to remove at shutdown)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    ensure_ray(cfg.cluster, env={"TOKENIZERS_PARALLELISM": "false"})
+    device = plan.cluster.device
+    used_devices = sum(len(d) for d in plan.pools.values())
+    slots_per_pool = {pool: sum(1 for g in plan.groups if g.pool == pool) for pool in plan.pools}
+    cpus = max(1.0, float(int(ray.available_resources().get("CPU", 1)) // max(used_devices, 1))) if device == "cpu" else 1.0
+    threads = cfg.cluster.threads_per_worker or max(1, (os.cpu_count() or 1) // max(used_devices, 1))
+    placement_groups = {pool: create_placement_group(len(devices), device, cpus, f"hybridrl-{pool}")
+                        for pool, devices in plan.pools.items()}
+    remote_worker = ray.remote(RoleWorker)
+    role_groups: dict[str, WorkerGroup] = {}
+    for gplan in plan.groups:
+        share = 1.0 / slots_per_pool[gplan.pool]
+        workers = []
+        for rank in range(gplan.world_size):
+            strategy = PlacementGroupSchedulingStrategy(placement_groups[gplan.pool], placement_group_bundle_index=rank)
+            options: dict[str, Any] = {"num_cpus": cpus * share, "scheduling_strategy": strategy,
+                                       "name": f"{gplan.name}:{rank}".replace("/", "_")}
+            if device == "cuda":
+                options["num_gpus"] = share
+            workers.append(remote_worker.options(**options).remote(rank, gplan.world_size, device, threads,
+                                                                   tuple(cfg.plugins)))
+        group = WorkerGroup(gplan, workers)
+        addr, port = ray.get(workers[0].rendezvous_address.remote())
+        group.call_all("init_distributed", addr, port)
+        for role in gplan.roles:
+            role_groups[role] = group
+    return role_groups, list(placement_groups.values())
+
+
+def build_engines(cfg: RunConfig, plan: PlacementPlan, groups: dict[str, WorkerGroup], model_path: str) -> None:
+    """Trainers first, rollouts last: engines that size their memory from what is free start after the
+    trainers on the same devices."""
+    order = sorted(groups, key=lambda r: 1 if r == "rollout" else 0)
+    for role in order:
+        backend = plan.group_of(role).roles[role]
+        fields = {"model_path": model_path, "dtype": cfg.model.dtype, "seed": cfg.trainer.seed,
+                  "trainable": role in ("actor", "critic"), "options": role_options(cfg, role)}
+        groups[role].build(role, backend, fields)

@@ -1,0 +1,222 @@
+"""The RL training loop (driver side): one GRPO/PPO-style step is a fixed sequence of timed phases."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridrl.algorithms.advantages import AdvantageInputs
+from hybridrl.algorithms.objective import resolve_algorithm
+from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, REF_LOG_PROBS, RESPONSE_IDS,
+                            RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, SCORES, TOKEN_REWARDS, Batch, left_pad)
+from hybridrl.bridge import transport_for
+from hybridrl.controller import WorkerGroup
+from hybridrl.engines import SamplingParams
+from hybridrl.launch import build_engines, start_worker_groups
+from hybridrl.preflight import RunSetup
+from hybridrl.timing import PhaseTimer
+
+
+class Trainer:
+    """Drives the worker groups through training steps and logs every phase."""
+
+    def __init__(self, setup: RunSetup) -> None:
+        from hybridrl.data import PromptLoader
+
+        self.setup = setup
+        self.cfg = setup.cfg
+        self.registry = setup.registry
+        self.algo = resolve_algorithm(self.cfg.algorithm, self.registry)
+        self.tokenizer = setup.tokenizer
+        self.loader = PromptLoader(setup.prompts, self.cfg.data.prompts_per_step, self.cfg.trainer.seed,
+                                   self.cfg.data.shuffle)
+        self.advantage_fn = self.registry.get("advantage", self.algo.advantage)
+        self.kl_fn = (self.registry.get("kl_estimator", self.cfg.algorithm.kl.estimator)
+                      if self.cfg.algorithm.kl is not None and self.cfg.algorithm.kl.coef > 0 else None)
+        r = self.cfg.roles.rollout
+        self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                       max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
+                                       ignore_eos=r.ignore_eos)
+        self.groups: dict[str, WorkerGroup] = {}
+        self.placement_groups: list[Any] = []
+        self.trackers: list[Any] = []
+        self.step = 0
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.eos_id = self.tokenizer.eos_token_id
+
+    # --- set-up ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        out = Path(self.cfg.trainer.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(self.cfg.model_dump(mode="json", by_alias=True), indent=2))
+        print(self.setup.plan.render(), flush=True)
+        if self.setup.dropped_prompts:
+            print(f"data: dropped {self.setup.dropped_prompts} prompt(s) longer than data.max_prompt_len", flush=True)
+        print("starting workers ...", flush=True)
+        t0 = time.perf_counter()
+        self.groups, self.placement_groups = start_worker_groups(self.cfg, self.setup.plan)
+        print(f"building engines from {self.setup.model_path} ...", flush=True)
+        build_engines(self.cfg, self.setup.plan, self.groups, self.setup.model_path)
+        self.rollout_colocated = any(self.setup.plan.colocated("rollout", r) for r in self.groups if r != "rollout")
+        transport = transport_for(self.setup.plan.same_process("actor", "rollout"))
+        actor_backend = self.setup.plan.group_of("actor").roles["actor"]
+        rollout_backend = self.setup.plan.group_of("rollout").roles["rollout"]
+        self.bridge = self.registry.bridge(actor_backend, rollout_backend, transport).target()
+        self.bucket_bytes = int(self.cfg.roles.rollout.bucket_mb * 2**20)
+        self.sync_weights()  # the rollout starts from exactly the actor's weights
+        if self.rollout_colocated:
+            self.groups["rollout"].call_all("call", "rollout", "sleep")
+        print(f"workers ready in {time.perf_counter() - t0:.1f}s", flush=True)
+        self.trackers = [self.registry.get("tracker", name)(self.cfg.trainer.out, self.cfg.model_dump(mode="json"))
+                         for name in self.cfg.trainer.trackers]
+
+    def sync_weights(self) -> dict[str, float]:
+        return self.bridge.sync(self.groups["actor"], "actor", self.groups["rollout"], "rollout", self.bucket_bytes)
+
+    # --- one step -------------------------------------------------------------------------------------
+    def prompt_batch(self) -> Batch:
+        rows = next(self.loader)
+        ids, mask = left_pad([r.ids for r in rows], self.pad_id)
+        n = self.cfg.algorithm.n_samples
+        batch = Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask},
+                                   {"prompt": [r.prompt for r in rows], "meta": [r.meta for r in rows]})
+        batch = batch.repeat_interleave(n)
+        batch.set("group_index", torch.arange(len(rows)).repeat_interleave(n))
+        batch.info["temperature"] = self.sampling.temperature if self.sampling.temperature > 0 else 1.0
+        return batch
+
+    def train_step(self) -> dict[str, float]:
+        timer = PhaseTimer()
+        compute: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        step_start = time.perf_counter()
+        with timer.phase("data"):
+            batch = self.prompt_batch()
+        rollout = self.groups["rollout"]
+        if self.rollout_colocated:
+            with timer.phase("wake"):
+                rollout.call_all("call", "rollout", "wake")
+        with timer.phase("gen"):
+            params = SamplingParams(**{**self.sampling.__dict__, "seed": self.cfg.trainer.seed * 100_003 + self.step})
+            batch.update(rollout.run("rollout", "generate", batch, params))
+            compute["gen"] = rollout.last_compute_s
+        if self.rollout_colocated:
+            with timer.phase("sleep"):
+                rollout.call_all("call", "rollout", "sleep")
+        with timer.phase("reward"):
+            metrics.update(self.score(batch))
+        if "ref" in self.groups and self.algo.uses_ref:
+            with timer.phase("ref"):
+                ref = self.groups["ref"].run("ref", "compute_log_probs", batch)
+                batch.set(REF_LOG_PROBS, ref["log_probs"])
+                compute["ref"] = self.groups["ref"].last_compute_s
+        actor = self.groups["actor"]
+        with timer.phase("old_log_prob"):
+            old = actor.run("actor", "compute_log_probs", batch)
+            batch.set(OLD_LOG_PROBS, old["log_probs"])
+            compute["old_log_prob"] = actor.last_compute_s
+        with timer.phase("adv"):
+            metrics.update(self.advantages(batch))
+        with timer.phase("update_actor"):
+            algo_cfg = self.cfg.algorithm.model_dump(by_alias=True)
+            metrics.update(actor.run("actor", "update", batch, "policy", algo_cfg, worker_method="update"))
+            compute["update_actor"] = actor.last_compute_s
+        with timer.phase("reshard"):
+            stats = self.sync_weights()
+        self.step += 1
+        step_seconds = time.perf_counter() - step_start
+        metrics.update(timer.metrics())
+        metrics["timing/step"] = step_seconds
+        metrics.update({f"compute/{k}": v for k, v in compute.items()})
+        metrics["perf/overhead_fraction"] = max(0.0, 1.0 - sum(compute.values()) / step_seconds)
+        metrics["reshard/bytes"] = stats["bytes"]
+        resp_tokens = float(batch[RESPONSE_MASK].sum())
+        all_tokens = resp_tokens + float(batch[PROMPT_MASK].sum())
+        metrics["perf/gen_tokens_per_s"] = resp_tokens / max(timer.seconds["gen"], 1e-9)
+        metrics["perf/train_tokens_per_s"] = all_tokens / max(timer.seconds["update_actor"], 1e-9)
+        metrics["rollout/logp_diff"] = float(
+            ((batch[ROLLOUT_LOG_PROBS] - batch[OLD_LOG_PROBS]).abs() * batch[RESPONSE_MASK]).sum()
+            / max(resp_tokens, 1.0))
+        return metrics
+
+    def score(self, batch: Batch) -> dict[str, float]:
+        """Rule rewards on decoded responses; the score sits on each response's last token."""
+        mask = batch[RESPONSE_MASK]
+        lengths = mask.sum(-1)
+        ids = batch[RESPONSE_IDS]
+        scores = []
+        for i in range(len(batch)):
+            text = self.tokenizer.decode(ids[i, : int(lengths[i])].tolist(), skip_special_tokens=True)
+            value = self.setup.reward_fn(batch["prompt"][i], text, **batch["meta"][i])
+            scores.append(float(value))
+        score_t = torch.tensor(scores, dtype=torch.float32)
+        token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
+        last = (lengths - 1).clamp(min=0)
+        token_rewards[torch.arange(len(batch)), last] = score_t
+        batch.set(SCORES, score_t)
+        batch.set(TOKEN_REWARDS, token_rewards * mask)
+        max_len = self.sampling.max_new_tokens
+        finished = (ids == self.eos_id) & mask.bool() if self.eos_id is not None else torch.zeros_like(mask).bool()
+        clipped = (lengths >= max_len) & ~finished.any(-1)
+        return {"reward/mean": score_t.mean().item(), "reward/max": score_t.max().item(),
+                "reward/min": score_t.min().item(), "reward/std": score_t.std().item() if len(scores) > 1 else 0.0,
+                "response_length/mean": lengths.float().mean().item(), "response_length/max": lengths.max().item(),
+                "response_length/clip_ratio": clipped.float().mean().item()}
+
+    def advantages(self, batch: Batch) -> dict[str, float]:
+        token_rewards = batch[TOKEN_REWARDS]
+        kl_cfg = self.cfg.algorithm.kl
+        out: dict[str, float] = {}
+        if self.kl_fn is not None and kl_cfg is not None and kl_cfg.apply_as == "reward" and REF_LOG_PROBS in batch:
+            kl = self.kl_fn(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS]) * batch[RESPONSE_MASK]
+            token_rewards = token_rewards - kl_cfg.coef * kl
+            out["kl/reward_penalty"] = float(kl.sum() / batch[RESPONSE_MASK].sum().clamp(min=1))
+        inputs = AdvantageInputs(token_rewards=token_rewards, response_mask=batch[RESPONSE_MASK],
+                                 group_index=batch["group_index"], norm_by_std=self.cfg.algorithm.norm_adv_by_std,
+                                 options=self.cfg.algorithm.options)
+        adv, returns = self.advantage_fn(inputs)
+        batch.set(ADVANTAGES, adv)
+        batch.set(RETURNS, returns)
+        mask = batch[RESPONSE_MASK].bool()
+        out["adv/mean"] = float(adv[mask].mean()) if mask.any() else 0.0
+        return out
+
+    # --- loop -----------------------------------------------------------------------------------------
+    def fit(self) -> list[dict[str, float]]:
+        from tqdm import tqdm
+
+        history = []
+        bar = tqdm(total=self.cfg.trainer.steps, desc="train", unit="step", disable=not self.cfg.trainer.progress,
+                   dynamic_ncols=True)
+        try:
+            while self.step < self.cfg.trainer.steps:
+                metrics = self.train_step()
+                metrics["perf/peak_mem_mb"] = max(
+                    max(g.call_all("peak_memory_mb")) for g in {id(g): g for g in self.groups.values()}.values())
+                history.append(metrics)
+                if self.step % self.cfg.trainer.log_every == 0 or self.step == self.cfg.trainer.steps:
+                    for tracker in self.trackers:
+                        tracker.log(metrics, self.step)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['timing/step']:.2f}")
+        finally:
+            bar.close()
+            for tracker in self.trackers:
+                tracker.close()
+        return history
+
+    def shutdown(self) -> None:
+        import ray
+
+        from ray.util.placement_group import remove_placement_group
+
+        for group in {id(g): g for g in self.groups.values()}.values():
+            for w in group.workers:
+                ray.kill(w)
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+        self.groups, self.placement_groups = {}, []

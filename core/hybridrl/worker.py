@@ -1,0 +1,114 @@
+"""The process that hosts one or more colocated roles on one device (a Ray actor in a real run).
+
+Roles fused into one process share its memory and its default process group; the worker calls engine
+methods by name for the driver and times the compute it did, so the driver can tell model compute from
+overhead (dispatch, serialisation, data handling).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from typing import Any
+
+import torch
+
+from hybridrl.batch import Batch
+from hybridrl.bridge import sync_in_process
+from hybridrl.distributed import free_port, init_process_group, node_ip
+from hybridrl.engines import DataParallelInfo, EngineContext, RolloutEngine, TrainEngine
+from hybridrl.plugins import get_registry
+from hybridrl.placement import ROLE_KIND
+
+
+class RoleWorker:
+    def __init__(self, rank: int, world_size: int, device: str, threads: int | None = None,
+                 extra_plugins: tuple[str, ...] = ()) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.extra_plugins = tuple(extra_plugins)
+        if threads:
+            torch.set_num_threads(threads)
+        self.engines: dict[str, TrainEngine | RolloutEngine] = {}
+        self.objectives: dict[str, Any] = {}
+        self.last_compute_s = 0.0
+
+    # --- set-up ---------------------------------------------------------------------------------------
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Address for the process group (asked of rank 0 only)."""
+        return node_ip(), free_port()
+
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        if self.device == "cuda":
+            os.environ.setdefault("LOCAL_RANK", "0")  # Ray narrows CUDA_VISIBLE_DEVICES to this bundle's GPU
+        init_process_group(self.rank, self.world_size, master_addr, master_port, self.device)
+
+    def build(self, role: str, backend: str, ctx_fields: dict[str, Any]) -> DataParallelInfo:
+        """Construct the role's engine (the backend is loaded here, in the worker, never in the driver)."""
+        registry = get_registry(self.extra_plugins)
+        entry = registry.backend(ROLE_KIND.get(role, "train"), backend)  # type: ignore[arg-type]
+        engine_cls = entry.load()
+        ctx = EngineContext(role=role, backend=backend, rank=self.rank, world_size=self.world_size,
+                            device=self.device, **ctx_fields)
+        self.engines[role] = engine_cls(ctx)
+        return self.engines[role].data_parallel()
+
+    # --- calls ----------------------------------------------------------------------------------------
+    def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``engine.method(*args, **kwargs)``; the compute time is kept for ``compute_seconds``."""
+        start = time.perf_counter()
+        try:
+            return getattr(self.engines[role], method)(*args, **kwargs)
+        finally:
+            self.last_compute_s = time.perf_counter() - start
+
+    def update(self, role: str, batch: Batch, objective_kind: str, objective_cfg: dict[str, Any]) -> dict[str, float]:
+        """``engine.update`` with an objective built here from the registry (so plugin losses load in the worker)."""
+        key = (objective_kind, repr(sorted(objective_cfg.items())))
+        objective = self.objectives.get(key)
+        if objective is None:
+            objective = self._objective(objective_kind, objective_cfg)
+            self.objectives[key] = objective
+        return self.call(role, "update", batch, objective)
+
+    def _objective(self, kind: str, cfg: dict[str, Any]) -> Any:
+        from hybridrl.algorithms.objective import PolicyObjective
+        from hybridrl.config import AlgorithmConfig
+
+        if kind != "policy":
+            raise ValueError(f"unknown objective kind '{kind}'")
+        return PolicyObjective(AlgorithmConfig.model_validate(cfg), get_registry(self.extra_plugins))
+
+    def compute_seconds(self) -> float:
+        return self.last_compute_s
+
+    # --- weights --------------------------------------------------------------------------------------
+    def sync_in_process(self, trainer_role: str, rollout_role: str, bucket_bytes: int) -> dict[str, float]:
+        """Colocated bridge: buckets go from the trainer to the rollout inside this process."""
+        return sync_in_process(self.engines[trainer_role], self.engines[rollout_role], bucket_bytes)
+
+    def export_buckets(self, trainer_role: str, bucket_bytes: int) -> list | None:
+        """Split-pool fallback: every rank takes part in the gather; the exporting rank returns the buckets."""
+        engine = self.engines[trainer_role]
+        buckets = [[(n, t.detach().cpu()) for n, t in bucket] for bucket in engine.export_weights(bucket_bytes)]
+        return buckets if engine.exports_on_rank() else None
+
+    def import_buckets(self, rollout_role: str, buckets: list) -> None:
+        engine = self.engines[rollout_role]
+        for bucket in buckets:
+            engine.import_weights(bucket)
+        engine.finish_weight_import()
+
+    def weights(self, role: str) -> dict[str, torch.Tensor]:
+        """Full weights of a role (tests and checks): export for trainers, named_weights for rollouts."""
+        engine = self.engines[role]
+        if isinstance(engine, TrainEngine):
+            return {n: t.detach().cpu().clone() for b in engine.export_weights(1 << 30) for n, t in b}
+        return {n: t.detach().cpu().clone() for n, t in engine.named_weights()}
+
+    def peak_memory_mb(self) -> float:
+        if self.device == "cuda":
+            return torch.cuda.max_memory_allocated() / 2**20
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

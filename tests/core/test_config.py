@@ -1,0 +1,57 @@
+"""Config loading: YAML + dotted overrides, typed validation, errors that name the key path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config import ConfigError, load_config
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+
+
+def problems_of(overrides: list[str], path: Path | None = QUICKSTART) -> dict[str, str]:
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides)
+    return dict(err.value.problems)
+
+
+def test_quickstart_loads_and_overrides_apply():
+    cfg = load_config(QUICKSTART, ["trainer.steps=7", "roles.rollout.temperature=0.5", "algorithm.kl.as=reward",
+                                   "roles.actor.betas=[0.8, 0.9]"])
+    assert cfg.trainer.steps == 7
+    assert cfg.roles.rollout.temperature == 0.5
+    assert cfg.algorithm.kl.apply_as == "reward"
+    assert cfg.roles.actor.betas == (0.8, 0.9)
+    assert "jsonl" in cfg.trainer.trackers
+
+
+@pytest.mark.parametrize("override, key, reason", [
+    ("roles.rolout.pool=main", "roles.rolout", "unknown key"),
+    ("trainer.stepz=3", "trainer.stepz", "unknown key"),
+    ("roles.actor.lr=fast", "roles.actor.lr", "valid number"),
+    ("trainer.steps=-1", "trainer.steps", "greater than 0"),
+    ("algorithm.kl.as=sideways", "algorithm.kl.as", "'loss' or 'reward'"),
+    ("model.path=/x", "model", "exactly one of model.path"),
+])
+def test_bad_values_name_the_key(override, key, reason):
+    problems = problems_of([override])
+    assert key in problems, problems
+    assert reason in problems[key]
+
+
+def test_all_problems_reported_at_once():
+    problems = problems_of(["trainer.stepz=3", "roles.actor.lr=fast", "pools.main.nodes=0"])
+    assert {"trainer.stepz", "roles.actor.lr", "pools.main.nodes"} <= set(problems)
+
+
+def test_override_syntax_and_missing_file(tmp_path):
+    assert "<file>" in problems_of([], tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(QUICKSTART, ["trainer.steps"])
+    with pytest.raises(ConfigError, match="cannot set"):
+        load_config(QUICKSTART, ["trainer.steps.x=1"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    assert "not valid YAML" in problems_of([], bad)["<file>"]

@@ -1,0 +1,105 @@
+"""Plugin discovery through entry points, the registry, and the engine-missing path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config import load_config
+from hybridrl.placement import ClusterSpec
+from hybridrl.plugins import build_registry, describe_plugins, plugin_manager
+from hybridrl.preflight import check_config
+from hybridrl.registry import Registry, RegistryError, check_requirement
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = Path(__file__).parent / "sample_plugin"
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+
+
+def test_core_defaults_register_through_the_hooks():
+    rows = {r.name: r for r in describe_plugins()}
+    assert "rollout:hf" in rows["core-rollout"].registers
+    assert "train:fsdp" in rows["fsdp"].registers
+    assert rows["fsdp"].distribution == "hybridrl-fsdp"
+    assert "advantage:grpo" in rows["core-algorithms"].registers
+
+
+def test_missing_engine_is_reported_with_hint_and_refused_on_load():
+    registry = build_registry(plugin_manager())
+    entry = registry.backend("rollout", "sglang")
+    problem = entry.engine_problem()
+    assert problem is not None and "engine missing" in problem and "pip install" in problem
+    with pytest.raises(RegistryError, match="sglang"):
+        entry.load()
+
+
+def test_choosing_a_backend_whose_engine_is_missing_fails_before_work():
+    cfg = load_config(QUICKSTART, ["roles.rollout.backend=sglang"])
+    _, _, problems = check_config(cfg, build_registry(plugin_manager()), ClusterSpec(1, 1, "cuda"))
+    keys = [k for k, _ in problems]
+    assert "roles.rollout.backend" in keys
+    assert any("engine missing" in reason and "pip install" in reason for _, reason in problems)
+
+
+def test_duplicate_registration_names_both_plugins():
+    reg = Registry()
+    reg.current_plugin = "a"
+    reg.add_reward("x", len)
+    reg.current_plugin = "b"
+    with pytest.raises(RegistryError, match="by a and b"):
+        reg.add_reward("x", len)
+
+
+def test_check_requirement_versions():
+    assert check_requirement("torch>=2.0") is None
+    assert "required" in check_requirement("torch>=999")
+    assert "not installed" in check_requirement("surely_not_installed_pkg>=1")
+
+
+def test_bridge_lookup_prefers_the_specific_pair():
+    reg = Registry()
+    reg.add_bridge("*", "*", "in_process", "general")
+    reg.add_bridge("megatron", "vllm", "in_process", "special")
+    assert reg.bridge("megatron", "vllm", "in_process").target == "special"
+    assert reg.bridge("fsdp", "vllm", "in_process").target == "general"
+    with pytest.raises(RegistryError, match="no reshard bridge"):
+        reg.bridge("fsdp", "vllm", "carrier_pigeon")
+
+
+@pytest.fixture(scope="module")
+def sample_site(tmp_path_factory) -> Path:
+    """The sample third-party package, pip-installed into a folder of its own."""
+    site = tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(SAMPLE)], check=True)
+    return site
+
+
+def _run(site: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "hybridrl.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT)
+
+
+def test_pip_installed_third_party_plugin_is_discovered(sample_site):
+    out = _run(sample_site, "plugins")
+    assert out.returncode == 0, out.stderr
+    line = next(l for l in out.stdout.splitlines() if l.startswith("sample "))
+    assert "hybridrl-sample" in line and "0.3.1" in line
+    assert "rollout:sample (engine available)" in line
+    assert "rollout:sample_missing (installed, engine missing" in line and "pip install not-a-real-engine" in line
+
+
+def test_third_party_plugin_is_selected_from_config(sample_site):
+    out = _run(sample_site, "plan", str(QUICKSTART), "roles.rollout.backend=sample", "roles.reward.fn=sample_length",
+               "algorithm.kl.estimator=sample_half_k1", "--cluster", "1x2", "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    assert "rollout[sample]" in out.stdout
+    missing = _run(sample_site, "plan", str(QUICKSTART), "roles.rollout.backend=sample_missing", "--cluster", "1x2",
+                   "--device", "cpu")
+    assert missing.returncode == 2
+    assert "roles.rollout.backend" in missing.stderr and "pip install not-a-real-engine" in missing.stderr
