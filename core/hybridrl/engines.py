@@ -138,8 +138,10 @@ class RolloutEngine(ABC):
     @abstractmethod
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         """Sample one response per row of ``prompt_ids``/``prompt_mask``. Returns ``response_ids``,
-        ``response_mask`` (right-padded) and ``rollout_log_probs`` (log-probs of the sampled tokens under
-        the sampling distribution)."""
+        ``response_mask`` (right-padded to exactly ``max_new_tokens`` columns, EOS included in the mask)
+        and ``rollout_log_probs``: log-probs of the sampled tokens under the distribution they were drawn
+        from (logits / temperature, after top-k/top-p renormalisation; raw log-softmax when greedy).
+        ``params.seed`` is shared by all ranks; an engine mixes in its rank so replicas draw distinct streams."""
 
     @abstractmethod
     def import_weights(self, bucket: WeightBucket) -> None:

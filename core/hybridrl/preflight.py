@@ -110,10 +110,9 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec) -> Run
         raise ConfigError(problems)
     model_path, tokenizer = prepare_model(cfg)
     try:
-        tokenized = tokenize_rows(rows, tokenizer, cfg.data)
+        prompts = tokenize_rows(rows, tokenizer, cfg.data)
     except DataError as exc:
         raise ConfigError([("data", str(exc))]) from None
-    prompts, dropped = tokenized if isinstance(tokenized, tuple) else (tokenized, 0)
     assert plan is not None
-    return RunSetup(cfg, registry, backends, plan, model_path, tokenizer, prompts,
-                    resolve_reward(cfg.roles.reward.fn, registry), dropped)
+    return RunSetup(cfg, registry, backends, plan, model_path, tokenizer, list(prompts),
+                    resolve_reward(cfg.roles.reward.fn, registry), prompts.dropped)

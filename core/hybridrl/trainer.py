@@ -80,7 +80,7 @@ class Trainer:
     # --- one step -------------------------------------------------------------------------------------
     def prompt_batch(self) -> Batch:
         rows = next(self.loader)
-        ids, mask = left_pad([r.ids for r in rows], self.pad_id)
+        ids, mask = left_pad([r.token_ids for r in rows], self.pad_id)
         n = self.cfg.algorithm.n_samples
         batch = Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask},
                                    {"prompt": [r.prompt for r in rows], "meta": [r.meta for r in rows]})

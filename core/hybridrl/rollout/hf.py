@@ -1,0 +1,217 @@
+"""``hf``: the embedded default rollout engine, a sampling loop over a plain transformers model.
+
+No inference engine needed: it runs wherever transformers runs (CPU included), which makes it the backend of
+the tests and tiny examples. It is not fast (no continuous batching, no paged attention): for real runs use a
+vLLM or SGLang backend plugin.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
+from hybridrl.engines import EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
+
+log = logging.getLogger(__name__)
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set to ``-inf`` the logits outside the ``top_k`` largest and outside the smallest set of tokens whose
+    probability reaches ``top_p`` (the most likely token is always kept). ``logits``: (B, V), already divided
+    by the temperature."""
+    if top_k and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove_sorted = mass_before >= top_p
+        remove_sorted[:, 0] = False
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+class HFRollout(RolloutEngine):
+    """Token-in/token-out sampling with a KV cache on a transformers causal LM.
+
+    ``ctx.options``: ``attn_implementation`` (passed to ``from_pretrained``, default: transformers' choice).
+    """
+
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx)
+        from transformers import AutoModelForCausalLM
+
+        self.device = self._resolve_device(ctx.device)
+        kwargs: dict[str, Any] = {"dtype": ctx.torch_dtype}
+        if ctx.options.get("attn_implementation"):
+            kwargs["attn_implementation"] = ctx.options["attn_implementation"]
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # no "Loading weights" bar in every worker's log
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(ctx.model_path, **kwargs).to(self.device).eval()
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        gen_cfg = getattr(self.model, "generation_config", None)
+        cfg = self.model.config
+        eos = _as_id_list(getattr(gen_cfg, "eos_token_id", None)) or _as_id_list(getattr(cfg, "eos_token_id", None))
+        if not eos:
+            raise ValueError(f"model at '{ctx.model_path}' names no eos_token_id (config or generation config)")
+        self.eos_ids: list[int] = eos
+        pad = _as_id_list(getattr(gen_cfg, "pad_token_id", None)) or _as_id_list(getattr(cfg, "pad_token_id", None))
+        self.pad_id: int = pad[0] if pad else eos[0]
+        self._sleeping = False
+        self.weight_version = 0
+
+    @staticmethod
+    def _resolve_device(device: str) -> torch.device:
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+
+    # --- generation -------------------------------------------------------------------------------
+    def _forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :].float()
+
+    @torch.inference_mode()
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        """Sample (or, at temperature 0, pick greedily) up to ``params.max_new_tokens`` tokens per row.
+
+        Returns CPU tensors of width exactly ``max_new_tokens``: ``response_ids`` (the EOS token included when
+        a row stops; pad id after it), ``response_mask`` (1 up to and including the EOS), and
+        ``rollout_log_probs`` (float32, 0 where masked): the log-probability of each token under the
+        distribution it was drawn from, i.e. the logits divided by the temperature, EOS forbidden before
+        ``min_new_tokens``, outside-top-k/top-p tokens removed and the rest renormalised; for greedy
+        decoding the log-softmax of the (EOS-masked) logits without temperature.
+        ``ignore_eos``: an EOS does not end the row (it may still be sampled), every row gets
+        ``max_new_tokens`` tokens.
+        """
+        if self._sleeping:
+            raise RuntimeError("HFRollout.generate called while asleep; call wake() first")
+        from transformers import DynamicCache
+
+        dev = self.device
+        prompt_ids = batch[PROMPT_IDS].to(dev, torch.long)
+        prompt_mask = batch[PROMPT_MASK].to(dev).long()
+        n, width = prompt_ids.shape[0], int(params.max_new_tokens)
+        response_ids = torch.full((n, width), self.pad_id, dtype=torch.long, device=dev)
+        response_mask = torch.zeros((n, width), dtype=torch.long, device=dev)
+        log_probs = torch.zeros((n, width), dtype=torch.float32, device=dev)
+        if n == 0 or width == 0:
+            return self._result(response_ids, response_mask, log_probs)
+
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=dev)
+            # Each data-parallel rank draws its own stream: the driver sends one seed to all of them.
+            generator.manual_seed(int(params.seed) * 1_000_003 + self.ctx.rank)
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=dev)
+        greedy = params.greedy
+        temperature = float(params.temperature)
+
+        cache = DynamicCache(config=self.model.config)
+        attn = prompt_mask
+        positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+        next_pos = prompt_mask.sum(dim=1, keepdim=True)  # (B, 1): position of the first response token
+        logits = self._forward(prompt_ids, attn, positions, cache)
+        finished = torch.zeros(n, dtype=torch.bool, device=dev)
+
+        for t in range(width):
+            if t < params.min_new_tokens:
+                logits[:, eos] = float("-inf")
+            if greedy:
+                step_logp = torch.log_softmax(logits, dim=-1)
+                token = logits.argmax(dim=-1)
+            else:
+                scaled = filter_logits(logits / temperature, params.top_k, params.top_p)
+                step_logp = torch.log_softmax(scaled, dim=-1)
+                token = torch.multinomial(step_logp.exp(), 1, generator=generator).squeeze(1)
+            token_logp = step_logp.gather(1, token[:, None]).squeeze(1)
+
+            live = ~finished
+            response_ids[:, t] = torch.where(live, token, self.pad_id)
+            response_mask[:, t] = live.long()
+            log_probs[:, t] = torch.where(live, token_logp, 0.0)
+            if not params.ignore_eos:
+                finished = finished | torch.isin(token, eos)
+            if bool(finished.all()) or t == width - 1:
+                break
+            # Feed the new token (finished rows feed a pad whose output is never used).
+            attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=dev)], dim=1)
+            logits = self._forward(response_ids[:, t:t + 1], attn, next_pos, cache)
+            next_pos = next_pos + 1
+
+        return self._result(response_ids, response_mask, log_probs)
+
+    @staticmethod
+    def _result(ids: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor) -> Batch:
+        return Batch.from_tensors({RESPONSE_IDS: ids.cpu(), RESPONSE_MASK: mask.cpu(),
+                                   ROLLOUT_LOG_PROBS: log_probs.cpu()})
+
+    # --- weights ----------------------------------------------------------------------------------
+    def _targets(self) -> dict[str, torch.Tensor]:
+        # remove_duplicate=False lists tied weights under every name (lm_head.weight and
+        # model.embed_tokens.weight are then the same tensor).
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, buf in self.model.named_buffers(remove_duplicate=False):
+            targets.setdefault(name, buf)
+        return targets
+
+    def import_weights(self, bucket: WeightBucket) -> None:
+        """Copy each ``(name, tensor)`` into the model's tensor of that HF name (cast to its dtype/device).
+        With tied embeddings ``lm_head.weight`` and ``model.embed_tokens.weight`` are one tensor: either name
+        (or both) may be sent. An unknown name raises ``KeyError``; a shape mismatch ``ValueError``."""
+        targets = self._targets()
+        with torch.no_grad():
+            for name, tensor in bucket:
+                target = targets.get(name)
+                if target is None:
+                    raise KeyError(f"HFRollout.import_weights: the model has no weight named '{name}'")
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(f"HFRollout.import_weights: '{name}' has shape {tuple(tensor.shape)}, "
+                                     f"the model's is {tuple(target.shape)}")
+                target.copy_(tensor.detach())
+
+    def finish_weight_import(self) -> None:
+        """Nothing to reset (the KV cache lives only inside one ``generate`` call); counts the updates."""
+        self.weight_version += 1
+
+    def sleep(self) -> None:
+        """On CUDA, move the weights to host memory and release the cached device memory. On CPU a no-op:
+        the weights already live in host memory, there is no device memory to hand to the trainer, and the
+        KV cache is freed at the end of every ``generate`` call anyway."""
+        if self.device.type == "cuda" and not self._sleeping:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._sleeping = self.device.type == "cuda"
+
+    def wake(self) -> None:
+        """Undo ``sleep``: move the weights back to the device (a no-op on CPU)."""
+        if self._sleeping:
+            self.model.to(self.device)
+            self._sleeping = False
+
+    def named_weights(self) -> Iterator[NamedTensor]:
+        """The model's parameters under their HF names (tied weights once, as ``named_parameters`` gives)."""
+        yield from self.model.named_parameters()
