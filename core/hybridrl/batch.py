@@ -79,6 +79,10 @@ class Batch:
         self.info.update(other.info)
         return self
 
+    def to(self, device: str | torch.device) -> "Batch":
+        """The same batch with its tensors on ``device`` (non-tensor fields are shared)."""
+        return Batch(self.tensors.to(device), self.non_tensors, self.info)
+
     def select(self, *keys: str) -> "Batch":
         tensor_keys = [k for k in keys if k in self.tensors.keys()]
         other = {k: self.non_tensors[k] for k in keys if k in self.non_tensors}

@@ -97,17 +97,21 @@ class TrainEngine(ABC):
 
     @abstractmethod
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
-        """Per-token log-probs ``(B, R)`` of the response tokens (``log_probs``; ``entropy`` if asked)."""
+        """Per-token log-probs ``(B, R)`` of the response tokens (``log_probs``; ``entropy`` if asked),
+        float32 on CPU. ``batch.info["temperature"]``, when set, divides the logits first (here and in
+        ``update``), so that they compare with the rollout's log-probs. All ranks of a data-parallel group
+        receive equally long batches (the driver pads to a multiple of the data-parallel size)."""
 
     @abstractmethod
     def update(self, batch: Batch, objective: Objective) -> dict[str, float]:
-        """One optimiser step over ``batch`` (micro-batched inside); returns averaged metrics."""
+        """One optimiser step over ``batch`` (micro-batched inside). Returns this rank's metrics averaged
+        over its micro-batches; the driver averages them over data-parallel ranks."""
 
     @abstractmethod
     def export_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
-        """Full (unsharded) weights under Hugging Face names, in buckets of about ``bucket_bytes``.
-        Collective: every rank must iterate to the end; ranks that are not ``exports_on_rank`` may yield
-        nothing useful and the bridge ignores them."""
+        """Full (unsharded) weights under Hugging Face names, in buckets of about ``bucket_bytes``, on the
+        engine's device in its master dtype (the importer casts). Collective: every rank must iterate to
+        the end; ranks that are not ``exports_on_rank`` may yield nothing useful and the bridge ignores them."""
 
     def exports_on_rank(self) -> bool:
         """Whether this rank's exported buckets are the ones sent to a rollout on another pool."""

@@ -1,0 +1,400 @@
+"""``FSDPEngine``: a Hugging Face causal LM sharded with PyTorch FSDP2 (``fully_shard``).
+
+The engine runs inside a process whose default ``torch.distributed`` group is already initialised by the
+host (``hybridrl.distributed.init_process_group``): every rank of that group is one data-parallel shard.
+Master weights, gradients and AdamW state are fp32; on CUDA the forward/backward run in ``ctx.dtype``
+through FSDP2's ``MixedPrecisionPolicy`` (gradients reduced in fp32).
+
+Every public method except ``offload``/``onload`` is collective: all ranks must call it, with local batches
+that split into the same number of micro-batches (checked, so a mismatch raises instead of hanging).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, Batch, sequence_tensors
+from hybridrl.distributed import all_reduce_sum
+from hybridrl.engines import EngineContext, LossScale, Objective, TrainEngine, WeightBucket
+
+from hybridrl_fsdp.logprobs import entropy_from_logits, token_log_probs
+
+#: the per-micro-batch tensors this engine can hand to an objective (no value head: no "values").
+SUPPORTED_OUTPUTS = frozenset({LOG_PROBS, ENTROPY})
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    """The role options the engine reads (``ctx.options``), with their defaults."""
+
+    micro_batch: int = 16
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = 1.0  # None or <= 0: measure the norm but do not clip
+    warmup_steps: int = 0
+    gradient_checkpointing: bool = False
+    attn_implementation: str | None = None  # None: the transformers default (sdpa)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> "FSDPSettings":
+        betas = options.get("betas", cls.betas)
+        grad_clip = options.get("grad_clip", cls.grad_clip)
+        settings = cls(
+            micro_batch=int(options.get("micro_batch", cls.micro_batch)),
+            lr=float(options.get("lr", cls.lr)),
+            weight_decay=float(options.get("weight_decay", cls.weight_decay)),
+            betas=(float(betas[0]), float(betas[1])),
+            grad_clip=None if grad_clip is None else float(grad_clip),
+            warmup_steps=int(options.get("warmup_steps", cls.warmup_steps)),
+            gradient_checkpointing=bool(options.get("gradient_checkpointing", False)),
+            attn_implementation=options.get("attn_implementation"),
+        )
+        if settings.micro_batch <= 0:
+            raise ValueError(f"micro_batch must be positive, got {settings.micro_batch}")
+        if settings.lr < 0 or settings.warmup_steps < 0:
+            raise ValueError(f"lr and warmup_steps must be >= 0, got {settings.lr} and {settings.warmup_steps}")
+        return settings
+
+
+class FSDPEngine(TrainEngine):
+    """Actor / reference policy on FSDP2. ``ctx.trainable=False`` gives a frozen model without optimiser."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx)
+        _require_process_group(ctx)
+        self.settings = FSDPSettings.from_options(ctx.options)
+        self.device = _engine_device(ctx)
+        self.master_dtype = torch.float32
+        torch.manual_seed(ctx.seed)  # before anything random (seeds CUDA too)
+        self.model = _load_model(ctx, self.settings)
+        self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(type(self.model).forward).parameters
+        self.mesh = init_device_mesh(self.device.type, (ctx.world_size,), mesh_dim_names=("dp",))
+        _shard_model(self.model, self.mesh, _mixed_precision(ctx, self.device))
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        if ctx.trainable:
+            self.optimizer = _build_optimizer(self.model, self.settings)
+            self.scheduler = _build_scheduler(self.optimizer, self.settings.warmup_steps)
+
+    # --- forward ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
+        """Log-probs (and entropies) of the response tokens; 0 at padded response positions."""
+        self.model.eval()
+        micro_batches = self._micro_batches(batch)
+        _check_same_count(len(micro_batches), self.ctx.device)
+        temperature = _temperature(batch)
+        results: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for micro in micro_batches:
+            outputs = self._response_outputs(micro, temperature, with_entropy)
+            for key, value in outputs.items():
+                results[key].append(value.float().cpu())
+        if not micro_batches:  # keeps the (0, R) shape of an empty local batch
+            width = batch[RESPONSE_IDS].shape[1]
+            results = {k: [torch.zeros(0, width)] for k in ([LOG_PROBS, ENTROPY] if with_entropy else [LOG_PROBS])}
+        return Batch.from_tensors({key: torch.cat(values, dim=0) for key, values in results.items()})
+
+    def _response_outputs(self, micro: Batch, temperature: float | None, with_entropy: bool) -> dict[str, torch.Tensor]:
+        """Forward one micro-batch; per-token ``log_probs`` (and ``entropy``) of its responses, (b, R) fp32."""
+        input_ids, attention_mask, position_ids = (t.to(self.device) for t in sequence_tensors(micro))
+        labels = micro[RESPONSE_IDS].to(self.device)
+        mask = micro[RESPONSE_MASK].to(self.device).bool()
+        logits = self._response_logits(input_ids, attention_mask, position_ids, labels.shape[1]).float()
+        if temperature is not None:
+            logits = logits / temperature
+        outputs = {LOG_PROBS: token_log_probs(logits, labels.masked_fill(~mask, 0)).masked_fill(~mask, 0.0)}
+        if with_entropy:
+            outputs[ENTROPY] = entropy_from_logits(logits).masked_fill(~mask, 0.0)
+        return outputs
+
+    def _response_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                         response_len: int) -> torch.Tensor:
+        """Logits at positions ``P-1 .. P+R-2`` (those that predict the response), (b, R, V).
+
+        ``logits_to_keep=R+1`` keeps the LM head off the prompt positions; the last kept position (which would
+        predict a token after the response) is dropped."""
+        prompt_len = input_ids.shape[1] - response_len
+        if prompt_len < 1:
+            raise ValueError("every batch needs at least one prompt column (the first response token's context)")
+        kwargs: dict[str, Any] = {"logits_to_keep": response_len + 1} if self._supports_logits_to_keep else {}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False, **kwargs)
+        logits = out.logits
+        if self._supports_logits_to_keep:
+            return logits[:, :response_len, :]
+        return logits[:, prompt_len - 1: prompt_len - 1 + response_len, :]
+
+    # --- training -----------------------------------------------------------------------------------------
+    def update(self, batch: Batch, objective: Objective) -> dict[str, float]:
+        """One AdamW step over the local batch (gradients accumulated over micro-batches, averaged over ranks)."""
+        if self.optimizer is None:
+            raise RuntimeError(f"role '{self.ctx.role}' is frozen (trainable=False): it cannot be updated")
+        needs = tuple(objective.needs)
+        unsupported = set(needs) - SUPPORTED_OUTPUTS
+        if unsupported:
+            raise ValueError(f"FSDPEngine cannot compute {sorted(unsupported)} (it has no value head); "
+                             f"it provides {sorted(SUPPORTED_OUTPUTS)}")
+        micro_batches = self._micro_batches(batch)
+        scale = self._loss_scale(batch, len(micro_batches))
+        temperature = _temperature(batch)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = _WeightedMean()
+        local_loss = 0.0
+        for micro in micro_batches:
+            micro = micro.to(self.device)  # the objective's tensors meet the outputs on one device
+            outputs = self._response_outputs(micro, temperature, with_entropy=ENTROPY in needs)
+            loss, micro_metrics = objective({k: outputs[k] for k in needs}, micro, scale)
+            loss.backward()
+            local_loss += float(loss.detach())
+            metrics.add(micro_metrics, len(micro))
+
+        grad_norm = self._clip_gradients()
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()  # type: ignore[union-attr]
+        # A skipped step leaves weights, AdamW moments and the lr schedule untouched (every rank sees the same
+        # global norm, so every rank skips together).
+        self.optimizer.zero_grad(set_to_none=True)
+        (global_loss,) = all_reduce_sum([local_loss], self.ctx.device)
+        return {**metrics.result(), "loss": global_loss / self.ctx.world_size, "grad_norm": grad_norm, "lr": lr,
+                "skipped_step": float(skipped)}
+
+    def _loss_scale(self, batch: Batch, n_micro: int) -> LossScale:
+        """Global token/sequence counts (one all-reduce, which also checks the micro-batch counts agree)."""
+        tokens = float(batch[RESPONSE_MASK].sum())
+        total_tokens, total_sequences, n_sum, n_sq_sum = all_reduce_sum(
+            [tokens, float(len(batch)), float(n_micro), float(n_micro * n_micro)], self.ctx.device)
+        _raise_if_counts_differ(n_sum, n_sq_sum, self.ctx.world_size)
+        return LossScale(total_tokens=total_tokens, total_sequences=total_sequences, dp_size=self.ctx.world_size)
+
+    def _clip_gradients(self) -> float:
+        """Clip to ``grad_clip`` and return the global gradient norm (a collective over DTensor shards)."""
+        clip = self.settings.grad_clip
+        max_norm = clip if clip is not None and clip > 0 else math.inf
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _micro_batches(self, batch: Batch) -> list[Batch]:
+        size = self.settings.micro_batch
+        return [batch.index(range(start, min(start + size, len(batch)))) for start in range(0, len(batch), size)]
+
+    # --- weights ------------------------------------------------------------------------------------------
+    def export_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """Full fp32 weights under HF names in buckets of about ``bucket_bytes`` (collective, lazy).
+
+        A bucket closes once it holds ``bucket_bytes``; a tensor of at least ``bucket_bytes`` travels alone.
+        Tensors stay on the engine's device (the bridge decides where they go)."""
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        bucket: WeightBucket = []
+        filled = 0
+        for name, tensor in self._full_named_tensors():
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes >= bucket_bytes and bucket:
+                yield bucket
+                bucket, filled = [], 0
+            bucket.append((name, tensor))
+            filled += nbytes
+            if filled >= bucket_bytes:
+                yield bucket
+                bucket, filled = [], 0
+        if bucket:
+            yield bucket
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights on CPU, keyed like ``export_weights`` (a tied ``lm_head.weight`` appears once, as
+        ``model.embed_tokens.weight``). Collective."""
+        return {name: tensor.cpu() for name, tensor in self._full_named_tensors()}
+
+    @torch.no_grad()
+    def _full_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Unsharded copies of the parameters (``named_parameters`` drops tied duplicates) and persistent
+        buffers. Copies, never views: a consumer must not see later optimiser steps through them."""
+        for name, param in self.model.named_parameters():
+            yield name, _full_copy(param, self.master_dtype)
+        for name, buffer in _persistent_buffers(self.model):
+            yield name, _full_copy(buffer, buffer.dtype)
+
+    # --- memory -------------------------------------------------------------------------------------------
+    def offload(self) -> None:
+        """Move parameter shards, gradients and AdamW state to host memory (CUDA only).
+
+        On CPU there is no device memory to release: the weights already live in host memory, so moving them
+        would only copy them; it is a no-op."""
+        if self.device.type != "cuda":
+            return
+        self.model.to("cpu")  # FSDP2 reshards first and swaps the DTensor shards in place (params keep identity)
+        _move_optimizer_state(self.optimizer, torch.device("cpu"))
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Undo ``offload`` (a no-op on CPU, see there)."""
+        if self.device.type != "cuda":
+            return
+        self.model.to(self.device)
+        _move_optimizer_state(self.optimizer, self.device)
+        torch.cuda.synchronize()
+
+
+# --- construction helpers ---------------------------------------------------------------------------------
+def _require_process_group(ctx: EngineContext) -> None:
+    """The host owns the process group; an engine that created its own would hide a launch bug."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("FSDPEngine needs the default torch.distributed process group: call "
+                           "hybridrl.distributed.init_process_group(rank, world_size, ...) before building it")
+    if dist.get_world_size() != ctx.world_size or dist.get_rank() != ctx.rank:
+        raise RuntimeError(f"process group is rank {dist.get_rank()} of {dist.get_world_size()} but the engine "
+                           f"context says rank {ctx.rank} of {ctx.world_size}")
+
+
+def _engine_device(ctx: EngineContext) -> torch.device:
+    if ctx.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("EngineContext.device is 'cuda' but CUDA is not available")
+        return torch.device("cuda", torch.cuda.current_device())
+    if ctx.device != "cpu":
+        raise ValueError(f"unknown device '{ctx.device}' (expected 'cpu' or 'cuda')")
+    return torch.device("cpu")
+
+
+def _load_model(ctx: EngineContext, settings: FSDPSettings) -> nn.Module:
+    """fp32 master weights on CPU (``fully_shard`` moves each rank's shard to the mesh device)."""
+    from transformers import AutoModelForCausalLM  # heavy import: only when an engine is built
+
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if settings.attn_implementation:
+        kwargs["attn_implementation"] = settings.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(ctx.model_path, **kwargs)
+    model.config.use_cache = False
+    if not ctx.trainable:
+        model.requires_grad_(False)
+        model.eval()
+    elif settings.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no 'model.layers' list of decoder layers to shard")
+    return layers
+
+
+def _mixed_precision(ctx: EngineContext, device: torch.device) -> MixedPrecisionPolicy | None:
+    """bf16/fp16 compute with fp32 gradient reduction on CUDA; CPU runs plain fp32 (no fast low precision)."""
+    if device.type != "cuda":
+        return None
+    return MixedPrecisionPolicy(param_dtype=ctx.torch_dtype, reduce_dtype=torch.float32)
+
+
+def _shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None) -> None:
+    """One FSDP unit per decoder layer (gathered one at a time), then the root (embeddings, norm, head)."""
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def _build_optimizer(model: nn.Module, settings: FSDPSettings) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
+
+
+def _build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup: optimiser step k (0-based) uses ``lr * min(1, (k+1)/warmup_steps)``, so the first
+    step already moves the weights (unlike schedules that start at 0)."""
+    def factor(step: int) -> float:
+        return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# --- small helpers ----------------------------------------------------------------------------------------
+def _temperature(batch: Batch) -> float | None:
+    """The rollout's sampling temperature, if it rescaled the logits (None/0 = greedy or unscaled)."""
+    value = batch.info.get("temperature")
+    return float(value) if value is not None and float(value) > 0 and float(value) != 1.0 else None
+
+
+def _check_same_count(n_micro: int, device: str) -> None:
+    n_sum, n_sq_sum = all_reduce_sum([float(n_micro), float(n_micro * n_micro)], device)
+    _raise_if_counts_differ(n_sum, n_sq_sum, dist.get_world_size())
+
+
+def _raise_if_counts_differ(n_sum: float, n_sq_sum: float, world_size: int) -> None:
+    """Every forward is a collective (FSDP all-gathers), so unequal micro-batch counts would deadlock.
+    ``world * sum(n^2) == sum(n)^2`` holds exactly when all ``n`` are equal (Cauchy-Schwarz)."""
+    if world_size * n_sq_sum != n_sum * n_sum:
+        raise RuntimeError("data-parallel ranks got local batches with different numbers of micro-batches; "
+                           "give every rank the same batch size (see Batch.pad_to_multiple)")
+
+
+def _full_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The unsharded value of a (possibly DTensor) tensor, in ``dtype``, never sharing memory with it."""
+    if isinstance(tensor, DTensor):
+        local = tensor.to_local()
+        full = tensor.full_tensor()
+        if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():  # one rank: may alias
+            full = full.clone()
+        return full.detach().to(dtype)
+    return tensor.detach().to(dtype, copy=True)
+
+
+def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Buffers saved in ``state_dict`` (non-persistent ones, such as rotary ``inv_freq``, are rebuilt by the
+    model and are not sent)."""
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is None or name in module._non_persistent_buffers_set or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:
+    if optimizer is None:
+        return
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":  # AdamW keeps ``step`` on CPU
+                state[key] = value.to(device, non_blocking=True)
+
+
+class _WeightedMean:
+    """Per-key mean of the objective's metrics, each micro-batch weighted by its number of sequences."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+
+    def add(self, metrics: Mapping[str, Any], weight: float) -> None:
+        for key, value in metrics.items():
+            self.sums[key] += float(value) * weight
+            self.weights[key] += weight
+
+    def result(self) -> dict[str, float]:
+        return {key: self.sums[key] / self.weights[key] for key in self.sums if self.weights[key] > 0}

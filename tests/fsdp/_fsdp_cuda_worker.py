@@ -1,0 +1,87 @@
+"""CUDA checks of the FSDP engine in a fresh process (the default process group there is NCCL, which the
+gloo group of the pytest process cannot be). Run as ``python _fsdp_cuda_worker.py PORT TMPDIR``; exits non-zero
+on the first failed check."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _fsdp_helpers import PolicyGradient, make_batch, save_tiny_qwen2  # noqa: E402
+from hybridrl.batch import LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK  # noqa: E402
+from hybridrl.engines import EngineContext  # noqa: E402
+
+
+def cuda_context(model: Path, dtype: str, **options) -> EngineContext:
+    return EngineContext(role="actor", backend="fsdp", model_path=str(model), rank=0, world_size=1, device="cuda",
+                         dtype=dtype, seed=0, options=options)
+
+
+def reference_log_probs(model_path: Path, batch) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).cuda().eval()
+    ids = torch.cat([batch[PROMPT_IDS], batch[RESPONSE_IDS]], 1).cuda()
+    mask = torch.cat([batch[PROMPT_MASK], batch[RESPONSE_MASK]], 1).cuda()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    p, r = batch[PROMPT_IDS].shape[1], batch[RESPONSE_IDS].shape[1]
+    logp = torch.log_softmax(logits[:, p - 1: p + r - 1].float(), -1)
+    return logp.gather(-1, batch[RESPONSE_IDS].cuda()[..., None]).squeeze(-1).cpu()
+
+
+def _cuda_bytes(engine) -> int:
+    """Bytes of the engine's parameter shards and AdamW state that live on the GPU."""
+    tensors = [p.to_local() for p in engine.model.parameters()]
+    tensors += [v for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors if t.is_cuda)
+
+
+def main(port: int, tmp: Path) -> None:
+    from hybridrl.distributed import init_process_group
+    from hybridrl_fsdp.engine import FSDPEngine
+
+    init_process_group(0, 1, "127.0.0.1", port, "cuda", timeout_s=120)
+    model = save_tiny_qwen2(tmp / "tiny")
+    batch = make_batch(6, seed=11)
+    mask = batch[RESPONSE_MASK].bool()
+    ref = reference_log_probs(model, batch)
+
+    fp32 = FSDPEngine(cuda_context(model, "float32"))
+    torch.testing.assert_close(fp32.compute_log_probs(batch)[LOG_PROBS][mask], ref[mask], atol=1e-4, rtol=0)
+    del fp32
+
+    engine = FSDPEngine(cuda_context(model, "bfloat16", lr=1e-3, micro_batch=4, gradient_checkpointing=True))
+    bf16 = engine.compute_log_probs(batch)[LOG_PROBS]
+    assert bf16.dtype == torch.float32
+    torch.testing.assert_close(bf16[mask], ref[mask], atol=0.1, rtol=0)  # bf16 forward, fp32 log-softmax
+    metrics = [engine.update(batch, PolicyGradient()) for _ in range(3)]
+    assert all(m["skipped_step"] == 0.0 for m in metrics), metrics
+    assert metrics[-1]["loss"] < metrics[0]["loss"], metrics
+    weights = engine.full_state_dict()
+    assert all(t.dtype == torch.float32 for t in weights.values())
+    assert all(t.is_cuda for b in engine.export_weights(1 << 20) for _, t in b)
+
+    engine_bytes = _cuda_bytes(engine)
+    allocated = torch.cuda.memory_allocated()
+    engine.offload()
+    freed = allocated - torch.cuda.memory_allocated()
+    assert freed >= engine_bytes > 0, (freed, engine_bytes)  # the CUDA context, cuBLAS workspace etc. stay
+    assert all(not p.is_cuda for p in engine.model.parameters())
+    assert all(not v.is_cuda for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    engine.onload()
+    after = engine.full_state_dict()
+    for name in weights:
+        torch.testing.assert_close(after[name], weights[name], atol=0, rtol=0)
+    again = engine.update(batch, PolicyGradient())  # optimizer state still attached to the live parameters
+    assert again["skipped_step"] == 0.0 and again["loss"] < metrics[-1]["loss"], again
+    torch.distributed.destroy_process_group()
+    print("cuda checks passed", metrics[0]["loss"], again["loss"], freed, engine_bytes)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), Path(sys.argv[2]))

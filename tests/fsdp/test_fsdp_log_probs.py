@@ -1,0 +1,68 @@
+"""``compute_log_probs`` against a plain Hugging Face forward, and the fp32 log-prob helpers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from _fsdp_helpers import context, make_batch
+from hybridrl.batch import ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
+from hybridrl_fsdp.engine import FSDPEngine
+from hybridrl_fsdp.logprobs import entropy_from_logits, token_log_probs
+
+
+def hf_reference(model_path: Path, batch, temperature: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full logits of the unsharded model over prompt+response, ``log_softmax`` and gather."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    ids = torch.cat([batch[PROMPT_IDS], batch[RESPONSE_IDS]], 1)
+    mask = torch.cat([batch[PROMPT_MASK], batch[RESPONSE_MASK]], 1)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    p, r = batch[PROMPT_IDS].shape[1], batch[RESPONSE_IDS].shape[1]
+    logits = logits[:, p - 1: p + r - 1].float() / (temperature or 1.0)
+    logp = torch.log_softmax(logits, -1)
+    token = logp.gather(-1, batch[RESPONSE_IDS][..., None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return token, entropy
+
+
+@pytest.mark.parametrize("temperature", [None, 0.7])
+def test_matches_plain_forward(process_group, tiny_model: Path, temperature: float | None) -> None:
+    engine = FSDPEngine(context(tiny_model, trainable=False, micro_batch=3))  # 7 rows: micro-batches 3, 3, 1
+    assert engine._supports_logits_to_keep
+    batch = make_batch(7, seed=3)
+    if temperature is not None:
+        batch.info["temperature"] = temperature
+    out = engine.compute_log_probs(batch, with_entropy=True)
+    ref_lp, ref_ent = hf_reference(tiny_model, batch, temperature)
+
+    mask = batch[RESPONSE_MASK].bool()
+    assert out[LOG_PROBS].shape == out[ENTROPY].shape == mask.shape
+    assert out[LOG_PROBS].dtype == torch.float32
+    torch.testing.assert_close(out[LOG_PROBS][mask], ref_lp[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[ENTROPY][mask], ref_ent[mask], atol=1e-5, rtol=0)
+    assert (out[LOG_PROBS][~mask] == 0).all() and (out[ENTROPY][~mask] == 0).all()
+    assert set(engine.compute_log_probs(batch).tensors.keys()) == {LOG_PROBS}
+
+
+def test_temperature_changes_log_probs(process_group, tiny_model: Path) -> None:
+    engine = FSDPEngine(context(tiny_model, trainable=False))
+    batch = make_batch(4, seed=5)
+    plain = engine.compute_log_probs(batch)[LOG_PROBS]
+    batch.info["temperature"] = 0.5
+    hot = engine.compute_log_probs(batch)[LOG_PROBS]
+    assert not torch.allclose(plain, hot)
+
+
+def test_helpers_match_log_softmax() -> None:
+    logits = torch.randn(3, 4, 11, dtype=torch.bfloat16) * 5
+    labels = torch.randint(0, 11, (3, 4))
+    logp = torch.log_softmax(logits.float(), -1)
+    torch.testing.assert_close(token_log_probs(logits, labels), logp.gather(-1, labels[..., None]).squeeze(-1))
+    torch.testing.assert_close(entropy_from_logits(logits), -(logp.exp() * logp).sum(-1))
+    assert token_log_probs(logits, labels).dtype == torch.float32

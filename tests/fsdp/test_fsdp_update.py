@@ -1,0 +1,120 @@
+"""``update``: descent, lr=0, warmup, frozen engines, non-finite steps, configuration errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import hybridrl_fsdp.engine as engine_module
+from _fsdp_helpers import NaNObjective, PolicyGradient, context, make_batch
+from hybridrl.batch import ADVANTAGES, LOG_PROBS, RESPONSE_MASK
+from hybridrl_fsdp.engine import FSDPEngine
+
+
+def objective_value(engine: FSDPEngine, batch) -> float:
+    """The policy-gradient loss of the whole batch, from ``compute_log_probs``."""
+    lp = engine.compute_log_probs(batch)[LOG_PROBS]
+    mask = batch[RESPONSE_MASK].float()
+    return float(-(lp * batch[ADVANTAGES] * mask).sum() / mask.sum())
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=0, rtol=0, msg=name)
+
+
+def test_update_lowers_objective(process_group, tiny_model: Path) -> None:
+    engine = FSDPEngine(context(tiny_model, lr=1e-3, micro_batch=2))
+    batch = make_batch(6, seed=4)
+    before = objective_value(engine, batch)
+    metrics = engine.update(batch, PolicyGradient())
+    after = objective_value(engine, batch)
+    assert after < before
+    assert metrics["loss"] == pytest.approx(before, abs=1e-5)  # the engine's loss is the exact batch loss
+    assert metrics["lr"] == pytest.approx(1e-3)
+    assert metrics["skipped_step"] == 0.0 and metrics["grad_norm"] > 0
+    assert "mean_log_prob" in metrics
+
+
+def test_zero_lr_keeps_weights(process_group, tiny_model: Path) -> None:
+    engine = FSDPEngine(context(tiny_model, lr=0.0))
+    before = engine.full_state_dict()
+    metrics = engine.update(make_batch(4, seed=6), PolicyGradient())
+    assert metrics["grad_norm"] > 0
+    assert_same_weights(engine.full_state_dict(), before)
+
+
+def test_linear_warmup(process_group, tiny_model: Path) -> None:
+    engine = FSDPEngine(context(tiny_model, lr=1e-3, warmup_steps=4))
+    batch = make_batch(2, seed=7)
+    lrs = [engine.update(batch, PolicyGradient())["lr"] for _ in range(5)]
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+
+
+def test_frozen_engine_refuses_update(process_group, tiny_model: Path) -> None:
+    engine = FSDPEngine(context(tiny_model, trainable=False))
+    assert engine.optimizer is None
+    assert not any(p.requires_grad for p in engine.model.parameters())
+    batch = make_batch(3, seed=8)
+    assert engine.compute_log_probs(batch)[LOG_PROBS].shape == batch[RESPONSE_MASK].shape
+    with pytest.raises(RuntimeError, match="frozen"):
+        engine.update(batch, PolicyGradient())
+
+
+def test_nan_loss_skips_step(process_group, tiny_model: Path) -> None:
+    engine = FSDPEngine(context(tiny_model, lr=1e-2, micro_batch=2))
+    batch = make_batch(4, seed=9)
+    before = engine.full_state_dict()
+    metrics = engine.update(batch, NaNObjective())
+    assert metrics["skipped_step"] == 1.0
+    assert not torch.isfinite(torch.tensor(metrics["grad_norm"]))
+    assert_same_weights(engine.full_state_dict(), before)
+    assert all(p.grad is None for p in engine.model.parameters())
+    assert not engine.optimizer.state, "a skipped step must not touch the AdamW moments"
+    recovered = engine.update(batch, PolicyGradient())  # the next good step runs normally
+    assert recovered["skipped_step"] == 0.0 and recovered["lr"] == pytest.approx(1e-2)
+    assert any(not torch.equal(t, before[n]) for n, t in engine.full_state_dict().items())
+
+
+def test_gradient_checkpointing_gives_same_step(process_group, tiny_model: Path) -> None:
+    batch = make_batch(4, seed=10)
+    plain, checkpointed = (FSDPEngine(context(tiny_model, lr=1e-2, gradient_checkpointing=flag))
+                           for flag in (False, True))
+    assert checkpointed.model.is_gradient_checkpointing
+    m1, m2 = plain.update(batch, PolicyGradient()), checkpointed.update(batch, PolicyGradient())
+    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
+    a, b = plain.full_state_dict(), checkpointed.full_state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+
+
+def test_values_objective_is_rejected(process_group, tiny_model: Path) -> None:
+    class ValueLoss(PolicyGradient):
+        needs = ("values",)
+
+    engine = FSDPEngine(context(tiny_model))
+    with pytest.raises(ValueError, match="values"):
+        engine.update(make_batch(2, seed=0), ValueLoss())
+
+
+def test_needs_a_process_group(monkeypatch, tiny_model: Path) -> None:
+    monkeypatch.setattr(engine_module.dist, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        FSDPEngine(context(tiny_model))
+
+
+def test_unequal_micro_batch_counts_raise() -> None:
+    engine_module._raise_if_counts_differ(n_sum=6.0, n_sq_sum=18.0, world_size=2)  # 3 and 3
+    with pytest.raises(RuntimeError, match="micro-batches"):
+        engine_module._raise_if_counts_differ(n_sum=6.0, n_sq_sum=20.0, world_size=2)  # 2 and 4
+
+
+def test_offload_is_a_noop_on_cpu(process_group, tiny_model: Path) -> None:
+    engine = FSDPEngine(context(tiny_model))
+    before = engine.full_state_dict()
+    engine.offload()
+    engine.onload()
+    assert_same_weights(engine.full_state_dict(), before)
