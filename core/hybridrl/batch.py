@@ -108,13 +108,19 @@ class Batch:
         size = len(self) // parts
         return [self.index(range(i * size, (i + 1) * size)) for i in range(parts)]
 
-    def pad_to_multiple(self, divisor: int) -> tuple["Batch", int]:
-        """Append copies of the first rows so the length divides ``divisor``; returns (batch, pad count)."""
+    def pad_to_multiple(self, divisor: int, zero_keys: Sequence[str] = ()) -> tuple["Batch", int]:
+        """Append copies of the first rows so the length divides ``divisor``; returns (batch, pad count).
+        ``zero_keys`` (e.g. the response mask before an update) are zeroed in the copies so that they
+        weigh nothing."""
         pad = (-len(self)) % divisor
         if pad == 0:
             return self, 0
         idx = list(range(len(self))) + [i % len(self) for i in range(pad)]
-        return self.index(idx), pad
+        padded = self.index(idx)
+        for key in zero_keys:
+            if key in padded.tensors.keys():
+                padded.tensors[key][len(self):] = 0
+        return padded, pad
 
     def unpad(self, pad: int) -> "Batch":
         return self if pad == 0 else self.index(range(len(self) - pad))

@@ -84,6 +84,7 @@ class AlgorithmConfig(Strict):
     dual_clip: float | None = Field(None, gt=1)
     norm_adv_by_std: bool = True
     entropy_coef: float = 0.0
+    epochs: int = Field(1, gt=0, description="passes over each batch (PPO epochs)")
     kl: KLConfig | None = Field(default_factory=KLConfig)
     options: dict[str, Any] = Field(default_factory=dict)
 
@@ -109,7 +110,8 @@ class ActorConfig(RoleBase):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
-    micro_batch: int = Field(16, gt=0)
+    micro_batch: int = Field(16, gt=0, description="sequences per forward/backward on one rank")
+    mini_batch: int | None = Field(None, gt=0, description="sequences per optimizer step (default: the whole batch)")
     warmup_steps: int = Field(0, ge=0)
 
 
@@ -156,6 +158,7 @@ class TrainerConfig(Strict):
     seed: int = 0
     trackers: list[str] = Field(default_factory=lambda: ["console", "jsonl"])
     log_every: int = Field(1, gt=0)
+    log_samples: int = Field(4, ge=0, description="sample responses written to <out>/samples.jsonl per logged step")
     progress: bool = True
 
     @field_validator("trackers")

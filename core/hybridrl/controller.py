@@ -33,15 +33,16 @@ class WorkerGroup:
         return self.dp[role][0].dp_size
 
     def run(self, role: str, method: str, batch: Batch, *args: Any, worker_method: str = "call",
-            **kwargs: Any) -> Any:
+            zero_pad_keys: tuple[str, ...] = (), **kwargs: Any) -> Any:
         """Scatter ``batch`` over the role's data-parallel ranks, run ``method`` on each, gather.
 
-        Batches come back concatenated (padding removed); dicts of metrics come back averaged."""
+        Batches come back concatenated (padding removed); dicts of metrics come back averaged.
+        ``zero_pad_keys`` are zeroed in padding rows (masks, so that padding does not train)."""
         import ray
 
         infos = self.dp[role]
         dp_size = infos[0].dp_size
-        padded, pad = batch.pad_to_multiple(dp_size)
+        padded, pad = batch.pad_to_multiple(dp_size, zero_pad_keys)
         chunk_refs = [ray.put(c) for c in padded.chunk(dp_size)]
         if worker_method == "call":
             futures = [w.call.remote(role, method, chunk_refs[info.dp_rank], *args, **kwargs)

@@ -67,6 +67,10 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
             problems.append(("roles.ref", f"algorithm '{cfg.algorithm.name}' with a KL term needs a reference role"))
     except RegistryError as exc:
         problems.append(("algorithm.name", str(exc)))
+    batch_size = cfg.data.prompts_per_step * cfg.algorithm.n_samples
+    if cfg.roles.actor.mini_batch and batch_size % cfg.roles.actor.mini_batch:
+        problems.append(("roles.actor.mini_batch", f"{cfg.roles.actor.mini_batch} does not divide the batch of "
+                                                   f"{batch_size} sequences (data.prompts_per_step x algorithm.n_samples)"))
     try:
         resolve_reward(cfg.roles.reward.fn, registry)
     except RegistryError as exc:

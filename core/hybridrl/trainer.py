@@ -14,7 +14,7 @@ from hybridrl.algorithms.objective import resolve_algorithm
 from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, REF_LOG_PROBS, RESPONSE_IDS,
                             RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, SCORES, TOKEN_REWARDS, Batch, left_pad)
 from hybridrl.bridge import transport_for
-from hybridrl.controller import WorkerGroup
+from hybridrl.controller import WorkerGroup, average_metrics
 from hybridrl.engines import SamplingParams
 from hybridrl.launch import build_engines, start_worker_groups
 from hybridrl.preflight import RunSetup
@@ -43,6 +43,7 @@ class Trainer:
                                        ignore_eos=r.ignore_eos)
         self.groups: dict[str, WorkerGroup] = {}
         self.placement_groups: list[Any] = []
+        self.last_batch: Batch | None = None
         self.trackers: list[Any] = []
         self.step = 0
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -52,6 +53,7 @@ class Trainer:
     def start(self) -> None:
         out = Path(self.cfg.trainer.out)
         out.mkdir(parents=True, exist_ok=True)
+        (out / "samples.jsonl").write_text("")
         (out / "config.json").write_text(json.dumps(self.cfg.model_dump(mode="json", by_alias=True), indent=2))
         print(self.setup.plan.render(), flush=True)
         if self.setup.dropped_prompts:
@@ -89,6 +91,17 @@ class Trainer:
         batch.info["temperature"] = self.sampling.temperature if self.sampling.temperature > 0 else 1.0
         return batch
 
+    def write_samples(self) -> None:
+        """A few (prompt, response, score) triples of the last step, for reading what the policy does."""
+        batch, n = self.last_batch, self.cfg.trainer.log_samples
+        if batch is None or n == 0:
+            return
+        stride = max(1, len(batch) // n)
+        with (Path(self.cfg.trainer.out) / "samples.jsonl").open("a") as f:
+            for i in range(0, len(batch), stride)[:n]:
+                f.write(json.dumps({"step": self.step, "prompt": batch["prompt"][i],
+                                    "response": batch["response_text"][i], "score": float(batch[SCORES][i])}) + "\n")
+
     def train_step(self) -> dict[str, float]:
         timer = PhaseTimer()
         compute: dict[str, float] = {}
@@ -122,12 +135,12 @@ class Trainer:
         with timer.phase("adv"):
             metrics.update(self.advantages(batch))
         with timer.phase("update_actor"):
-            algo_cfg = self.cfg.algorithm.model_dump(by_alias=True)
-            metrics.update(actor.run("actor", "update", batch, "policy", algo_cfg, worker_method="update"))
-            compute["update_actor"] = actor.last_compute_s
+            metrics.update(self.update_actor(batch))
+            compute["update_actor"] = self.update_compute_s
         with timer.phase("reshard"):
             stats = self.sync_weights()
         self.step += 1
+        self.last_batch = batch
         step_seconds = time.perf_counter() - step_start
         metrics.update(timer.metrics())
         metrics["timing/step"] = step_seconds
@@ -143,16 +156,37 @@ class Trainer:
             / max(resp_tokens, 1.0))
         return metrics
 
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """``algorithm.epochs`` passes over the batch in mini-batches of ``roles.actor.mini_batch``
+        sequences, one optimizer step each; metrics averaged over the steps, prefixed ``actor/``."""
+        actor = self.groups["actor"]
+        algo_cfg = self.cfg.algorithm.model_dump(by_alias=True)
+        size = self.cfg.roles.actor.mini_batch or len(batch)
+        rows: list[dict[str, float]] = []
+        self.update_compute_s = 0.0
+        generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.step)
+        for epoch in range(self.cfg.algorithm.epochs):
+            order = torch.randperm(len(batch), generator=generator) if epoch > 0 else torch.arange(len(batch))
+            for start in range(0, len(batch), size):
+                mini = batch.index(order[start:start + size])
+                rows.append(actor.run("actor", "update", mini, "policy", algo_cfg, worker_method="update",
+                                      zero_pad_keys=(RESPONSE_MASK,)))
+                self.update_compute_s += actor.last_compute_s
+        averaged = average_metrics(rows)
+        return {k if "/" in k else f"actor/{k}": v for k, v in averaged.items()}
+
     def score(self, batch: Batch) -> dict[str, float]:
         """Rule rewards on decoded responses; the score sits on each response's last token."""
         mask = batch[RESPONSE_MASK]
         lengths = mask.sum(-1)
         ids = batch[RESPONSE_IDS]
-        scores = []
+        scores, texts = [], []
         for i in range(len(batch)):
             text = self.tokenizer.decode(ids[i, : int(lengths[i])].tolist(), skip_special_tokens=True)
             value = self.setup.reward_fn(batch["prompt"][i], text, **batch["meta"][i])
             scores.append(float(value))
+            texts.append(text)
+        batch.set("response_text", texts)
         score_t = torch.tensor(scores, dtype=torch.float32)
         token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
         last = (lengths - 1).clamp(min=0)
@@ -201,6 +235,7 @@ class Trainer:
                 if self.step % self.cfg.trainer.log_every == 0 or self.step == self.cfg.trainer.steps:
                     for tracker in self.trackers:
                         tracker.log(metrics, self.step)
+                    self.write_samples()
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['timing/step']:.2f}")
         finally:
