@@ -117,7 +117,7 @@ class ActorConfig(RoleBase):
 
 class RefConfig(RoleBase):
     backend: str | None = None  # default: the actor's
-    micro_batch: int = Field(32, gt=0)
+    micro_batch: int | None = Field(None, gt=0, description="default: the actor's")
 
 
 class RolloutConfig(RoleBase):

@@ -43,15 +43,15 @@ class WorkerGroup:
         infos = self.dp[role]
         dp_size = infos[0].dp_size
         padded, pad = batch.pad_to_multiple(dp_size, zero_pad_keys)
-        chunk_refs = [ray.put(c) for c in padded.chunk(dp_size)]
-        if worker_method == "call":
-            futures = [w.call.remote(role, method, chunk_refs[info.dp_rank], *args, **kwargs)
-                       for w, info in zip(self.workers, infos)]
-        else:
-            futures = [getattr(w, worker_method).remote(role, chunk_refs[info.dp_rank], *args, **kwargs)
-                       for w, info in zip(self.workers, infos)]
-        results = ray.get(futures)
-        self.last_compute_s = max(ray.get([w.compute_seconds.remote() for w in self.workers]))
+        chunks = padded.chunk(dp_size)
+        # One worker: pass the batch inline; several: put each chunk in the object store once.
+        payload = chunks if len(self.workers) == 1 else [ray.put(c) for c in chunks]
+        lead = (role, method) if worker_method == "call" else (role,)
+        futures = [w.timed.remote(worker_method, *lead, payload[info.dp_rank], *args, **kwargs)
+                   for w, info in zip(self.workers, infos)]
+        timed = ray.get(futures)
+        results = [r for r, _ in timed]
+        self.last_compute_s = max(t for _, t in timed)
         outputs = sorted(((info.dp_rank, r) for info, r in zip(infos, results) if info.returns_output),
                          key=lambda x: x[0])
         values = [r for _, r in outputs]

@@ -19,8 +19,8 @@ def role_options(cfg: RunConfig, role: str) -> dict[str, Any]:
     rcfg = getattr(cfg.roles, role)
     options = rcfg.model_dump(exclude=TRAIN_ROLE_FIELDS)
     options.update(rcfg.options)
-    if role == "ref" and cfg.roles.actor is not None:
-        options.setdefault("micro_batch", cfg.roles.actor.micro_batch)
+    if role == "ref" and options.get("micro_batch") is None:
+        options["micro_batch"] = cfg.roles.actor.micro_batch
     return options
 
 

@@ -21,6 +21,9 @@ from hybridrl.preflight import RunSetup
 from hybridrl.timing import PhaseTimer
 
 
+SEQUENCE_KEYS = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
+
+
 class Trainer:
     """Drives the worker groups through training steps and logs every phase."""
 
@@ -115,7 +118,7 @@ class Trainer:
                 rollout.call_all("call", "rollout", "wake")
         with timer.phase("gen"):
             params = SamplingParams(**{**self.sampling.__dict__, "seed": self.cfg.trainer.seed * 100_003 + self.step})
-            batch.update(rollout.run("rollout", "generate", batch, params))
+            batch.update(rollout.run("rollout", "generate", batch.select(PROMPT_IDS, PROMPT_MASK), params))
             compute["gen"] = rollout.last_compute_s
         if self.rollout_colocated:
             with timer.phase("sleep"):
@@ -124,12 +127,12 @@ class Trainer:
             metrics.update(self.score(batch))
         if "ref" in self.groups and self.algo.uses_ref:
             with timer.phase("ref"):
-                ref = self.groups["ref"].run("ref", "compute_log_probs", batch)
+                ref = self.groups["ref"].run("ref", "compute_log_probs", batch.select(*SEQUENCE_KEYS))
                 batch.set(REF_LOG_PROBS, ref["log_probs"])
                 compute["ref"] = self.groups["ref"].last_compute_s
         actor = self.groups["actor"]
         with timer.phase("old_log_prob"):
-            old = actor.run("actor", "compute_log_probs", batch)
+            old = actor.run("actor", "compute_log_probs", batch.select(*SEQUENCE_KEYS))
             batch.set(OLD_LOG_PROBS, old["log_probs"])
             compute["old_log_prob"] = actor.last_compute_s
         with timer.phase("adv"):
@@ -162,6 +165,7 @@ class Trainer:
         actor = self.groups["actor"]
         algo_cfg = self.cfg.algorithm.model_dump(by_alias=True)
         size = self.cfg.roles.actor.mini_batch or len(batch)
+        batch = batch.select(*SEQUENCE_KEYS, ADVANTAGES, OLD_LOG_PROBS, *([REF_LOG_PROBS] if REF_LOG_PROBS in batch else []))
         rows: list[dict[str, float]] = []
         self.update_compute_s = 0.0
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.step)

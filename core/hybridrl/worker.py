@@ -57,12 +57,17 @@ class RoleWorker:
 
     # --- calls ----------------------------------------------------------------------------------------
     def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``engine.method(*args, **kwargs)``; the compute time is kept for ``compute_seconds``."""
+        """Run ``engine.method(*args, **kwargs)``; the compute time is kept for ``timed``."""
         start = time.perf_counter()
         try:
             return getattr(self.engines[role], method)(*args, **kwargs)
         finally:
             self.last_compute_s = time.perf_counter() - start
+
+    def timed(self, worker_method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+        """``(result, compute seconds)`` of one of this worker's methods, in a single round trip."""
+        result = getattr(self, worker_method)(*args, **kwargs)
+        return result, self.last_compute_s
 
     def update(self, role: str, batch: Batch, objective_kind: str, objective_cfg: dict[str, Any]) -> dict[str, float]:
         """``engine.update`` with an objective built here from the registry (so plugin losses load in the worker)."""
@@ -80,9 +85,6 @@ class RoleWorker:
         if kind != "policy":
             raise ValueError(f"unknown objective kind '{kind}'")
         return PolicyObjective(AlgorithmConfig.model_validate(cfg), get_registry(self.extra_plugins))
-
-    def compute_seconds(self) -> float:
-        return self.last_compute_s
 
     # --- weights --------------------------------------------------------------------------------------
     def sync_in_process(self, trainer_role: str, rollout_role: str, bucket_bytes: int) -> dict[str, float]:
