@@ -1,8 +1,9 @@
 """Reshard bridges: move the actor's weights into the rollout engine after every update.
 
 The general path is a stream of buckets of HF-named tensors: the trainer exports, the engine imports. The
-transport follows from placement: ``in_process`` when both roles live in one process, ``object_store``
-(Ray's object store, driven from the driver) when they live in different processes. A plugin may register a
+transport follows from placement: ``in_process`` when both roles live in one process, ``broadcast`` (a
+collective group between pools) when they live in different processes, ``object_store`` (Ray's object
+store, driven from the driver) as the fallback. A plugin may register a
 faster bridge for a specific backend pair through ``registry.add_bridge``.
 """
 
@@ -61,11 +62,51 @@ class ObjectStoreBridge:
         return {"bytes": float(nbytes), "buckets": float(len(buckets))}
 
 
-def transport_for(same_process: bool) -> str:
-    return "in_process" if same_process else "object_store"
+class BroadcastBridge:
+    """Roles on different pools: a collective group joins the trainer's exporting rank (root) and every
+    rollout rank; buckets are broadcast as flat buffers, at most two in flight, and imported from the
+    receive buffer (no second copy of the model on the rollout side). Gloo on CPU, NCCL on GPU."""
+
+    def __init__(self) -> None:
+        self.specs: list | None = None
+
+    def _open(self, trainer: "WorkerGroup", trainer_role: str, rollout: "WorkerGroup", bucket_bytes: int) -> None:
+        import ray
+
+        manifests = trainer.call_all("weight_manifest", trainer_role, bucket_bytes)
+        self.specs = next(m for m in manifests if m is not None)
+        exports = trainer.call_all("exports", trainer_role)
+        sender = trainer.workers[exports.index(True)]
+        host, port = ray.get(sender.rendezvous_address.remote())
+        world = 1 + len(rollout.workers)
+        ray.get([sender.open_weight_channel.remote(host, port, 0, world)] +
+                [w.open_weight_channel.remote(host, port, 1 + i, world) for i, w in enumerate(rollout.workers)])
+
+    def sync(self, trainer: "WorkerGroup", trainer_role: str, rollout: "WorkerGroup", rollout_role: str,
+             bucket_bytes: int) -> dict[str, float]:
+        import ray
+
+        if self.specs is None:
+            self._open(trainer, trainer_role, rollout, bucket_bytes)
+        sends = [w.send_weights.remote(trainer_role, bucket_bytes, self.specs) for w in trainer.workers]
+        receives = [w.receive_weights.remote(rollout_role, self.specs) for w in rollout.workers]
+        sent = ray.get(sends)
+        ray.get(receives)
+        return {"bytes": max(sent), "buckets": float(len(self.specs or []))}
+
+
+def transport_for(same_process: bool, colocated: bool = False, device: str = "cpu") -> str:
+    """In-process when the roles share a process; a collective broadcast between processes (on one GPU,
+    where NCCL cannot join two processes, Ray's object store until a CUDA-IPC bridge exists)."""
+    if same_process:
+        return "in_process"
+    if colocated and device == "cuda":
+        return "object_store"
+    return "broadcast"
 
 
 @hookimpl
 def hybridrl_register_backends(registry: Any) -> None:
     registry.add_bridge("*", "*", "in_process", InProcessBridge)
     registry.add_bridge("*", "*", "object_store", ObjectStoreBridge)
+    registry.add_bridge("*", "*", "broadcast", BroadcastBridge)

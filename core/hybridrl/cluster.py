@@ -77,12 +77,20 @@ def bundle_resources(device: str, cpus: float) -> dict[str, float]:
     return {"CPU": cpus, "GPU": 1.0} if device == "cuda" else {"CPU": cpus}
 
 
-def create_placement_group(n_devices: int, device: str, cpus_per_device: float, name: str) -> Any:
+def create_placement_group(n_devices: int, device: str, cpus_per_device: float, name: str,
+                           timeout_s: float = 120.0) -> Any:
     """One bundle per device; waits until Ray has reserved them all."""
     import ray
     from ray.util.placement_group import placement_group
 
-    pg = placement_group([bundle_resources(device, cpus_per_device) for _ in range(n_devices)], strategy="PACK",
-                         name=name)
-    ray.get(pg.ready(), timeout=300)
+    bundles = [bundle_resources(device, cpus_per_device) for _ in range(n_devices)]
+    pg = placement_group(bundles, strategy="PACK", name=name)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(pg)
+        raise RuntimeError(f"Ray could not reserve pool '{name}' ({n_devices} x {bundles[0]}) within {timeout_s:.0f}s; "
+                           f"available: {ray.available_resources()}") from None
     return pg

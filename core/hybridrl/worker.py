@@ -16,6 +16,7 @@ import torch
 
 from hybridrl.batch import Batch
 from hybridrl.bridge import sync_in_process
+from hybridrl.collective import WeightChannel, bucket_specs
 from hybridrl.distributed import free_port, init_process_group, node_ip
 from hybridrl.engines import DataParallelInfo, EngineContext, RolloutEngine, TrainEngine
 from hybridrl.plugins import get_registry
@@ -102,6 +103,35 @@ class RoleWorker:
         for bucket in buckets:
             engine.import_weights(bucket)
         engine.finish_weight_import()
+
+    # --- broadcast bridge (split pools) ------------------------------------------------------------------
+    def exports(self, trainer_role: str) -> bool:
+        return self.engines[trainer_role].exports_on_rank()
+
+    def weight_manifest(self, trainer_role: str, bucket_bytes: int) -> list | None:
+        """Bucket layout of the export (collective over the trainer's ranks; the exporting rank answers)."""
+        engine = self.engines[trainer_role]
+        specs = bucket_specs(engine.export_weights(bucket_bytes))
+        return specs if engine.exports_on_rank() else None
+
+    def open_weight_channel(self, host: str, port: int, rank: int, world_size: int) -> None:
+        self.weight_channel = WeightChannel(host, port, rank, world_size, self.device)
+
+    def send_weights(self, trainer_role: str, bucket_bytes: int, specs: list | None) -> float:
+        """Export (every trainer rank takes part) and, on the exporting rank, broadcast the buckets."""
+        engine = self.engines[trainer_role]
+        buckets = engine.export_weights(bucket_bytes)
+        if not engine.exports_on_rank():
+            for _ in buckets:
+                pass
+            return 0.0
+        return float(self.weight_channel.send(buckets, specs))
+
+    def receive_weights(self, rollout_role: str, specs: list) -> float:
+        engine = self.engines[rollout_role]
+        received = self.weight_channel.receive(specs, engine.import_weights)
+        engine.finish_weight_import()
+        return float(received)
 
     def weights(self, role: str) -> dict[str, torch.Tensor]:
         """Full weights of a role (tests and checks): export for trainers, named_weights for rollouts."""

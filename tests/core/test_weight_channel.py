@@ -1,0 +1,67 @@
+"""The broadcast bridge's pieces without Ray: bucket packing, and a real gloo channel between processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from hybridrl.collective import WeightChannel
+from hybridrl.distributed import free_port
+from hybridrl.weight_buckets import ALIGN, describe_bucket, pack_bucket, unpack_bucket
+
+
+def sample_bucket(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [("a.weight", torch.randn(3, 5, generator=g)),
+            ("b.bias", torch.randn(7, generator=g).to(torch.bfloat16)),
+            ("c.idx", torch.arange(3, dtype=torch.int64)),
+            ("d.weight", torch.randn(2, 2, 2, generator=g).to(torch.float16))]
+
+
+def test_pack_unpack_round_trip_is_bit_exact_across_dtypes():
+    bucket = sample_bucket()
+    spec = describe_bucket(bucket)
+    assert all(t.offset % ALIGN == 0 for t in spec.tensors)
+    assert spec.nbytes >= sum(t.numel() * t.element_size() for _, t in bucket)
+    out = unpack_bucket(pack_bucket(bucket, spec, "cpu"), spec)
+    assert [n for n, _ in out] == [n for n, _ in bucket]
+    for (_, a), (_, b) in zip(bucket, out):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_pack_refuses_a_bucket_in_another_order():
+    bucket = sample_bucket()
+    with pytest.raises(ValueError, match="bucket order changed"):
+        pack_bucket(list(reversed(bucket)), describe_bucket(bucket), "cpu")
+
+
+def _member(rank: int, world: int, port: int, n_buckets: int, queue) -> None:
+    torch.set_num_threads(1)
+    channel = WeightChannel("127.0.0.1", port, rank, world, "cpu", timeout_s=60)
+    buckets = [sample_bucket(seed) for seed in range(n_buckets)]
+    specs = [describe_bucket(b) for b in buckets]
+    if rank == 0:
+        queue.put(("sent", channel.send(iter(buckets), specs)))
+        return
+    received: list[tuple[str, torch.Tensor]] = []
+    channel.receive(specs, lambda bucket: received.extend((n, t.clone()) for n, t in bucket))
+    expected = [item for b in buckets for item in b]
+    same = len(received) == len(expected) and all(
+        n1 == n2 and torch.equal(t1, t2) for (n1, t1), (n2, t2) in zip(received, expected))
+    queue.put((rank, same))
+
+
+def test_channel_broadcasts_every_bucket_bit_for_bit_to_every_receiver():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port, world, n_buckets = free_port(), 3, 5
+    procs = [ctx.Process(target=_member, args=(r, world, port, n_buckets, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in range(world))
+    for p in procs:
+        p.join(timeout=60)
+    assert results[1] is True and results[2] is True
+    assert results["sent"] == sum(describe_bucket(sample_bucket(s)).nbytes for s in range(n_buckets))
