@@ -35,6 +35,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(problems)
     assert plan is not None
     print(plan.render())
+    print(_memory_table(args, cfg, plan))
+    return 0
+
+
+def _memory_table(args: argparse.Namespace, cfg: RunConfig, plan) -> str:
+    """The memory estimate per device, or why there is none (it never fails the plan)."""
+    from pathlib import Path
+
+    from hybridrl.memory import (MemoryEstimateError, device_memory_bytes, estimate_memory, model_shape,
+                                 model_shapes_by_role, render_memory)
+
+    here = Path(args.config).resolve().parent
+    bases = (here, here.parent)  # model.path relative to the config's folder, or to the project holding it
+    try:
+        shape, source = model_shape(cfg, args.model_config, bases)
+    except MemoryEstimateError as exc:
+        return f"memory estimate: skipped ({exc})"
+    declared = args.device_memory if args.device_memory is not None else cfg.cluster.device_memory_gb
+    estimate = estimate_memory(cfg, plan, shape, device_memory_bytes(plan.cluster.device, declared), source,
+                               model_shapes_by_role(cfg, bases))
+    return render_memory(estimate)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from hybridrl.report import ReportError, write_report
+
+    try:
+        written = write_report(args.run, args.out)
+    except ReportError as exc:
+        print(f"hybridrl: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
     return 0
 
 
@@ -91,7 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="device kind of --cluster")
     plan.add_argument("--skip-engine-check", action="store_true",
                       help="plan for backends whose engines are not installed here")
+    plan.add_argument("--device-memory", type=float, metavar="GIB",
+                      help="memory of one device in GiB for the estimate (default: cluster.device_memory_gb, else 80 on cuda)")
+    plan.add_argument("--model-config", metavar="PATH", help="HF config.json (or its folder) to size the model from")
     plan.set_defaults(func=cmd_plan)
+    report = sub.add_parser("report", help="plots and a Markdown summary of a run, in RUN/report/")
+    report.add_argument("run", help="the run folder (trainer.out) holding metrics.jsonl and config.json")
+    report.add_argument("--out", help="where to write (default: RUN/report)")
+    report.set_defaults(func=cmd_report)
     plugins = sub.add_parser("plugins", help="list plugins, what they register, and engine availability")
     plugins.set_defaults(func=cmd_plugins)
     return parser

@@ -1,0 +1,77 @@
+"""FLOP counts against PyTorch's own FLOP counter on a real model, the peak table, and the MFU arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hybridrl.flops import PEAK_ENV, forward_flops, peak_flops, phase_perf, train_flops
+from hybridrl.memory import shape_from_hf_config
+
+
+def tiny_model(tied: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    # eager attention: its matmuls are plain bmm that FlopCounterMode counts (CPU SDPA kernels it does not)
+    model = Qwen2ForCausalLM._from_config(config, attn_implementation="eager")
+    return model, shape_from_hf_config(config.to_dict())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_forward_flops_equal_torch_flop_counter(tied):
+    model, shape = tiny_model(tied)
+    model.eval()
+    total = 0
+    for length in (5, 23):
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(torch.randint(0, 97, (1, length)))
+        total += counter.get_total_flops()
+    assert forward_flops(shape, [5, 23]) == total
+
+
+def test_training_flops_are_three_forwards_by_torch_flop_counter():
+    model, shape = tiny_model(False)
+    model.train()
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, 97, (1, 17))).logits.sum().backward()
+    assert train_flops(shape, [17]) == counter.get_total_flops()
+
+
+def test_attention_term_grows_with_the_square_of_the_length():
+    _, shape = tiny_model(False)
+    linear = forward_flops(shape, [1])  # 2N + 4*layers*q_dim
+    attn = 4 * shape.num_layers * shape.q_dim
+    assert forward_flops(shape, [10]) == pytest.approx(10 * (linear - attn) + 100 * attn)
+
+
+def test_peak_table(monkeypatch):
+    monkeypatch.delenv(PEAK_ENV, raising=False)
+    assert peak_flops("NVIDIA H200", "bfloat16") == 989e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "float16") == 312e12
+    assert peak_flops("H100", "float32") is None  # no fp32 entry: no MFU rather than a wrong one
+    assert peak_flops(None, "bfloat16") is None  # CPU
+    assert peak_flops("Some Future GPU", "bfloat16") is None
+    monkeypatch.setenv(PEAK_ENV, "100")
+    assert peak_flops("Some Future GPU", "bfloat16") == 100e12
+
+
+def test_phase_perf_arithmetic():
+    _, shape = tiny_model(False)
+    lengths = [12, 20, 7]
+    fwd = forward_flops(shape, lengths)
+    seconds = {"gen": 2.0, "ref": 0.5, "old_log_prob": 0.25, "update_actor": 1.0, "step": 4.0, "adv": 0.1}
+    devices = {"rollout": 4, "ref": 4, "actor": 4, "all": 8}
+    out = phase_perf(shape, lengths, seconds, devices, peak=1e9, epochs=2)
+    assert out["perf/tflops_per_device/gen"] == pytest.approx(fwd / 2.0 / 4 / 1e12)
+    assert out["perf/mfu/update_actor"] == pytest.approx(3 * 2 * fwd / 1.0 / 4 / 1e9)
+    total = fwd * (1 + 1 + 1 + 6)
+    assert out["perf/mfu"] == pytest.approx(total / 4.0 / 8 / 1e9)
+    assert not any(k.endswith("/adv") for k in out)  # no model work in the driver's phases
+    cpu = phase_perf(shape, lengths, seconds, devices, peak=None)
+    assert "perf/mfu" not in cpu and "perf/tflops_per_device/ref" in cpu
