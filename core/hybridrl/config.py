@@ -68,9 +68,22 @@ class DataConfig(Strict):
 
 
 class KLConfig(Strict):
-    coef: float = Field(0.001, ge=0)
+    coef: float = Field(0.001, ge=0, description="KL coefficient (the initial one for the adaptive controller)")
     estimator: str = "k3"
     apply_as: Literal["loss", "reward"] = Field("loss", alias="as")
+    controller: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="adaptive: Ziegler-style controller steering the KL in the reward towards target")
+    target: float | None = Field(None, gt=0, description="adaptive: target KL per sequence (nats, summed over tokens)")
+    horizon: float = Field(10000, gt=0, description="adaptive: sequences over which the coefficient may move by ~20%")
+
+    @model_validator(mode="after")
+    def _adaptive_needs_target(self) -> "KLConfig":
+        if self.controller == "adaptive":
+            if self.target is None:
+                raise ValueError("kl.controller=adaptive needs kl.target (KL per sequence, in nats)")
+            if self.apply_as != "reward":
+                raise ValueError("kl.controller=adaptive steers a KL penalty in the reward: set kl.as=reward")
+        return self
 
 
 class AlgorithmConfig(Strict):
@@ -85,6 +98,9 @@ class AlgorithmConfig(Strict):
     norm_adv_by_std: bool = True
     entropy_coef: float = 0.0
     epochs: int = Field(1, gt=0, description="passes over each batch (PPO epochs)")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount (GAE, REINFORCE++)")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE's lambda")
+    critic_warmup: int = Field(0, ge=0, description="first steps in which only the critic is trained")
     kl: KLConfig | None = Field(default_factory=KLConfig)
     options: dict[str, Any] = Field(default_factory=dict)
 
@@ -113,11 +129,32 @@ class ActorConfig(RoleBase):
     micro_batch: int = Field(16, gt=0, description="sequences per forward/backward on one rank")
     mini_batch: int | None = Field(None, gt=0, description="sequences per optimizer step (default: the whole batch)")
     warmup_steps: int = Field(0, ge=0)
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="token budget per micro-batch (rows binned by real length; replaces micro_batch)")
 
 
 class RefConfig(RoleBase):
     backend: str | None = None  # default: the actor's
     micro_batch: int | None = Field(None, gt=0, description="default: the actor's")
+    max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="default: the actor's")
+
+
+class CriticConfig(RoleBase):
+    """The value model (PPO): the actor's backbone (or ``model_path``) with a scalar head. Placed only when
+    the algorithm's advantage estimator needs values; unset keys fall back to the actor's."""
+
+    backend: str | None = "fsdp"
+    model_path: str | None = Field(None, description="HF checkpoint of the backbone (default: the actor's model)")
+    lr: float | None = Field(None, gt=0, description="default: the actor's lr")
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch: int | None = Field(None, gt=0, description="default: the actor's")
+    mini_batch: int | None = Field(None, gt=0, description="default: the actor's")
+    warmup_steps: int = Field(0, ge=0)
+    max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="default: the actor's")
+    cliprange_value: float | None = Field(0.5, gt=0, description="value clipping around the old values (null: off)")
+    loss_agg: str = Field("token-mean", description="a registered loss aggregation for the value loss")
 
 
 class RolloutConfig(RoleBase):
@@ -130,15 +167,46 @@ class RolloutConfig(RoleBase):
     ignore_eos: bool = False
     tensor_parallel: int = Field(1, gt=0)
     bucket_mb: float = Field(64.0, gt=0)
+    weight_transport: Literal["auto", "in_process", "broadcast", "object_store"] = Field(
+        "auto", description="how actor weights reach the rollout; auto follows the placement")
+
+
+class RewardModelConfig(Strict):
+    """A reward model: ``AutoModelForSequenceClassification`` with one label, scoring prompt+response. It
+    must share the policy's tokenizer (token ids are passed as they are)."""
+
+    path: str | None = Field(None, description="HF checkpoint folder of a sequence-classification model")
+    tiny: TinyModelConfig | None = Field(None, description="build a small random one from this config (tests)")
+    coef: float = Field(1.0, description="weight of the model's score in the reward")
+    micro_batch: int | None = Field(None, gt=0, description="default: the actor's")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RewardModelConfig":
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("give exactly one of roles.reward.model.path or roles.reward.model.tiny")
+        return self
 
 
 class RewardConfig(RoleBase):
-    fn: str = "reverse"  # a registered reward name or "module:function"
+    fn: str | None = "reverse"  # a registered reward name or "module:function"; null: the model only
+    model: RewardModelConfig | None = None
+
+    @model_validator(mode="after")
+    def _some_reward(self) -> "RewardConfig":
+        if self.fn is None and self.model is None:
+            raise ValueError("give roles.reward.fn (a rule reward), roles.reward.model, or both")
+        if self.model is None and self.pool is not None:
+            raise ValueError("roles.reward.pool places a reward model: set roles.reward.model too "
+                             "(rule rewards run in the driver)")
+        if self.model is not None and self.backend is None:
+            self.backend = "fsdp"
+        return self
 
 
 class RolesConfig(Strict):
     actor: ActorConfig = Field(default_factory=ActorConfig)
     ref: RefConfig | None = Field(default_factory=RefConfig)
+    critic: CriticConfig | None = Field(None, description="default: placed with the actor when the algorithm needs it")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
 
@@ -149,6 +217,7 @@ class ClusterConfig(Strict):
     nodes: int | None = Field(None, gt=0, description="declare the cluster instead of asking Ray (for plans)")
     devices_per_node: int | None = Field(None, gt=0)
     max_colocate_count: int = Field(1, gt=0, description="processes allowed per device")
+    device_memory_gb: float | None = Field(None, gt=0, description="GiB per device, for the plan's memory estimate (default 80 on cuda)")
     threads_per_worker: int | None = Field(None, gt=0)
 
 
@@ -178,11 +247,12 @@ class RunConfig(Strict):
     plugins: list[str] = Field(default_factory=list, description="extra plugin modules to load")
 
     def role_configs(self) -> dict[str, RoleBase]:
-        """The enabled roles that run on a pool (the reward role only when it names a pool)."""
+        """The enabled roles that run on a pool (the reward role only when it has a model: rule rewards run
+        in the driver)."""
         out: dict[str, RoleBase] = {}
         for name in type(self.roles).model_fields:
             cfg = getattr(self.roles, name)
-            if cfg is not None and (name != "reward" or cfg.pool is not None):
+            if cfg is not None and (name != "reward" or cfg.model is not None):
                 out[name] = cfg
         return out
 

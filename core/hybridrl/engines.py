@@ -16,6 +16,8 @@ import torch
 from hybridrl.batch import Batch
 
 NamedTensor = tuple[str, torch.Tensor]
+#: per-token critic values ``(B, R)`` (``TrainEngine.compute_values``; also an ``Objective.needs`` entry).
+VALUES = "values"
 WeightBucket = list[NamedTensor]
 
 
@@ -101,6 +103,17 @@ class TrainEngine(ABC):
         float32 on CPU. ``batch.info["temperature"]``, when set, divides the logits first (here and in
         ``update``), so that they compare with the rollout's log-probs. All ranks of a data-parallel group
         receive equally long batches (the driver pads to a multiple of the data-parallel size)."""
+
+    def compute_values(self, batch: Batch) -> Batch:
+        """Critic engines: ``values`` ``(B, R)``, the value of the state *before* each response token (the
+        prompt and the response tokens before it), float32 on CPU, 0 at padded positions. Added for PPO's
+        critic role; optional, so engines without a value head need not implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no value head (role '{self.ctx.role}')")
+
+    def compute_scores(self, batch: Batch) -> Batch:
+        """Reward-model engines: ``scores`` ``(B,)``, one scalar per prompt+response, float32 on CPU. Added
+        for the reward-model role; optional, like ``compute_values``."""
+        raise NotImplementedError(f"{type(self).__name__} is not a reward model (role '{self.ctx.role}')")
 
     @abstractmethod
     def update(self, batch: Batch, objective: Objective) -> dict[str, float]:

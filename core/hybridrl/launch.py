@@ -14,13 +14,23 @@ from hybridrl.worker import RoleWorker
 TRAIN_ROLE_FIELDS = {"pool", "backend", "options"}
 
 
+#: settings a role takes from the actor when it leaves them unset.
+INHERITED_FROM_ACTOR = {"ref": ("micro_batch", "max_tokens_per_micro_batch"),
+                        "critic": ("micro_batch", "mini_batch", "lr", "max_tokens_per_micro_batch"),
+                        "reward": ("micro_batch", "max_tokens_per_micro_batch")}
+
+
 def role_options(cfg: RunConfig, role: str) -> dict[str, Any]:
     """A role's settings as the engine sees them: the typed keys plus its free-form ``options``."""
     rcfg = getattr(cfg.roles, role)
-    options = rcfg.model_dump(exclude=TRAIN_ROLE_FIELDS)
+    if role == "reward":  # the engine of the reward role is its model
+        options = rcfg.model.model_dump(exclude={"path", "tiny", "coef"}) if rcfg.model is not None else {}
+    else:
+        options = rcfg.model_dump(exclude=TRAIN_ROLE_FIELDS)
     options.update(rcfg.options)
-    if role == "ref" and options.get("micro_batch") is None:
-        options["micro_batch"] = cfg.roles.actor.micro_batch
+    for key in INHERITED_FROM_ACTOR.get(role, ()):
+        if options.get(key) is None:
+            options[key] = getattr(cfg.roles.actor, key)
     return options
 
 
@@ -34,7 +44,9 @@ def start_worker_groups(cfg: RunConfig, plan: PlacementPlan) -> tuple[dict[str, 
     device = plan.cluster.device
     used_devices = sum(len(d) for d in plan.pools.values())
     slots_per_pool = {pool: sum(1 for g in plan.groups if g.pool == pool) for pool in plan.pools}
-    cpus = max(1.0, float(int(ray.available_resources().get("CPU", 1)) // max(used_devices, 1))) if device == "cpu" else 1.0
+    # CPU slots: share Ray's CPUs among the devices (fractions when a declared cluster oversubscribes cores).
+    available = float(ray.available_resources().get("CPU", 1))
+    cpus = max(available // max(used_devices, 1), min(1.0, available / max(used_devices, 1))) if device == "cpu" else 1.0
     threads = cfg.cluster.threads_per_worker or max(1, (os.cpu_count() or 1) // max(used_devices, 1))
     placement_groups = {pool: create_placement_group(len(devices), device, cpus, f"hybridrl-{pool}")
                         for pool, devices in plan.pools.items()}
@@ -59,12 +71,15 @@ def start_worker_groups(cfg: RunConfig, plan: PlacementPlan) -> tuple[dict[str, 
     return role_groups, list(placement_groups.values())
 
 
-def build_engines(cfg: RunConfig, plan: PlacementPlan, groups: dict[str, WorkerGroup], model_path: str) -> None:
+def build_engines(cfg: RunConfig, plan: PlacementPlan, groups: dict[str, WorkerGroup], model_path: str,
+                  role_model_paths: dict[str, str] | None = None) -> None:
     """Trainers first, rollouts last: engines that size their memory from what is free start after the
-    trainers on the same devices."""
+    trainers on the same devices. ``role_model_paths`` gives a role its own checkpoint (the critic's
+    backbone, the reward model); the others load ``model_path``."""
     order = sorted(groups, key=lambda r: 1 if r == "rollout" else 0)
     for role in order:
         backend = plan.group_of(role).roles[role]
-        fields = {"model_path": model_path, "dtype": cfg.model.dtype, "seed": cfg.trainer.seed,
+        path = (role_model_paths or {}).get(role, model_path)
+        fields = {"model_path": path, "dtype": cfg.model.dtype, "seed": cfg.trainer.seed,
                   "trainable": role in ("actor", "critic"), "options": role_options(cfg, role)}
         groups[role].build(role, backend, fields)

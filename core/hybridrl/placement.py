@@ -140,9 +140,11 @@ def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, Bac
     """Assign pools to devices and fuse colocated roles into processes. Raises ``ConfigError``."""
     problems: list[tuple[str, str]] = []
     default_pool = next(iter(cfg.pools), None)
+    actor_pool = cfg.roles.actor.pool or default_pool
     role_pool: dict[str, str] = {}
     for role, rcfg in cfg.role_configs().items():
-        pool = rcfg.pool or default_pool
+        # The critic and the reward model default to the actor's pool (colocated with it).
+        pool = rcfg.pool or (actor_pool if role in ("critic", "reward") else default_pool)
         if pool not in cfg.pools:
             problems.append((f"roles.{role}.pool", f"unknown pool '{pool}' (pools: {', '.join(cfg.pools) or 'none'})"))
             continue

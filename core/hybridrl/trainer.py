@@ -1,27 +1,46 @@
-"""The RL training loop (driver side): one GRPO/PPO-style step is a fixed sequence of timed phases."""
+"""The RL training loop (driver side): one GRPO/PPO-style step is a fixed sequence of timed phases.
+
+gen [-> gen_baseline (ReMax)] -> reward -> ref -> old_log_prob [-> values (critic)] -> adv
+[-> update_critic] -> update_actor -> reshard. Scoring lives in ``hybridrl.rewarding``, the algorithm pieces in
+``hybridrl.algorithms``.
+"""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from hybridrl.algorithms.advantages import AdvantageInputs
-from hybridrl.algorithms.objective import resolve_algorithm
+from hybridrl.algorithms.kl_control import build_kl_controller
+from hybridrl.algorithms.objective import ValueObjective, resolve_algorithm
 from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, REF_LOG_PROBS, RESPONSE_IDS,
                             RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, SCORES, TOKEN_REWARDS, Batch, left_pad)
 from hybridrl.bridge import transport_for
 from hybridrl.controller import WorkerGroup, average_metrics
-from hybridrl.engines import SamplingParams
+from hybridrl.engines import VALUES, SamplingParams
+from hybridrl.flops import step_perf_metrics
 from hybridrl.launch import build_engines, start_worker_groups
 from hybridrl.preflight import RunSetup
+from hybridrl.rewarding import RewardScorer, on_last_token
 from hybridrl.timing import PhaseTimer
 
 
 SEQUENCE_KEYS = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
+
+
+def value_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Explained variance of the returns by the values the advantages used, ``1 - Var(R - V) / Var(R)``
+    over response tokens (1: perfect, 0: no better than a constant, < 0: worse), and their means."""
+    m = mask.bool()
+    v, r = values[m].double(), returns[m].double()
+    var_r = r.var() if r.numel() > 1 else torch.zeros((), dtype=torch.float64)
+    explained = 1.0 - float((r - v).var() / var_r) if r.numel() > 1 and var_r > 1e-12 else 0.0  # constant returns: 0
+    return {"critic/explained_var": explained, "critic/values_mean": float(v.mean()) if v.numel() else 0.0,
+            "critic/returns_mean": float(r.mean()) if r.numel() else 0.0}
 
 
 class Trainer:
@@ -38,8 +57,11 @@ class Trainer:
         self.loader = PromptLoader(setup.prompts, self.cfg.data.prompts_per_step, self.cfg.trainer.seed,
                                    self.cfg.data.shuffle)
         self.advantage_fn = self.registry.get("advantage", self.algo.advantage)
-        self.kl_fn = (self.registry.get("kl_estimator", self.cfg.algorithm.kl.estimator)
-                      if self.cfg.algorithm.kl is not None and self.cfg.algorithm.kl.coef > 0 else None)
+        kl_cfg = self.cfg.algorithm.kl
+        self.kl_fn = self.registry.get("kl_estimator", kl_cfg.estimator) if kl_cfg is not None and kl_cfg.coef > 0 else None
+        self.kl_in_reward = self.kl_fn is not None and kl_cfg.apply_as == "reward"
+        self.kl_ctrl = build_kl_controller(kl_cfg) if self.kl_in_reward else None
+        self.scorer = RewardScorer(self.tokenizer, setup.reward_fn)
         r = self.cfg.roles.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
@@ -59,15 +81,24 @@ class Trainer:
         (out / "samples.jsonl").write_text("")
         (out / "config.json").write_text(json.dumps(self.cfg.model_dump(mode="json", by_alias=True), indent=2))
         print(self.setup.plan.render(), flush=True)
+        for note in self.setup.notes:
+            print(f"note: {note}", flush=True)
         if self.setup.dropped_prompts:
             print(f"data: dropped {self.setup.dropped_prompts} prompt(s) longer than data.max_prompt_len", flush=True)
         print("starting workers ...", flush=True)
         t0 = time.perf_counter()
         self.groups, self.placement_groups = start_worker_groups(self.cfg, self.setup.plan)
         print(f"building engines from {self.setup.model_path} ...", flush=True)
-        build_engines(self.cfg, self.setup.plan, self.groups, self.setup.model_path)
+        build_engines(self.cfg, self.setup.plan, self.groups, self.setup.model_path, self.setup.role_model_paths)
+        if "reward" in self.groups:
+            self.scorer.model_group = self.groups["reward"]
+            self.scorer.model_coef = self.cfg.roles.reward.model.coef
         self.rollout_colocated = any(self.setup.plan.colocated("rollout", r) for r in self.groups if r != "rollout")
-        transport = transport_for(self.setup.plan.same_process("actor", "rollout"))
+        plan = self.setup.plan
+        transport = self.cfg.roles.rollout.weight_transport
+        if transport == "auto":
+            transport = transport_for(plan.same_process("actor", "rollout"), plan.colocated("actor", "rollout"),
+                                      plan.cluster.device)
         actor_backend = self.setup.plan.group_of("actor").roles["actor"]
         rollout_backend = self.setup.plan.group_of("rollout").roles["rollout"]
         self.bridge = self.registry.bridge(actor_backend, rollout_backend, transport).target()
@@ -120,11 +151,17 @@ class Trainer:
             params = SamplingParams(**{**self.sampling.__dict__, "seed": self.cfg.trainer.seed * 100_003 + self.step})
             batch.update(rollout.run("rollout", "generate", batch.select(PROMPT_IDS, PROMPT_MASK), params))
             compute["gen"] = rollout.last_compute_s
+        if self.algo.greedy_baseline:
+            with timer.phase("gen_baseline"):
+                metrics.update(self.greedy_baseline(batch))
+                compute["gen_baseline"] = rollout.last_compute_s
         if self.rollout_colocated:
             with timer.phase("sleep"):
                 rollout.call_all("call", "rollout", "sleep")
         with timer.phase("reward"):
             metrics.update(self.score(batch))
+            if "reward" in self.groups:
+                compute["reward"] = self.scorer.compute_s
         if "ref" in self.groups and self.algo.uses_ref:
             with timer.phase("ref"):
                 ref = self.groups["ref"].run("ref", "compute_log_probs", batch.select(*SEQUENCE_KEYS))
@@ -135,13 +172,24 @@ class Trainer:
             old = actor.run("actor", "compute_log_probs", batch.select(*SEQUENCE_KEYS))
             batch.set(OLD_LOG_PROBS, old["log_probs"])
             compute["old_log_prob"] = actor.last_compute_s
+        critic = self.groups.get("critic")
+        if critic is not None:
+            with timer.phase("values"):
+                batch.set(VALUES, critic.run("critic", "compute_values", batch.select(*SEQUENCE_KEYS))[VALUES])
+                compute["values"] = critic.last_compute_s
         with timer.phase("adv"):
             metrics.update(self.advantages(batch))
-        with timer.phase("update_actor"):
-            metrics.update(self.update_actor(batch))
-            compute["update_actor"] = self.update_compute_s
-        with timer.phase("reshard"):
-            stats = self.sync_weights()
+        if critic is not None:
+            with timer.phase("update_critic"):
+                metrics.update(self.update_critic(batch))
+                compute["update_critic"] = self.update_compute_s
+        stats = {"bytes": 0.0}
+        if critic is None or self.step >= self.cfg.algorithm.critic_warmup:  # the critic may learn alone at first
+            with timer.phase("update_actor"):
+                metrics.update(self.update_actor(batch))
+                compute["update_actor"] = self.update_compute_s
+            with timer.phase("reshard"):
+                stats = self.sync_weights()
         self.step += 1
         self.last_batch = batch
         step_seconds = time.perf_counter() - step_start
@@ -153,74 +201,103 @@ class Trainer:
         resp_tokens = float(batch[RESPONSE_MASK].sum())
         all_tokens = resp_tokens + float(batch[PROMPT_MASK].sum())
         metrics["perf/gen_tokens_per_s"] = resp_tokens / max(timer.seconds["gen"], 1e-9)
-        metrics["perf/train_tokens_per_s"] = all_tokens / max(timer.seconds["update_actor"], 1e-9)
+        if "update_actor" in timer.seconds:
+            metrics["perf/train_tokens_per_s"] = all_tokens / max(timer.seconds["update_actor"], 1e-9)
         metrics["rollout/logp_diff"] = float(
             ((batch[ROLLOUT_LOG_PROBS] - batch[OLD_LOG_PROBS]).abs() * batch[RESPONSE_MASK]).sum()
             / max(resp_tokens, 1.0))
+        metrics.update(step_perf_metrics(self, batch, metrics))  # MFU per phase, peak memory per role
         return metrics
 
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        """``algorithm.epochs`` passes over the batch in mini-batches of ``roles.actor.mini_batch``
-        sequences, one optimizer step each; metrics averaged over the steps, prefixed ``actor/``."""
-        actor = self.groups["actor"]
-        algo_cfg = self.cfg.algorithm.model_dump(by_alias=True)
-        size = self.cfg.roles.actor.mini_batch or len(batch)
-        batch = batch.select(*SEQUENCE_KEYS, ADVANTAGES, OLD_LOG_PROBS, *([REF_LOG_PROBS] if REF_LOG_PROBS in batch else []))
+    def _mini_batch_updates(self, role: str, batch: Batch, mini_batch: int | None,
+                            call: Callable[[WorkerGroup, Batch], dict[str, float]]) -> dict[str, float]:
+        """``algorithm.epochs`` passes over the batch in mini-batches of ``mini_batch`` sequences (default:
+        the whole batch), one optimizer step each; metrics averaged over the steps, prefixed ``<role>/``."""
+        group = self.groups[role]
+        size = mini_batch or len(batch)
         rows: list[dict[str, float]] = []
         self.update_compute_s = 0.0
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.step)
         for epoch in range(self.cfg.algorithm.epochs):
             order = torch.randperm(len(batch), generator=generator) if epoch > 0 else torch.arange(len(batch))
             for start in range(0, len(batch), size):
-                mini = batch.index(order[start:start + size])
-                rows.append(actor.run("actor", "update", mini, "policy", algo_cfg, worker_method="update",
-                                      zero_pad_keys=(RESPONSE_MASK,)))
-                self.update_compute_s += actor.last_compute_s
+                rows.append(call(group, batch.index(order[start:start + size])))
+                self.update_compute_s += group.last_compute_s
         averaged = average_metrics(rows)
-        return {k if "/" in k else f"actor/{k}": v for k, v in averaged.items()}
+        return {k if "/" in k else f"{role}/{k}": v for k, v in averaged.items()}
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        algo_cfg = self.cfg.algorithm.model_dump(by_alias=True)
+        batch = batch.select(*SEQUENCE_KEYS, ADVANTAGES, OLD_LOG_PROBS, *([REF_LOG_PROBS] if REF_LOG_PROBS in batch else []))
+        return self._mini_batch_updates(
+            "actor", batch, self.cfg.roles.actor.mini_batch,
+            lambda group, mini: group.run("actor", "update", mini, "policy", algo_cfg, worker_method="update",
+                                          zero_pad_keys=(RESPONSE_MASK,)))
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """The critic regresses its values on the returns (value clipping around the values it gave)."""
+        critic_cfg = self.cfg.roles.critic
+        objective = ValueObjective(critic_cfg.cliprange_value, self.registry.get("loss_aggregation", critic_cfg.loss_agg))
+        metrics = self._mini_batch_updates(
+            "critic", batch.select(*SEQUENCE_KEYS, VALUES, RETURNS), critic_cfg.mini_batch or self.cfg.roles.actor.mini_batch,
+            lambda group, mini: group.run("critic", "update", mini, objective, zero_pad_keys=(RESPONSE_MASK,)))
+        metrics.update(value_metrics(batch[VALUES], batch[RETURNS], batch[RESPONSE_MASK]))
+        return metrics
+
+    def greedy_baseline(self, batch: Batch) -> dict[str, float]:
+        """ReMax: one greedy response per prompt, scored like the samples; its reward is the baseline of
+        every sample of that prompt (``baseline_scores``, (B,))."""
+        groups, first = batch["group_index"].tolist(), {}
+        for row, g in enumerate(groups):
+            first.setdefault(g, row)
+        prompts = batch.index(list(first.values())).select(PROMPT_IDS, PROMPT_MASK, "prompt", "meta")
+        greedy = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0, "seed": None})
+        prompts.update(self.groups["rollout"].run("rollout", "generate", prompts.select(PROMPT_IDS, PROMPT_MASK), greedy))
+        scores, _, _ = self.scorer(prompts)
+        by_group = dict(zip(first, scores.tolist()))
+        batch.set("baseline_scores", torch.tensor([by_group[g] for g in groups], dtype=torch.float32))
+        return {"reward/greedy_baseline_mean": float(scores.mean())}
 
     def score(self, batch: Batch) -> dict[str, float]:
-        """Rule rewards on decoded responses; the score sits on each response's last token."""
+        """Rule rewards and/or the reward model; the score sits on each response's last token."""
+        scores, texts, parts = self.scorer(batch)
         mask = batch[RESPONSE_MASK]
-        lengths = mask.sum(-1)
-        ids = batch[RESPONSE_IDS]
-        scores, texts = [], []
-        for i in range(len(batch)):
-            text = self.tokenizer.decode(ids[i, : int(lengths[i])].tolist(), skip_special_tokens=True)
-            value = self.setup.reward_fn(batch["prompt"][i], text, **batch["meta"][i])
-            scores.append(float(value))
-            texts.append(text)
         batch.set("response_text", texts)
-        score_t = torch.tensor(scores, dtype=torch.float32)
-        token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
-        last = (lengths - 1).clamp(min=0)
-        token_rewards[torch.arange(len(batch)), last] = score_t
-        batch.set(SCORES, score_t)
-        batch.set(TOKEN_REWARDS, token_rewards * mask)
+        batch.set(SCORES, scores)
+        batch.set(TOKEN_REWARDS, on_last_token(scores, mask))
+        lengths = mask.sum(-1)
         max_len = self.sampling.max_new_tokens
-        finished = (ids == self.eos_id) & mask.bool() if self.eos_id is not None else torch.zeros_like(mask).bool()
+        finished = ((batch[RESPONSE_IDS] == self.eos_id) & mask.bool() if self.eos_id is not None
+                    else torch.zeros_like(mask).bool())
         clipped = (lengths >= max_len) & ~finished.any(-1)
-        return {"reward/mean": score_t.mean().item(), "reward/max": score_t.max().item(),
-                "reward/min": score_t.min().item(), "reward/std": score_t.std().item() if len(scores) > 1 else 0.0,
-                "response_length/mean": lengths.float().mean().item(), "response_length/max": lengths.max().item(),
-                "response_length/clip_ratio": clipped.float().mean().item()}
+        metrics = {"reward/mean": scores.mean().item(), "reward/max": scores.max().item(),
+                   "reward/min": scores.min().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
+                   "response_length/mean": lengths.float().mean().item(), "response_length/max": lengths.max().item(),
+                   "response_length/clip_ratio": clipped.float().mean().item()}
+        if "model" in parts:
+            metrics.update({f"reward/{name}_mean": part.mean().item() for name, part in parts.items()})
+        return metrics
 
     def advantages(self, batch: Batch) -> dict[str, float]:
         token_rewards = batch[TOKEN_REWARDS]
-        kl_cfg = self.cfg.algorithm.kl
+        mask = batch[RESPONSE_MASK]
         out: dict[str, float] = {}
-        if self.kl_fn is not None and kl_cfg is not None and kl_cfg.apply_as == "reward" and REF_LOG_PROBS in batch:
-            kl = self.kl_fn(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS]) * batch[RESPONSE_MASK]
-            token_rewards = token_rewards - kl_cfg.coef * kl
-            out["kl/reward_penalty"] = float(kl.sum() / batch[RESPONSE_MASK].sum().clamp(min=1))
-        inputs = AdvantageInputs(token_rewards=token_rewards, response_mask=batch[RESPONSE_MASK],
-                                 group_index=batch["group_index"], norm_by_std=self.cfg.algorithm.norm_adv_by_std,
-                                 options=self.cfg.algorithm.options)
+        if self.kl_in_reward and REF_LOG_PROBS in batch:
+            kl = self.kl_fn(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS]) * mask
+            token_rewards = token_rewards - self.kl_ctrl.coef * kl
+            sequence_kl = float(kl.sum(-1).mean())
+            out.update({"kl/reward_penalty": float(kl.sum() / mask.sum().clamp(min=1)), "kl/sequence_kl": sequence_kl,
+                        "kl/coef": self.kl_ctrl.coef})
+            self.kl_ctrl.update(sequence_kl, len(batch))
+        algo = self.cfg.algorithm
+        inputs = AdvantageInputs(token_rewards=token_rewards, response_mask=mask, group_index=batch["group_index"],
+                                 values=batch[VALUES] if VALUES in batch else None, norm_by_std=algo.norm_adv_by_std,
+                                 options=algo.options, gamma=algo.gamma, lam=algo.lam,
+                                 baseline_scores=batch["baseline_scores"] if "baseline_scores" in batch else None)
         adv, returns = self.advantage_fn(inputs)
         batch.set(ADVANTAGES, adv)
         batch.set(RETURNS, returns)
-        mask = batch[RESPONSE_MASK].bool()
-        out["adv/mean"] = float(adv[mask].mean()) if mask.any() else 0.0
+        out["adv/mean"] = float(adv[mask.bool()].mean()) if mask.any() else 0.0
         return out
 
     # --- loop -----------------------------------------------------------------------------------------

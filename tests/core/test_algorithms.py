@@ -1,5 +1,6 @@
-"""GRPO advantages, the clipped policy loss, KL estimators and loss aggregation, each checked against a
-plain-Python computation on small hand-made inputs (ragged masks, groups)."""
+"""Advantage estimators (GAE, GRPO, RLOO, REINFORCE++, REINFORCE++-baseline, ReMax), policy losses (PPO clip,
+GSPO), the value loss, KL estimators and controllers, and loss aggregation, each checked against a plain-Python
+computation on small hand-made inputs (ragged masks, a mask with a hole, groups of different sizes)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import math
 import pytest
 import torch
 
-from hybridrl.algorithms.advantages import AdvantageInputs, grpo
+from hybridrl.algorithms.advantages import (AdvantageInputs, gae, grpo, reinforce_pp, reinforce_pp_baseline, remax,
+                                            rloo)
 from hybridrl.algorithms.kl import k1, k2, k3
-from hybridrl.algorithms.losses import PolicyLossSettings, ppo_clip, seq_mean_token_mean, seq_mean_token_sum, token_mean
-from hybridrl.algorithms.objective import PolicyObjective
-from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, Batch
+from hybridrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
+from hybridrl.algorithms.losses import (PolicyLossSettings, clipped_value_loss, gspo, ppo_clip, seq_mean_token_mean,
+                                        seq_mean_token_sum, token_mean)
+from hybridrl.algorithms.objective import PolicyObjective, ValueObjective
+from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, RETURNS, Batch
 from hybridrl.config import AlgorithmConfig
 from hybridrl.engines import LossScale
 from hybridrl.plugins import get_registry
@@ -126,3 +130,200 @@ def test_policy_objective_combines_pg_kl_and_entropy():
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     assert metrics["actor/kl_loss"] == pytest.approx(0.2, rel=1e-5)
     assert metrics["actor/entropy"] == pytest.approx(0.5)
+
+
+# --- the other estimators -------------------------------------------------------------------------------
+# Ragged rows, one with a hole in its mask (position 1 of row 5 is not a response token), groups of 3, 2 and 1.
+MASK2 = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 1, 1]],
+                     dtype=torch.float32)
+GROUPS2 = [0, 0, 0, 1, 1, 2]
+REWARDS2 = torch.tensor([[0.1, -0.2, 1.0, 0.0], [0.7, 0.0, 0.0, 0.0], [0.0, 0.3, 0.0, 0.0],
+                         [-0.1, 0.0, 0.2, 0.5], [0.0, 0.9, 0.0, 0.0], [0.05, 0.0, -0.3, 0.4]]) * MASK2
+VALUES2 = torch.tensor([[0.2, 0.4, 0.6, 0.0], [0.1, 0.0, 0.0, 0.0], [0.5, -0.2, 0.0, 0.0],
+                        [0.3, 0.3, 0.1, 0.2], [0.0, 0.4, 0.0, 0.0], [0.2, 9.0, -0.1, 0.3]]) * MASK2
+
+
+def positions(i: int) -> list[int]:
+    return [t for t in range(MASK2.shape[1]) if MASK2[i, t]]
+
+
+def py_whiten(per_token: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    xs = list(per_token.values())
+    mean = sum(xs) / len(xs)
+    var = sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)
+    return {k: (x - mean) / math.sqrt(var + 1e-8) for k, x in per_token.items()}
+
+
+def inputs2(**kw) -> AdvantageInputs:
+    return AdvantageInputs(REWARDS2.clone(), MASK2, torch.tensor(GROUPS2), **kw)
+
+
+def assert_tokens(tensor: torch.Tensor, expected: dict[tuple[int, int], float], abs_tol: float = 1e-5) -> None:
+    for i in range(tensor.shape[0]):
+        for t in range(tensor.shape[1]):
+            assert tensor[i, t].item() == pytest.approx(expected.get((i, t), 0.0), abs=abs_tol), (i, t)
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.9, 0.8)])
+def test_gae_against_python_recursion(gamma, lam):
+    adv, returns = gae(inputs2(values=VALUES2, gamma=gamma, lam=lam))
+    raw, rets = {}, {}
+    for i in range(MASK2.shape[0]):
+        pos = positions(i)
+        r = [REWARDS2[i, t].item() for t in pos]
+        v = [VALUES2[i, t].item() for t in pos] + [0.0]  # terminal state after the last token
+        running = 0.0
+        for k in reversed(range(len(pos))):
+            delta = r[k] + gamma * v[k + 1] - v[k]
+            running = delta + gamma * lam * running
+            raw[(i, pos[k])] = running
+            rets[(i, pos[k])] = running + v[k]
+    assert_tokens(returns, rets)
+    assert_tokens(adv, py_whiten(raw))
+
+
+def test_gae_with_lambda_one_and_gamma_one_is_return_minus_value():
+    adv, returns = gae(inputs2(values=VALUES2))
+    for i in range(MASK2.shape[0]):
+        pos = positions(i)
+        for k, t in enumerate(pos):
+            assert returns[i, t].item() == pytest.approx(sum(REWARDS2[i, u].item() for u in pos[k:]), abs=1e-6)
+
+
+def test_rloo_is_score_minus_mean_of_the_others():
+    adv, _ = rloo(inputs2())
+    scores = [REWARDS2[i].sum().item() for i in range(len(GROUPS2))]
+    expected = {}
+    for i, g in enumerate(GROUPS2):
+        others = [scores[j] for j in range(len(GROUPS2)) if GROUPS2[j] == g and j != i]
+        a = scores[i] - sum(others) / len(others) if others else scores[i]
+        expected.update({(i, t): a for t in positions(i)})
+    assert_tokens(adv, expected)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.5])
+def test_reinforce_pp_whitens_discounted_returns(gamma):
+    adv, returns = reinforce_pp(inputs2(gamma=gamma))
+    rets = {}
+    for i in range(MASK2.shape[0]):
+        running = 0.0
+        for t in reversed(positions(i)):
+            running = REWARDS2[i, t].item() + gamma * running
+            rets[(i, t)] = running
+    assert_tokens(returns, rets)
+    assert_tokens(adv, py_whiten(rets))
+
+
+def test_reinforce_pp_baseline_subtracts_group_mean_then_whitens():
+    adv, _ = reinforce_pp_baseline(inputs2())
+    scores = [REWARDS2[i].sum().item() for i in range(len(GROUPS2))]
+    centred = {}
+    for i, g in enumerate(GROUPS2):
+        group = [scores[j] for j in range(len(GROUPS2)) if GROUPS2[j] == g]
+        mean = sum(group) / len(group) if len(group) > 1 else 0.0
+        centred.update({(i, t): scores[i] - mean for t in positions(i)})
+    assert_tokens(adv, py_whiten(centred))
+
+
+def test_remax_subtracts_the_greedy_reward_from_the_return_to_go():
+    baseline = torch.tensor([0.5, 0.5, 0.5, -0.25, -0.25, 1.0])
+    adv, returns = remax(inputs2(baseline_scores=baseline))
+    expected_adv, expected_ret = {}, {}
+    for i in range(MASK2.shape[0]):
+        pos = positions(i)
+        for k, t in enumerate(pos):
+            ret = sum(REWARDS2[i, u].item() for u in pos[k:])
+            expected_ret[(i, t)] = ret
+            expected_adv[(i, t)] = ret - baseline[i].item()
+    assert_tokens(returns, expected_ret)
+    assert_tokens(adv, expected_adv)
+    with pytest.raises(ValueError, match="baseline"):
+        remax(inputs2())
+
+
+def test_estimators_declare_what_they_need():
+    from hybridrl.algorithms.advantages import estimator_needs
+
+    assert estimator_needs(gae) == ("values",)
+    assert estimator_needs(remax) == ("baseline_scores",)
+    assert estimator_needs(grpo) == estimator_needs(rloo) == ()
+
+
+# --- GSPO and the value loss ------------------------------------------------------------------------------
+def test_gspo_uses_the_length_normalised_sequence_ratio():
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.float32)
+    old = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -1.0, 0.0]])
+    logp = torch.tensor([[-0.9, -0.7, -1.5], [-0.3, -0.6, 0.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, 0.0]])
+    settings = PolicyLossSettings(clip_low=0.05, clip_high=0.1)
+    loss, metrics = gspo(logp, old, adv, mask, settings)
+    (loss * mask).sum().backward()
+    for i in range(2):
+        n = int(mask[i].sum())
+        s = math.exp(sum(logp[i, t].item() - old[i, t].item() for t in range(n)) / n)
+        a = adv[i, 0].item()
+        unclipped, clipped = -a * s, -a * min(max(s, 0.95), 1.1)
+        for t in range(n):
+            assert loss[i, t].item() == pytest.approx(max(unclipped, clipped), rel=1e-5)
+            # GSPO-token gradient: s * dlogp for the unclipped branch, 0 when the clip is active
+            grad = -a * s if unclipped >= clipped else 0.0
+            assert logp.grad[i, t].item() == pytest.approx(grad, rel=1e-5, abs=1e-7)
+    assert metrics["ratio"].item() == pytest.approx(
+        (3 * math.exp((0.1 - 0.2 + 0.5) / 3) + 2 * math.exp((-0.1 + 0.4) / 2)) / 5, rel=1e-5)
+
+
+def test_gspo_equals_ppo_clip_for_one_token_sequences():
+    logp, old = torch.tensor([[-0.4], [-2.0]]), torch.tensor([[-1.0], [-1.5]])
+    adv = torch.tensor([[0.7], [-1.2]])
+    settings = PolicyLossSettings(clip_low=0.2, clip_high=0.28)
+    a, _ = gspo(logp, old, adv, torch.ones(2, 1), settings)
+    b, _ = ppo_clip(logp, old, adv, torch.ones(2, 1), settings)
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("cliprange", [None, 0.2])
+def test_clipped_value_loss_against_python(cliprange):
+    values = torch.tensor([[0.5, 1.2, -0.3], [0.0, 0.9, 0.1]])
+    old = torch.tensor([[0.4, 0.7, -0.2], [0.3, 0.9, 0.0]])
+    returns = torch.tensor([[1.0, 0.0, -1.0], [0.2, 2.0, 0.1]])
+    loss, clipped = clipped_value_loss(values, old, returns, cliprange)
+    for i in range(2):
+        for t in range(3):
+            v, o, r = values[i, t].item(), old[i, t].item(), returns[i, t].item()
+            plain = (v - r) ** 2
+            if cliprange is None:
+                expected, was_clipped = 0.5 * plain, False
+            else:
+                vc = o + min(max(v - o, -cliprange), cliprange)
+                expected, was_clipped = 0.5 * max(plain, (vc - r) ** 2), (vc - r) ** 2 > plain
+            assert loss[i, t].item() == pytest.approx(expected, rel=1e-5)
+            assert clipped[i, t].item() == float(was_clipped)
+
+
+def test_value_objective_aggregates_the_value_loss():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    old = torch.tensor([[0.0, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    returns = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    values = torch.tensor([[0.2, 0.5, 7.0], [1.0, 3.0, 0.0]])
+    batch = Batch.from_tensors({"values": old, RETURNS: returns, RESPONSE_MASK: mask})
+    objective = ValueObjective(cliprange_value=0.1, aggregate=token_mean)
+    assert objective.needs == ("values",)
+    loss, metrics = objective({"values": values}, batch, LossScale(3.0, 2.0, 1))
+    # tokens: (0.2 vs old 0 -> clipped 0.1; R=1): max(0.64, 0.81); (0.5, old .5, R=1): 0.25; (1.0, old 1, R=0): 1
+    expected = 0.5 * (0.81 + 0.25 + 1.0) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert metrics["critic/vf_loss"] == pytest.approx(expected, rel=1e-5)
+    assert metrics["critic/vf_clipfrac"] == pytest.approx(1 / 3)
+
+
+# --- KL controllers -----------------------------------------------------------------------------------
+def test_adaptive_kl_controller_follows_ziegler_update():
+    ctrl = AdaptiveKLController(coef=0.1, target=2.0, horizon=1000)
+    coef = 0.1
+    for kl, n in [(4.0, 64), (2.5, 64), (1.0, 128), (0.1, 64)]:
+        ctrl.update(kl, n)
+        coef *= 1 + min(max(kl / 2.0 - 1, -0.2), 0.2) * n / 1000
+        assert ctrl.coef == pytest.approx(coef, rel=1e-12)
+    fixed = FixedKLController(0.3)
+    fixed.update(100.0, 64)
+    assert fixed.coef == 0.3

@@ -23,6 +23,12 @@ LAYOUTS = {
     "colocated-2": ["pools.main.devices_per_node=2"],
     "split": ["pools={train: {devices_per_node: 1}, gen: {devices_per_node: 1}}", "roles.actor.pool=train",
               "roles.ref.pool=train", "roles.rollout.pool=gen"],
+    "split-object-store": ["pools={train: {devices_per_node: 1}, gen: {devices_per_node: 1}}",
+                           "roles.actor.pool=train", "roles.ref.pool=train", "roles.rollout.pool=gen",
+                           "roles.rollout.weight_transport=object_store"],
+    "split-2x2": ["pools={train: {devices_per_node: 2}, gen: {devices_per_node: 2}}", "roles.actor.pool=train",
+                  "roles.ref.pool=train", "roles.rollout.pool=gen", "roles.rollout.bucket_mb=0.5",
+                  "cluster.devices_per_node=4", "cluster.device=cpu"],
 }
 
 
@@ -47,7 +53,9 @@ def test_rollout_weights_equal_actor_after_every_reshard(layout, tmp_path, ray_l
             assert metrics["reshard/bytes"] > 0
         changed = [k for k in initial if not torch.equal(initial[k], actor[0][k])]
         assert changed, "the actor's weights never changed, so the check above proved nothing"
-        if layout == "split":
+        if layout.startswith("split"):
             assert "split pools" in trainer.setup.plan.render()
+            expected = "ObjectStoreBridge" if "object-store" in layout else "BroadcastBridge"
+            assert type(trainer.bridge).__name__ == expected
     finally:
         trainer.shutdown()

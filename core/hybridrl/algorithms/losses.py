@@ -42,6 +42,42 @@ def ppo_clip(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: t
     return loss, metrics
 
 
+def gspo(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+         mask: torch.Tensor, settings: PolicyLossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: the clipped surrogate on the *sequence* ratio ``s_i = exp(mean_t log(pi/pi_old))`` (the
+    geometric mean of the token ratios), bounds ``[1 - clip_low, 1 + clip_high]``. Per token it is written
+    ``s_i * pi(y_t) / sg(pi(y_t))``: the same value as ``s_i``, but each token gets its own gradient
+    ``s_i * grad log pi(y_t) / |y_i|`` (GSPO-token, as in the paper and verl). Pair with seq-mean-token-mean."""
+    m = mask.to(log_probs.dtype)
+    lengths = m.sum(-1).clamp(min=1.0)
+    seq_log_ratio = ((log_probs - old_log_probs) * m).sum(-1) / lengths  # (B,)
+    log_ratio = log_probs - log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = log_ratio.clamp(max=10.0).exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    metrics = {
+        "clipfrac": masked_mean((clipped > unclipped).to(loss.dtype), mask),
+        "ppo_kl": masked_mean(-(log_probs - old_log_probs), mask),
+        "ratio": masked_mean(ratio.detach(), mask),
+    }
+    return loss, metrics
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       cliprange: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's value loss per token, ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-c) - R)^2)``: the new
+    value may not move more than ``cliprange`` from the value the advantages were computed with (``None``:
+    plain ``0.5 * (V - R)^2``). Returns ``(loss, clipped)``, the second a 0/1 tensor of where the clipped
+    branch was the larger one."""
+    unclipped = (values - returns).square()
+    if cliprange is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped)
+    clipped_values = old_values + (values - old_values).clamp(-cliprange, cliprange)
+    clipped = (clipped_values - returns).square()
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).to(values.dtype)
+
+
 def token_mean(token_loss: torch.Tensor, mask: torch.Tensor, scale: LossScale) -> torch.Tensor:
     """Mean over every response token of the global batch."""
     return (token_loss * mask).sum() / max(scale.total_tokens, 1.0) * scale.dp_size

@@ -1,7 +1,8 @@
-"""The actor's training objective, assembled from registered components and handed to the train engine.
+"""The training objectives handed to the train engines, assembled from registered components.
 
-The engine does forward passes and micro-batching; this object turns per-token log-probs (and entropy)
-into the scalar loss share of one micro-batch: policy loss + KL-to-reference loss - entropy bonus.
+The engine does forward passes and micro-batching; an objective turns per-token outputs into the scalar loss
+share of one micro-batch: for the actor, policy loss + KL-to-reference loss - entropy bonus; for the critic,
+the clipped value loss. Also: resolving an algorithm preset into the effective settings.
 """
 
 from __future__ import annotations
@@ -10,12 +11,18 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from pydantic import ValidationError
 
-from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, Batch
+from hybridrl.algorithms.advantages import estimator_needs
+from hybridrl.algorithms.losses import PolicyLossSettings, clipped_value_loss, masked_mean
+from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, RETURNS, Batch
 from hybridrl.config import AlgorithmConfig
-from hybridrl.engines import LossScale
-from hybridrl.algorithms.losses import PolicyLossSettings, masked_mean
-from hybridrl.registry import Registry
+from hybridrl.engines import VALUES, LossScale
+from hybridrl.registry import Registry, RegistryError
+
+
+#: preset keys that describe the algorithm rather than set an ``AlgorithmConfig`` field.
+PRESET_META_KEYS = frozenset({"uses_ref", "uses_critic", "description"})
 
 
 @dataclass(frozen=True)
@@ -27,16 +34,47 @@ class ResolvedAlgorithm:
     loss_agg: str
     uses_ref: bool
     uses_critic: bool
+    greedy_baseline: bool = False  # the estimator needs one greedy response per prompt (ReMax)
+    config: AlgorithmConfig | None = None  # the effective algorithm config (preset defaults filled in)
+
+
+def apply_preset(cfg: AlgorithmConfig, registry: Registry) -> AlgorithmConfig:
+    """``cfg`` with the defaults of its preset (``registry.add_algorithm(name, defaults)``) filled in for every
+    field the user did not set. A preset may set any ``algorithm.*`` key (``advantage``, ``norm_adv_by_std``,
+    ``clip_low`` ...); what the user wrote always wins. Idempotent: the result has every field set."""
+    preset: dict[str, Any] = registry.get("algorithm", cfg.name)
+    unknown = set(preset) - set(AlgorithmConfig.model_fields) - PRESET_META_KEYS
+    if unknown:
+        raise RegistryError(f"algorithm preset '{cfg.name}' sets unknown keys {sorted(unknown)}")
+    data = cfg.model_dump(by_alias=True)
+    for key, value in preset.items():
+        if key in AlgorithmConfig.model_fields and key not in cfg.model_fields_set:
+            data[key] = value
+    for key, default in (("advantage", "grpo"), ("policy_loss", "ppo_clip"), ("loss_agg", "token-mean")):
+        if data.get(key) is None:
+            data[key] = default
+    try:
+        return AlgorithmConfig.model_validate(data)
+    except ValidationError as exc:
+        raise RegistryError(f"algorithm preset '{cfg.name}' gives invalid settings: {exc}") from None
 
 
 def resolve_algorithm(cfg: AlgorithmConfig, registry: Registry) -> ResolvedAlgorithm:
+    """Effective config and what the algorithm needs (a reference, a critic, a greedy baseline)."""
     preset: dict[str, Any] = registry.get("algorithm", cfg.name)
+    eff = apply_preset(cfg, registry)
+    try:
+        wanted = estimator_needs(registry.get("advantage", eff.advantage))
+    except RegistryError:  # reported under algorithm.advantage by the pre-flight checks
+        wanted = ()
     return ResolvedAlgorithm(
-        advantage=cfg.advantage or preset["advantage"],
-        policy_loss=cfg.policy_loss or preset.get("policy_loss", "ppo_clip"),
-        loss_agg=cfg.loss_agg or preset.get("loss_agg", "token-mean"),
-        uses_ref=bool(preset.get("uses_ref", True)) and cfg.kl is not None and cfg.kl.coef > 0,
-        uses_critic=bool(preset.get("uses_critic", False)),
+        advantage=eff.advantage,
+        policy_loss=eff.policy_loss,
+        loss_agg=eff.loss_agg,
+        uses_ref=bool(preset.get("uses_ref", True)) and eff.kl is not None and eff.kl.coef > 0,
+        uses_critic=bool(preset.get("uses_critic", False)) or "values" in wanted,
+        greedy_baseline="baseline_scores" in wanted,
+        config=eff,
     )
 
 
@@ -44,8 +82,8 @@ class PolicyObjective:
     """Callable objective for ``TrainEngine.update`` (see ``hybridrl.engines.Objective``)."""
 
     def __init__(self, cfg: AlgorithmConfig, registry: Registry) -> None:
-        self.cfg = cfg
         algo = resolve_algorithm(cfg, registry)
+        cfg = self.cfg = algo.config
         self.policy_loss: Callable = registry.get("policy_loss", algo.policy_loss)
         self.aggregate: Callable = registry.get("loss_aggregation", algo.loss_agg)
         self.kl_as_loss = cfg.kl is not None and cfg.kl.apply_as == "loss" and cfg.kl.coef > 0
@@ -71,4 +109,29 @@ class PolicyObjective:
                 token_loss = token_loss - self.cfg.entropy_coef * entropy
         loss = self.aggregate(token_loss, mask, scale)
         report.update({f"actor/{k}": v for k, v in metrics.items()})
+        return loss, {k: float(v.detach()) for k, v in report.items()}
+
+
+class ValueObjective:
+    """The critic's objective for ``TrainEngine.update``: PPO's clipped value loss against the returns.
+
+    Built in the driver and sent with the call (it holds only numbers and an importable function), so the
+    worker needs no knowledge of it. The micro-batch carries ``values`` (the critic's values before this
+    update, the clip's anchor) and ``returns``."""
+
+    needs: tuple[str, ...] = (VALUES,)
+
+    def __init__(self, cliprange_value: float | None, aggregate: Callable) -> None:
+        self.cliprange_value = cliprange_value
+        self.aggregate = aggregate
+
+    def __call__(self, outputs: dict[str, torch.Tensor], micro_batch: Batch, scale: LossScale
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+        values = outputs[VALUES]
+        mask = micro_batch[RESPONSE_MASK].to(values.dtype)
+        token_loss, clipped = clipped_value_loss(values, micro_batch[VALUES].to(values.dtype),
+                                                 micro_batch[RETURNS].to(values.dtype), self.cliprange_value)
+        loss = self.aggregate(token_loss, mask, scale)
+        report = {"critic/vf_loss": masked_mean(token_loss, mask), "critic/vf_clipfrac": masked_mean(clipped, mask),
+                  "critic/vpred_mean": masked_mean(values, mask)}
         return loss, {k: float(v.detach()) for k, v in report.items()}

@@ -45,6 +45,18 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
+def check_prompt_lengths(prompt_mask: torch.Tensor, max_new_tokens: int, context_length: int | None) -> None:
+    """Refuse rows that cannot be generated: an empty prompt (nothing to condition on) or one that, with
+    ``max_new_tokens`` more tokens, would not fit the context. ``ValueError`` names the first bad row."""
+    lengths = prompt_mask.to(torch.long).sum(dim=1).tolist()
+    for row, n in enumerate(lengths):
+        if n == 0:
+            raise ValueError(f"row {row}: empty prompt (its prompt_mask has no token)")
+        if context_length is not None and n + max_new_tokens > context_length:
+            raise ValueError(f"row {row}: prompt of {n} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                             f"model's context length {context_length} (max_position_embeddings)")
+
+
 class HFRollout(RolloutEngine):
     """Token-in/token-out sampling with a KV cache on a transformers causal LM.
 
@@ -80,6 +92,8 @@ class HFRollout(RolloutEngine):
         self.pad_id: int = pad[0] if pad else eos[0]
         self._sleeping = False
         self.weight_version = 0
+        #: prompt + response tokens the model supports (None: no limit stated in its config).
+        self.context_length: int | None = getattr(cfg, "max_position_embeddings", None)
 
     @staticmethod
     def _resolve_device(device: str) -> torch.device:
@@ -106,11 +120,16 @@ class HFRollout(RolloutEngine):
         decoding the log-softmax of the (EOS-masked) logits without temperature.
         ``ignore_eos``: an EOS does not end the row (it may still be sampled), every row gets
         ``max_new_tokens`` tokens.
+
+        Raises ``ValueError`` naming the first bad row (``row 3: ...``) when a row's prompt is empty (no 1 in
+        its ``prompt_mask``) or when its tokens plus ``max_new_tokens`` exceed the model's context length
+        (``max_position_embeddings``): generating past it would silently run out of distribution.
         """
         if self._sleeping:
             raise RuntimeError("HFRollout.generate called while asleep; call wake() first")
         from transformers import DynamicCache
 
+        check_prompt_lengths(batch[PROMPT_MASK], int(params.max_new_tokens), self.context_length)
         dev = self.device
         prompt_ids = batch[PROMPT_IDS].to(dev, torch.long)
         prompt_mask = batch[PROMPT_MASK].to(dev).long()

@@ -6,7 +6,12 @@ Master weights, gradients and AdamW state are fp32; on CUDA the forward/backward
 through FSDP2's ``MixedPrecisionPolicy`` (gradients reduced in fp32).
 
 Every public method except ``offload``/``onload`` is collective: all ranks must call it, with local batches
-that split into the same number of micro-batches (checked, so a mismatch raises instead of hanging).
+that split into the same number of micro-batches (checked, so a mismatch raises instead of hanging; with a
+token budget the ranks agree on the count first, see ``micro_batching``).
+
+One engine class serves three heads, chosen by the role (or ``options.head``): ``lm`` (actor, reference:
+log-probs and entropies), ``value`` (critic: ``ValueModel``, per-token values) and ``reward`` (reward model:
+``SequenceScorer``, one score per sequence).
 """
 
 from __future__ import annotations
@@ -24,14 +29,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, Batch, sequence_tensors
+from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, SCORES, Batch, sequence_tensors
 from hybridrl.distributed import all_reduce_sum
-from hybridrl.engines import EngineContext, LossScale, Objective, TrainEngine, WeightBucket
+from hybridrl.engines import VALUES, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
 
 from hybridrl_fsdp.logprobs import entropy_from_logits, token_log_probs
+from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter_rows
 
-#: the per-micro-batch tensors this engine can hand to an objective (no value head: no "values").
+#: the per-micro-batch tensors the LM head can hand to an objective.
 SUPPORTED_OUTPUTS = frozenset({LOG_PROBS, ENTROPY})
+#: what each head can hand to an objective in ``update``.
+HEAD_OUTPUTS = {"lm": SUPPORTED_OUTPUTS, "value": frozenset({VALUES}), "reward": frozenset()}
+#: the head a role gets unless ``options.head`` says otherwise.
+ROLE_HEADS = {"critic": "value", "reward": "reward"}
 
 
 @dataclass(frozen=True)
@@ -46,11 +56,14 @@ class FSDPSettings:
     warmup_steps: int = 0
     gradient_checkpointing: bool = False
     attn_implementation: str | None = None  # None: the transformers default (sdpa)
+    max_tokens_per_micro_batch: int | None = None  # token budget per micro-batch (replaces micro_batch)
+    head: str = "lm"  # "lm", "value" (critic) or "reward" (reward model)
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> "FSDPSettings":
+    def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> "FSDPSettings":
         betas = options.get("betas", cls.betas)
         grad_clip = options.get("grad_clip", cls.grad_clip)
+        budget = options.get("max_tokens_per_micro_batch")
         settings = cls(
             micro_batch=int(options.get("micro_batch", cls.micro_batch)),
             lr=float(options.get("lr", cls.lr)),
@@ -60,7 +73,13 @@ class FSDPSettings:
             warmup_steps=int(options.get("warmup_steps", cls.warmup_steps)),
             gradient_checkpointing=bool(options.get("gradient_checkpointing", False)),
             attn_implementation=options.get("attn_implementation"),
+            max_tokens_per_micro_batch=None if budget is None else int(budget),
+            head=str(options.get("head") or ROLE_HEADS.get(role, "lm")),
         )
+        if settings.head not in HEAD_OUTPUTS:
+            raise ValueError(f"unknown head '{settings.head}' (known: {', '.join(HEAD_OUTPUTS)})")
+        if settings.max_tokens_per_micro_batch is not None and settings.max_tokens_per_micro_batch <= 0:
+            raise ValueError(f"max_tokens_per_micro_batch must be positive, got {settings.max_tokens_per_micro_batch}")
         if settings.micro_batch <= 0:
             raise ValueError(f"micro_batch must be positive, got {settings.micro_batch}")
         if settings.lr < 0 or settings.warmup_steps < 0:
@@ -69,17 +88,20 @@ class FSDPSettings:
 
 
 class FSDPEngine(TrainEngine):
-    """Actor / reference policy on FSDP2. ``ctx.trainable=False`` gives a frozen model without optimiser."""
+    """Actor / reference policy / critic / reward model on FSDP2. ``ctx.trainable=False`` gives a frozen model
+    without optimiser."""
 
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
         _require_process_group(ctx)
-        self.settings = FSDPSettings.from_options(ctx.options)
+        self.settings = FSDPSettings.from_options(ctx.options, ctx.role)
+        self.head = self.settings.head
         self.device = _engine_device(ctx)
         self.master_dtype = torch.float32
         torch.manual_seed(ctx.seed)  # before anything random (seeds CUDA too)
         self.model = _load_model(ctx, self.settings)
-        self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(type(self.model).forward).parameters
+        self._supports_logits_to_keep = (self.head == "lm" and
+                                         "logits_to_keep" in inspect.signature(type(self.model).forward).parameters)
         self.mesh = init_device_mesh(self.device.type, (ctx.world_size,), mesh_dim_names=("dp",))
         _shard_model(self.model, self.mesh, _mixed_precision(ctx, self.device))
         self.optimizer: torch.optim.Optimizer | None = None
@@ -92,19 +114,53 @@ class FSDPEngine(TrainEngine):
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
         """Log-probs (and entropies) of the response tokens; 0 at padded response positions."""
-        self.model.eval()
-        micro_batches = self._micro_batches(batch)
-        _check_same_count(len(micro_batches), self.ctx.device)
+        self._require_head("lm", "compute_log_probs")
         temperature = _temperature(batch)
-        results: dict[str, list[torch.Tensor]] = defaultdict(list)
-        for micro in micro_batches:
-            outputs = self._response_outputs(micro, temperature, with_entropy)
-            for key, value in outputs.items():
-                results[key].append(value.float().cpu())
-        if not micro_batches:  # keeps the (0, R) shape of an empty local batch
-            width = batch[RESPONSE_IDS].shape[1]
-            results = {k: [torch.zeros(0, width)] for k in ([LOG_PROBS, ENTROPY] if with_entropy else [LOG_PROBS])}
-        return Batch.from_tensors({key: torch.cat(values, dim=0) for key, values in results.items()})
+        keys = [LOG_PROBS, ENTROPY] if with_entropy else [LOG_PROBS]
+        return self._forward_rows(batch, keys, lambda micro: self._response_outputs(micro, temperature, with_entropy))
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Batch:
+        """Critic: ``values`` (B, R), the value of the state before each response token; 0 at padding."""
+        self._require_head("value", "compute_values")
+        return self._forward_rows(batch, [VALUES], lambda micro: {VALUES: self._response_values(micro)})
+
+    @torch.no_grad()
+    def compute_scores(self, batch: Batch) -> Batch:
+        """Reward model: ``scores`` (B,), each prompt+response scored at its last real token."""
+        self._require_head("reward", "compute_scores")
+        self.model.eval()
+        parts = []
+        for micro in self._plan(batch):
+            ids, mask, pos = (t.to(self.device) for t in sequence_tensors(micro.batch))
+            parts.append((micro.index, self.model(ids, mask, pos).float().cpu()))
+        scores = torch.zeros(len(batch), dtype=torch.float32)
+        for index, values in parts:
+            scores[index] = values
+        return Batch.from_tensors({SCORES: scores})
+
+    def _forward_rows(self, batch: Batch, keys: list[str], forward) -> Batch:
+        """Run ``forward(micro) -> {key: (b, w)}`` over the micro-batches and reassemble ``(B, R)`` tensors
+        in the batch's row order."""
+        self.model.eval()
+        width = batch[RESPONSE_IDS].shape[1]
+        parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        for micro in self._plan(batch):
+            for key, value in forward(micro.batch).items():
+                parts[key].append((micro.index, value.float().cpu()))
+        return Batch.from_tensors({key: scatter_rows(parts[key], len(batch), width) for key in keys})
+
+    def _require_head(self, head: str, method: str) -> None:
+        if self.head != head:
+            raise RuntimeError(f"{method} needs the '{head}' head; role '{self.ctx.role}' has the '{self.head}' head")
+
+    def _response_values(self, micro: Batch) -> torch.Tensor:
+        """Values at positions ``P-1 .. P+R-2`` (the state before each response token), (b, R) fp32."""
+        input_ids, attention_mask, position_ids = (t.to(self.device) for t in sequence_tensors(micro))
+        mask = micro[RESPONSE_MASK].to(self.device).bool()
+        response_len = mask.shape[1]
+        values = self.model(input_ids, attention_mask, position_ids, keep_last=response_len + 1)[:, :response_len]
+        return values.masked_fill(~mask, 0.0)
 
     def _response_outputs(self, micro: Batch, temperature: float | None, with_entropy: bool) -> dict[str, torch.Tensor]:
         """Forward one micro-batch; per-token ``log_probs`` (and ``entropy``) of its responses, (b, R) fp32."""
@@ -142,11 +198,12 @@ class FSDPEngine(TrainEngine):
         if self.optimizer is None:
             raise RuntimeError(f"role '{self.ctx.role}' is frozen (trainable=False): it cannot be updated")
         needs = tuple(objective.needs)
-        unsupported = set(needs) - SUPPORTED_OUTPUTS
+        provided = HEAD_OUTPUTS[self.head]
+        unsupported = set(needs) - provided
         if unsupported:
-            raise ValueError(f"FSDPEngine cannot compute {sorted(unsupported)} (it has no value head); "
-                             f"it provides {sorted(SUPPORTED_OUTPUTS)}")
-        micro_batches = self._micro_batches(batch)
+            raise ValueError(f"FSDPEngine with the '{self.head}' head cannot compute {sorted(unsupported)}; "
+                             f"it provides {sorted(provided) or 'nothing to train on'}")
+        micro_batches = [m.batch for m in self._plan(batch, check_counts=False)]
         scale = self._loss_scale(batch, len(micro_batches))
         temperature = _temperature(batch)
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -157,7 +214,10 @@ class FSDPEngine(TrainEngine):
         local_loss = 0.0
         for micro in micro_batches:
             micro = micro.to(self.device)  # the objective's tensors meet the outputs on one device
-            outputs = self._response_outputs(micro, temperature, with_entropy=ENTROPY in needs)
+            if self.head == "value":
+                outputs = {VALUES: self._response_values(micro)}
+            else:
+                outputs = self._response_outputs(micro, temperature, with_entropy=ENTROPY in needs)
             loss, micro_metrics = objective({k: outputs[k] for k in needs}, micro, scale)
             loss.backward()
             local_loss += float(loss.detach())
@@ -194,8 +254,17 @@ class FSDPEngine(TrainEngine):
         return float(norm)
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
-        size = self.settings.micro_batch
-        return [batch.index(range(start, min(start + size, len(batch)))) for start in range(0, len(batch), size)]
+        return [m.batch for m in self._plan(batch, check_counts=False)]
+
+    def _plan(self, batch: Batch, check_counts: bool = True) -> list[MicroBatch]:
+        """Micro-batches by rows or by token budget (ranks agree on their number: a collective).
+        ``check_counts`` raises when the ranks' counts differ (``update`` checks inside its own all-reduce)."""
+        budget = self.settings.max_tokens_per_micro_batch
+        plan = plan_micro_batches(batch, self.settings.micro_batch, budget,
+                                  count_for_all_ranks=lambda n: _all_reduce_max(n, self.ctx.device))
+        if check_counts:
+            _check_same_count(len(plan), self.ctx.device)
+        return plan
 
     # --- weights ------------------------------------------------------------------------------------------
     def export_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
@@ -281,10 +350,17 @@ def _load_model(ctx: EngineContext, settings: FSDPSettings) -> nn.Module:
     """fp32 master weights on CPU (``fully_shard`` moves each rank's shard to the mesh device)."""
     from transformers import AutoModelForCausalLM  # heavy import: only when an engine is built
 
+    from hybridrl_fsdp.value_model import SequenceScorer, ValueModel
+
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if settings.attn_implementation:
         kwargs["attn_implementation"] = settings.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(ctx.model_path, **kwargs)
+    if settings.head == "value":
+        model = ValueModel.from_pretrained(ctx.model_path, **kwargs)
+    elif settings.head == "reward":
+        model = SequenceScorer.from_pretrained(ctx.model_path, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(ctx.model_path, **kwargs)
     model.config.use_cache = False
     if not ctx.trainable:
         model.requires_grad_(False)
@@ -295,10 +371,11 @@ def _load_model(ctx: EngineContext, settings: FSDPSettings) -> nn.Module:
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__} has no 'model.layers' list of decoder layers to shard")
-    return layers
+    """The decoder layer list (``model.layers`` of a causal LM, ``backbone.layers`` of a value model ...)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and name.split(".")[-1] == "layers":
+            return module
+    raise TypeError(f"{type(model).__name__} has no 'layers' list of decoder layers to shard")
 
 
 def _mixed_precision(ctx: EngineContext, device: torch.device) -> MixedPrecisionPolicy | None:
@@ -337,6 +414,15 @@ def _temperature(batch: Batch) -> float | None:
     """The rollout's sampling temperature, if it rescaled the logits (None/0 = greedy or unscaled)."""
     value = batch.info.get("temperature")
     return float(value) if value is not None and float(value) > 0 and float(value) != 1.0 else None
+
+
+def _all_reduce_max(value: int, device: str) -> int:
+    """The largest ``value`` over the ranks (identity without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def _check_same_count(n_micro: int, device: str) -> None:

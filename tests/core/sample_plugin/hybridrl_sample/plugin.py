@@ -11,6 +11,15 @@ def half_k1(log_probs, ref_log_probs):
     return 0.5 * (log_probs - ref_log_probs)
 
 
+def batch_mean_advantage(inputs):
+    """A third-party advantage estimator: each sequence's score minus the mean score of the whole batch
+    (no groups), on every response token. ``inputs`` is a ``hybridrl.algorithms.advantages.AdvantageInputs``."""
+    mask = inputs.response_mask.to(inputs.token_rewards.dtype)
+    scores = (inputs.token_rewards * mask).sum(-1)
+    advantages = (scores - scores.mean()).unsqueeze(-1) * mask
+    return advantages, advantages.clone()
+
+
 @hookimpl
 def hybridrl_register_backends(registry):
     # Reuses the embedded transformers rollout under another name, to prove selection from config.
@@ -27,3 +36,5 @@ def hybridrl_register_rewards(registry):
 @hookimpl
 def hybridrl_register_algorithms(registry):
     registry.add_kl_estimator("sample_half_k1", half_k1)
+    registry.add_advantage("sample_batch_mean", "hybridrl_sample.plugin:batch_mean_advantage")
+    registry.add_algorithm("sample_reinforce", {"advantage": "sample_batch_mean", "loss_agg": "seq-mean-token-mean"})

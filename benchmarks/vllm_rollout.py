@@ -1,0 +1,412 @@
+"""The vLLM rollout backend against vLLM alone: generation speed, resharding, sleep/wake, memory, and a GRPO run.
+
+Two parts, each in its own process (each starts its own engine), results merged into one JSON:
+
+* ``micro``: an FSDP actor and ``VLLMRollout`` colocated in this process, as one worker hosts them. Generation
+  tokens/s through ``VLLMRollout.generate`` against the same engine's ``LLM.generate`` on the same prompts
+  (what a user calling vLLM directly gets); the in-process reshard (``sync_in_process``: export, import,
+  finish) awake and asleep against one flat device copy of the same bytes; ``sleep``/``wake`` seconds and the
+  memory they free; peak device memory.
+* ``grpo``: ``hybridrl train`` (Ray, FSDP actor + reference + vLLM rollout colocated on one device) for a few
+  steps; per-step phase times from its ``metrics.jsonl``.
+
+The model is built from a config on the spot (random weights): ``--shape qwen0.5b`` is Qwen2.5-0.5B's shape
+(hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936, tied embeddings) in bf16 with
+the bundled character tokenizer (the vocab is padded; the tokenizer only decodes rewards); ``--shape tiny`` is
+a smoke test for CPU.
+
+    python benchmarks/vllm_rollout.py [--shape qwen0.5b] [--parts micro,grpo] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "qwen0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                     intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096, rope_theta=1e6),
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512, max_position_embeddings=512, rope_theta=1e4),
+}
+
+
+def build_model(shape: str, dtype: str, out: Path) -> Path:
+    """A random Qwen2 of ``shape`` saved with the bundled character tokenizer (ids past its vocab decode to
+    nothing)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from hybridrl.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    cfg = Qwen2Config(**SHAPES[shape], tie_word_embeddings=True, use_sliding_window=False,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    return out
+
+
+def prompt_rows(prompts_per_step: int, n_samples: int) -> tuple[list[list[int]], list[str]]:
+    """The GRPO run's first prompts (the reverse task, character tokens), each repeated ``n_samples`` times."""
+    from hybridrl.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    lines = (ROOT / "examples" / "data" / "reverse2.jsonl").read_text().splitlines()[:prompts_per_step]
+    texts = [json.loads(line)["prompt"] for line in lines]
+    ids = [tok.encode(t) for t in texts]
+    return [p for p in ids for _ in range(n_samples)], texts
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - start, out
+
+
+class Memory:
+    """Device memory in use (all allocators, vLLM's cumem pool included) at named points, and the peak."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.points, self.peak = device, {}, 0.0
+
+    def mark(self, name: str) -> float:
+        if self.device != "cuda":
+            return 0.0
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        used = (total - free) / 2**30
+        self.points[name] = round(used, 3)
+        self.peak = max(self.peak, used)
+        return used
+
+
+def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    import torch
+
+    from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, left_pad
+    from hybridrl.bridge import sync_in_process
+    from hybridrl.distributed import free_port, init_process_group
+    from hybridrl.engines import EngineContext, SamplingParams
+    from hybridrl_fsdp.engine import FSDPEngine
+    from hybridrl_vllm import compat
+    from hybridrl_vllm.engine import VLLMRollout
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    os.environ.setdefault("LOCAL_RANK", "0")
+    init_process_group(0, 1, "127.0.0.1", free_port(), device)
+    mem = Memory(device)
+    mem.mark("start")
+    common = dict(model_path=str(model_dir), rank=0, world_size=1, device=device, dtype=dtype, seed=0)
+    t_actor, actor = timed(lambda: FSDPEngine(EngineContext(role="actor", backend="fsdp", trainable=True,
+                                                            options={"micro_batch": 8, "lr": 1e-6}, **common)), device)
+    mem.mark("actor_built")
+    options = {"gpu_memory_utilization": args.gpu_memory_utilization, "seed_mode": "request"}
+    t_engine, rollout = timed(lambda: VLLMRollout(EngineContext(role="rollout", backend="vllm", trainable=False,
+                                                                options=options, **common)), device)
+    mem.mark("engine_built")
+    out: dict[str, Any] = {"device": device, "dtype": dtype, "vllm_version": str(compat.version()),
+                           "actor_build_s": t_actor, "engine_build_s": t_engine}
+    if device == "cuda":
+        out["gpu"] = torch.cuda.get_device_name()
+
+    # --- generation: through VLLMRollout against LLM.generate on the same prompts ---------------------------
+    prompts, _ = prompt_rows(args.prompts_per_step, args.n_samples)
+    ids, mask = left_pad(prompts, 0)
+    batch = Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask})
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=1)
+    from vllm import SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+
+    vprompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    llm = rollout.llm
+
+    def alone(logprobs: int | None, seeded: bool) -> Callable[[], int]:
+        def run() -> int:
+            if seeded:
+                sp: Any = [VSP(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, logprobs=logprobs,
+                               detokenize=False, seed=1000 + i) for i in range(len(vprompts))]
+            else:
+                sp = VSP(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, logprobs=logprobs,
+                         detokenize=False)
+            outs = llm.generate(vprompts, sp, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in outs)
+        return run
+
+    def hybrid(seed_mode: str) -> Callable[[], int]:
+        def run() -> int:
+            from dataclasses import replace
+
+            rollout.opts = replace(rollout.opts, seed_mode=seed_mode)
+            return int(rollout.generate(batch, params)[RESPONSE_MASK].sum())
+        return run
+
+    variants = {"vllm_alone": alone(None, False), "vllm_alone_logprobs": alone(0, False),
+                "vllm_alone_logprobs_seeded": alone(0, True), "hybridrl_seed_engine": hybrid("engine"),
+                "hybridrl_seed_request": hybrid("request")}
+    for fn in variants.values():  # warm-up (first-use kernels, sampler paths)
+        fn()
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+    tokens: dict[str, int] = {}
+    for _ in range(args.repeats):  # interleaved, so drifts hit every variant alike
+        for name, fn in variants.items():
+            seconds, n = timed(fn, device)
+            samples[name].append(n / seconds)
+            tokens[name] = n
+    mem.mark("after_generation")
+    gen = {name: {"tokens": tokens[name], "tokens_per_s_median": statistics.median(v), "tokens_per_s": v}
+           for name, v in samples.items()}
+    base = gen["vllm_alone_logprobs"]["tokens_per_s_median"]
+    out["generation"] = {
+        "rows": len(prompts), "new_tokens": args.new_tokens, "variants": gen,
+        "ratio_hybridrl_default_vs_vllm_alone": gen["hybridrl_seed_request"]["tokens_per_s_median"]
+        / gen["vllm_alone"]["tokens_per_s_median"],
+        "ratio_hybridrl_default_vs_vllm_alone_logprobs": gen["hybridrl_seed_request"]["tokens_per_s_median"] / base,
+        "ratio_hybridrl_engine_seed_vs_vllm_alone_logprobs": gen["hybridrl_seed_engine"]["tokens_per_s_median"] / base,
+    }
+
+    # --- reshard, sleep and wake in the trainer's order ---------------------------------------------------
+    bucket = int(args.bucket_mb * 2**20)
+    small = batch.index(list(range(min(8, len(batch)))))
+    short = SamplingParams(temperature=1.0, max_new_tokens=8, seed=2)
+    cycle: dict[str, Any] = {}
+    t, stats = timed(lambda: sync_in_process(actor, rollout, bucket), device)
+    cycle["reshard_awake_s"] = t
+    nbytes = int(stats["bytes"])
+    for k in range(3):  # k=0: level 1 (fresh weights); then level 2 once imports arrive while asleep
+        rollout.wake()
+        rollout.generate(small, short)
+        before = mem.mark(f"before_sleep_{k}")
+        t_sleep, _ = timed(rollout.sleep, device)
+        after = mem.mark(f"asleep_{k}")
+        t_sync, _ = timed(lambda: sync_in_process(actor, rollout, bucket), device)
+        mem.mark(f"synced_{k}")
+        t_wake, _ = timed(rollout.wake, device)
+        mem.mark(f"awake_{k}")
+        cycle[f"cycle{k}"] = {"sleep_level": getattr(rollout, "last_sleep_level", None), "sleep_s": t_sleep,
+                              "freed_gib": round(before - after, 3), "reshard_asleep_s": t_sync, "wake_s": t_wake}
+    # the same bytes in one flat device-to-device copy (the floor any reshard is measured against)
+    dev = torch.device(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copies = [timed(lambda: dst.copy_(src), device)[0] for _ in range(5)]
+    del src, dst
+    flat = min(copies)
+    steady = [cycle[f"cycle{k}"]["reshard_asleep_s"] for k in (1, 2)]
+    cycle.update({"bytes": nbytes, "buckets": stats["buckets"], "flat_copy_s": flat,
+                  "reshard_steady_s": statistics.median(steady),
+                  "reshard_vs_flat_copy": statistics.median(steady) / flat})
+    out["reshard_sleep_wake"] = cycle
+    # agreement: rollout log-probs against the actor's on the same tokens (same weights after the sync)
+    rollout.wake()
+    check = rollout.generate(small, SamplingParams(temperature=1.0, max_new_tokens=16, seed=3))
+    check.update(small)
+    lp = actor.compute_log_probs(check.select("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
+    m = check["response_mask"].bool()
+    out["logprob_abs_diff_mean"] = float((lp["log_probs"] - check["rollout_log_probs"]).abs()[m].mean())
+    if args.inprocess_steps:
+        out["grpo_in_process"] = grpo_in_process(args, actor, rollout, mem, device)
+    mem.mark("end")
+    out["memory_gib"] = {"points": mem.points, "peak_device_used": round(mem.peak, 3)}
+    if device == "cuda":
+        out["memory_gib"]["torch_max_allocated"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    return out
+
+
+def grpo_in_process(args: argparse.Namespace, actor: Any, rollout: Any, mem: Memory, device: str) -> dict[str, Any]:
+    """GRPO steps with the actor and the rollout colocated in this process, in the trainer's phase order (wake,
+    generate, sleep, reward, old log-probs, advantages, update, reshard), without Ray or a reference model:
+    where Ray is not installed (the GPU host) this is the colocated loop one worker runs."""
+    import torch
+
+    from hybridrl.algorithms.advantages import AdvantageInputs
+    from hybridrl.algorithms.objective import PolicyObjective, resolve_algorithm
+    from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK,
+                                Batch, left_pad)
+    from hybridrl.bridge import sync_in_process
+    from hybridrl.config import AlgorithmConfig
+    from hybridrl.engines import SamplingParams
+    from hybridrl.plugins import get_registry
+    from hybridrl.tokenizer import build_char_tokenizer
+
+    registry = get_registry()
+    algo_cfg = AlgorithmConfig(name="grpo", n_samples=args.n_samples, kl=None)
+    algo = resolve_algorithm(algo_cfg, registry)
+    objective = PolicyObjective(algo_cfg, registry)
+    advantage_fn = registry.get("advantage", algo.advantage)
+    reward_fn = registry.get("reward", "reverse")
+    tok = build_char_tokenizer()
+    lines = [json.loads(x) for x in (ROOT / "examples" / "data" / "reverse2.jsonl").read_text().splitlines() if x]
+    bucket = int(args.bucket_mb * 2**20)
+    steps = []
+    for step in range(args.inprocess_steps):
+        rows = [lines[(step * args.prompts_per_step + i) % len(lines)] for i in range(args.prompts_per_step)]
+        ids, mask = left_pad([tok.encode(r["prompt"]) for r in rows], tok.pad_token_id)
+        batch = Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask}).repeat_interleave(args.n_samples)
+        batch.info["temperature"] = 1.0
+        group = torch.arange(len(rows)).repeat_interleave(args.n_samples)
+        t: dict[str, float] = {}
+        t["wake"], _ = timed(rollout.wake, device)
+        params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=100 + step)
+        t["gen"], gen = timed(lambda: rollout.generate(batch, params), device)
+        batch.update(gen)
+        t["sleep"], _ = timed(rollout.sleep, device)
+        mem.mark(f"grpo_step{step}_asleep")
+        lengths = batch[RESPONSE_MASK].sum(1)
+        scores = torch.tensor([float(reward_fn(rows[i // args.n_samples]["prompt"],
+                                               tok.decode(batch[RESPONSE_IDS][i, :int(lengths[i])].tolist(),
+                                                          skip_special_tokens=True),
+                                               **{k: v for k, v in rows[i // args.n_samples].items() if k != "prompt"}))
+                               for i in range(len(batch))])
+        token_rewards = torch.zeros(batch[RESPONSE_MASK].shape)
+        token_rewards[torch.arange(len(batch)), (lengths - 1).clamp(min=0)] = scores
+        seq = batch.select(PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
+        seq.info["temperature"] = 1.0
+        t["old_log_prob"], old = timed(lambda: actor.compute_log_probs(seq), device)
+        adv, _ = advantage_fn(AdvantageInputs(token_rewards=token_rewards * batch[RESPONSE_MASK],
+                                              response_mask=batch[RESPONSE_MASK], group_index=group))
+        seq.set(OLD_LOG_PROBS, old["log_probs"])
+        seq.set(ADVANTAGES, adv)
+        t["update_actor"], update = timed(lambda: actor.update(seq, objective), device)
+        t["reshard"], stats = timed(lambda: sync_in_process(actor, rollout, bucket), device)
+        mem.mark(f"grpo_step{step}_end")
+        tokens = float(batch[RESPONSE_MASK].sum())
+        steps.append({**{f"timing/{k}": v for k, v in t.items()}, "timing/step": sum(t.values()),
+                      "perf/gen_tokens_per_s": tokens / t["gen"], "reward/mean": float(scores.mean()),
+                      "actor/loss": float(update.get("loss", float("nan"))),
+                      "sleep_level": getattr(rollout, "last_sleep_level", None), "reshard/bytes": stats["bytes"]})
+    later = steps[1:] or steps
+    keys = [k for k in steps[0] if k.startswith(("timing/", "perf/"))]
+    return {"steps": len(steps), "rows": len(batch), "per_step": steps,
+            "median_after_step1": {k: statistics.median(s[k] for s in later) for k in keys}}
+
+
+def grpo(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[str, Any]:
+    """``hybridrl train`` with the vLLM rollout colocated with the FSDP actor and reference."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    run_dir = workdir / "grpo"
+    cfg = {
+        "model": {"path": str(model_dir), "dtype": "bfloat16" if cuda else "float32"},
+        "data": {"train": str(ROOT / "examples" / "data" / "reverse2.jsonl"), "max_prompt_len": 16,
+                 "prompts_per_step": args.prompts_per_step, "shuffle": False},
+        "algorithm": {"name": "grpo", "n_samples": args.n_samples, "kl": {"coef": 0.001, "estimator": "k3", "as": "loss"}},
+        "pools": {"main": {"nodes": 1, "devices_per_node": 1}},
+        "roles": {"actor": {"pool": "main", "backend": "fsdp", "lr": 1e-6, "micro_batch": args.micro_batch},
+                  "ref": {"pool": "main", "backend": "fsdp"},
+                  "rollout": {"pool": "main", "backend": "vllm", "max_new_tokens": args.new_tokens,
+                              "temperature": 1.0, "ignore_eos": True,
+                              "options": {"gpu_memory_utilization": args.gpu_memory_utilization}},
+                  "reward": {"fn": "reverse"}},
+        "trainer": {"steps": args.steps, "out": str(run_dir), "trackers": ["jsonl"], "progress": False},
+    }
+    cfg_path = workdir / "grpo.json"  # YAML is a superset of JSON
+    cfg_path.write_text(json.dumps(cfg))
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", str(cfg_path)], capture_output=True,
+                              text=True, timeout=args.grpo_timeout)
+        code, log = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:  # keep the steps that finished
+        code, log = -1, f"timed out after {args.grpo_timeout}s\n{exc.stdout or ''}"
+    wall = time.perf_counter() - start
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    if code != 0 and not rows:
+        return {"ok": False, "returncode": code, "wall_s": wall, "log_tail": str(log)[-3000:]}
+    keys = ["timing/step", "timing/gen", "timing/wake", "timing/sleep", "timing/reshard", "timing/update_actor",
+            "timing/ref", "timing/old_log_prob", "perf/gen_tokens_per_s", "rollout/logp_diff", "reward/mean",
+            "reshard/bytes", "perf/peak_mem_mb"]
+    per_step = [{k: r[k] for k in keys if k in r} for r in rows]
+    later = per_step[1:] or per_step  # step 1 pays first-use costs
+    summary = {k: statistics.median(s[k] for s in later) for k in keys if later and all(k in s for s in later)}
+    return {"ok": code == 0, "returncode": code, "steps": len(rows), "wall_s": wall, "median_after_step1": summary,
+            "per_step": per_step, "config": cfg}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen0.5b")
+    parser.add_argument("--parts", default="micro,grpo")
+    parser.add_argument("--prompts-per-step", type=int, default=32)
+    parser.add_argument("--n-samples", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=256.0)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--steps", type=int, default=5, help="steps of the hybridrl train run (part grpo)")
+    parser.add_argument("--inprocess-steps", type=int, default=5, help="colocated GRPO steps in the micro part")
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--grpo-timeout", type=float, default=420.0)
+    parser.add_argument("--part-timeout", type=float, default=480.0)
+    parser.add_argument("--log-dir", default=None, help="write each part's log there")
+    parser.add_argument("--workdir", default=None, help="where the model and the run go (default: a temp dir)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm_rollout.json"))
+    parser.add_argument("--part-out", default=None, help=argparse.SUPPRESS)  # one part, run in a child process
+    args = parser.parse_args()
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vllm-bench-"))
+    model_dir = workdir / f"model-{args.shape}"
+    if args.part_out:
+        result = micro(args, model_dir) if args.parts == "micro" else grpo(args, model_dir, workdir)
+        Path(args.part_out).write_text(json.dumps(result, indent=2))
+        return
+
+    import torch
+
+    t, _ = timed(lambda: build_model(args.shape, "bfloat16" if torch.cuda.is_available() else "float32", model_dir),
+                 "cpu")
+    result: dict[str, Any] = {"shape": args.shape, "model_build_s": t,
+                              "settings": {k: v for k, v in vars(args).items() if k not in ("part_out",)}}
+    for part in [p for p in args.parts.split(",") if p]:
+        part_file = workdir / f"{part}.json"
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--parts", part, "--part-out", str(part_file),
+               "--workdir", str(workdir)]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.part_timeout)
+            code, log = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            code, log = -1, f"timed out after {args.part_timeout}s\n" + str(exc.stdout or "")[-3000:]
+        entry: dict[str, Any] = {"wall_s": time.perf_counter() - start, "returncode": code}
+        if code == 0 and part_file.exists():
+            entry.update(json.loads(part_file.read_text()))
+        else:
+            entry["log_tail"] = log[-4000:]
+        if args.log_dir:
+            Path(args.log_dir, f"{part}.log").write_text(log[-200_000:])
+        result[part] = entry
+        print(f"{part}: returncode {code} in {entry['wall_s']:.0f}s", flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))  # after every part: a cut-off run keeps the rest
+    print(json.dumps(result, indent=2)[:6000])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Scoring responses: rule rewards (a Python function of prompt and text, in the driver) and a reward model
+(``AutoModelForSequenceClassification`` with one label, run by the ``reward`` role on its pool), alone or
+added together (``score = rule + roles.reward.model.coef * model``).
+
+Also builds the tiny random reward model the tests and examples use (no download).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, SCORES, Batch
+
+#: marks a folder built by ``build_tiny_reward_model`` and records its config.
+REWARD_MARKER = "hybridrl_tiny_reward.json"
+
+
+def decode_responses(tokenizer: Any, batch: Batch) -> list[str]:
+    lengths = batch[RESPONSE_MASK].sum(-1).tolist()
+    ids = batch[RESPONSE_IDS]
+    return [tokenizer.decode(ids[i, : int(n)].tolist(), skip_special_tokens=True) for i, n in enumerate(lengths)]
+
+
+def on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, R) token rewards holding each row's score on its last response token."""
+    lengths = mask.sum(-1)
+    token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
+    token_rewards[torch.arange(len(scores)), (lengths - 1).clamp(min=0)] = scores.float()
+    return token_rewards * mask
+
+
+class RewardScorer:
+    """Scores batches that hold ``prompt``, ``meta``, prompt and response tensors.
+
+    ``model_group``: the worker group of the reward role (None without a reward model); ``compute_s`` is the
+    model's compute time of the last call."""
+
+    def __init__(self, tokenizer: Any, reward_fn: Callable[..., float] | None, model_group: Any = None,
+                 model_coef: float = 1.0) -> None:
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.model_group = model_group
+        self.model_coef = model_coef
+        self.compute_s = 0.0
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, list[str], dict[str, torch.Tensor]]:
+        """``(scores (B,), decoded texts, parts)``; ``parts`` has ``rule`` and/or ``model`` scores."""
+        texts = decode_responses(self.tokenizer, batch)
+        parts: dict[str, torch.Tensor] = {}
+        if self.reward_fn is not None:
+            parts["rule"] = torch.tensor([float(self.reward_fn(batch["prompt"][i], text, **batch["meta"][i]))
+                                          for i, text in enumerate(texts)], dtype=torch.float32)
+        self.compute_s = 0.0
+        if self.model_group is not None:
+            keys = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
+            out = self.model_group.run("reward", "compute_scores", batch.select(*keys))
+            parts["model"] = out[SCORES].float()
+            self.compute_s = self.model_group.last_compute_s
+        total = torch.zeros(len(batch), dtype=torch.float32)
+        for name, part in parts.items():
+            total = total + (self.model_coef * part if name == "model" else part)
+        return total, texts, parts
+
+
+def build_tiny_reward_model(cfg: Any, out_dir: str | Path) -> Path:
+    """A small random ``Qwen2ForSequenceClassification`` (one label) with the bundled character tokenizer,
+    built from a ``TinyModelConfig`` and saved as an HF checkpoint; reused when built from the same config.
+    Random weights: it tests the plumbing, it does not judge answers."""
+    from hybridrl.tasks.tiny_model import _check
+    from hybridrl.tokenizer import build_char_tokenizer
+
+    _check(cfg)
+    out = Path(out_dir)
+    spec = {"kind": "reward", "config": cfg.model_dump(mode="json")}
+    try:
+        if json.loads((out / REWARD_MARKER).read_text()) == spec:
+            return out
+    except (OSError, json.JSONDecodeError):
+        if out.exists() and any(out.iterdir()):
+            raise FileExistsError(f"'{out}' is not empty and was not built by build_tiny_reward_model") from None
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                         num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position,
+                         use_sliding_window=False, num_labels=1, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = Qwen2ForSequenceClassification(config).to(torch.float32).eval()
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / REWARD_MARKER).write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,113 @@
+"""``BridgeContract``: a (trainer, rollout) backend pair joined by ``hybridrl.bridge.sync_in_process``.
+
+After one real update the trainer holds weights that neither engine started from; after a sync the rollout
+must hold exactly those (by name where it exposes ``named_weights``, and by behaviour always: its greedy
+outputs and log-probs are those of a transformers model given the trainer's exported weights).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hybridrl.bridge import sync_in_process
+from hybridrl.engines import SamplingParams
+from hybridrl.testing import backends
+from hybridrl.testing.batches import PolicyGradientLoss, prompt_batch, sequence_batch
+from hybridrl.testing.checks import check, layout_problems, reference_problems, violated
+from hybridrl.testing.fixtures import KitBase, cli_device, release
+from hybridrl.testing.models import KIT_WIDTH, KitModels
+from hybridrl.testing.reference import ReferenceModel
+from hybridrl.testing.train_contract import exported, weight_problems
+
+SYNC = "rollout weights after sync_in_process differ from the trainer's"
+SYNC_ASLEEP = "a sync into a sleeping rollout (as the colocated trainer does) must be in effect after wake"
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=KIT_WIDTH)
+#: small buckets: a sync of the kit's model takes several (the bridge streams them one at a time).
+BUCKET_BYTES = 64 * 1024
+
+
+class BridgeContract(KitBase):
+    """The bridge battery for one pair. Subclass with ``trainer_backend`` and ``rollout_backend`` names."""
+
+    trainer_backend: str | None = None
+    rollout_backend: str | None = None
+    #: a greedy token may differ from the reference argmax within this log-prob gap (near-ties).
+    greedy_tie_tolerance: float = 1e-4
+    #: |rollout weight - trainer export| allowed (0 when both hold fp32).
+    weight_atol: float = 0.0
+
+    @pytest.fixture(scope="class")
+    def bridge_pair(self) -> tuple[str, str]:
+        if not (self.trainer_backend and self.rollout_backend):
+            pytest.fail(f"{type(self).__name__}: set trainer_backend and rollout_backend", pytrace=False)
+        return self.trainer_backend, self.rollout_backend
+
+    @pytest.fixture(scope="class")
+    def kit_device(self, request: pytest.FixtureRequest, bridge_pair: tuple[str, str]) -> tuple[str, str]:
+        """(trainer device, rollout device)."""
+        requested = self.device or cli_device(request.config)
+        return (backends.pick_device("train", bridge_pair[0], requested),
+                backends.pick_device("rollout", bridge_pair[1], requested))
+
+    def _engines(self, config: pytest.Config, pair: tuple[str, str], devices: tuple[str, str], kit: KitModels
+                 ) -> tuple[Any, Any]:
+        trainer = backends.build_engine("train", pair[0], str(kit.policy), devices[0], self.dtype,
+                                        options=self._options(config, "actor", lr=1e-2, micro_batch=2))
+        rollout = backends.build_engine("rollout", pair[1], str(kit.policy), devices[1], self.dtype,
+                                        options=self._options(config, "rollout"))
+        return trainer, rollout
+
+    def _run(self, request: pytest.FixtureRequest, pair: tuple[str, str], devices: tuple[str, str], kit: KitModels,
+             asleep: bool) -> None:
+        label = f"{pair[0]} -> {pair[1]}"
+        trainer, rollout = self._engines(request.config, pair, devices, kit)
+        try:
+            start = exported(trainer)
+            trainer.update(sequence_batch(6, seed=3, vocab_size=kit.vocab_size, pad_id=kit.pad_id),
+                           PolicyGradientLoss())
+            want = exported(trainer)
+            if not weight_problems(start, want):
+                violated(label, "the trainer's update must change its weights", ["every weight is unchanged"])
+            if asleep:
+                rollout.sleep()
+            stats = sync_in_process(trainer, rollout, BUCKET_BYTES)
+            if asleep:
+                rollout.wake()
+            contract = SYNC_ASLEEP if asleep else SYNC
+            check(label, contract, self._named_problems(rollout, want))
+            ref = ReferenceModel(kit.policy, want.items())
+            prompts = prompt_batch(kit.prompts, kit.pad_id)
+            out = rollout.generate(prompts, GREEDY)
+            check(label, contract, layout_problems(out, len(prompts), KIT_WIDTH, kit.vocab_size))
+            tokens, log_probs = reference_problems(out, kit.prompts, ref, GREEDY, kit.eos_ids, self.logprob_atol,
+                                                   self.greedy_tie_tolerance)
+            check(label, contract, tokens + log_probs)
+            if stats["buckets"] < 2:
+                violated(label, contract, [f"the kit expected several buckets of {BUCKET_BYTES} bytes, got "
+                                           f"{stats['buckets']:.0f}"])
+        finally:
+            release(trainer)
+            release(rollout)
+
+    def _named_problems(self, rollout: Any, want: dict[str, torch.Tensor]) -> list[str]:
+        """Compare by name when the rollout exposes its weights (optional API)."""
+        try:
+            have = {n: t.detach().to("cpu", torch.float32) for n, t in rollout.named_weights()}
+        except NotImplementedError:
+            return []
+        if "lm_head.weight" not in want and "model.embed_tokens.weight" in want:
+            have.pop("lm_head.weight", None)  # tied: one tensor under two names
+        problems = [f"the rollout has no weight '{n}'" for n in want if n not in have]
+        return problems + weight_problems({n: t for n, t in want.items() if n in have}, have, self.weight_atol)
+
+    def test_sync_gives_the_rollout_the_trainer_weights(self, request: pytest.FixtureRequest,
+                                                        bridge_pair: tuple[str, str], kit_device: tuple[str, str],
+                                                        kit_models: KitModels) -> None:
+        self._run(request, bridge_pair, kit_device, kit_models, asleep=False)
+
+    def test_sync_into_a_sleeping_rollout(self, request: pytest.FixtureRequest, bridge_pair: tuple[str, str],
+                                          kit_device: tuple[str, str], kit_models: KitModels) -> None:
+        self._run(request, bridge_pair, kit_device, kit_models, asleep=True)

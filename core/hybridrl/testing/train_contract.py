@@ -1,0 +1,234 @@
+"""``TrainEngineContract``: the battery every train backend must pass (subclass it with ``backend = "name"``).
+
+The engine is built as the worker builds it (``EngineContext`` for rank 0 of 1, in a one-rank process
+group, with the options a real run gives the role) from the kit's HF checkpoint, and compared with that
+checkpoint and with a transformers forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from hybridrl.batch import ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
+from hybridrl.testing import backends
+from hybridrl.testing.batches import PolicyGradientLoss, policy_gradient_loss, rows, sequence_batch
+from hybridrl.testing.checks import check, violated
+from hybridrl.testing.fixtures import KitBase, cli_device, engine_factory
+from hybridrl.testing.models import KitModels
+from hybridrl.testing.reference import ReferenceModel, entropy
+
+EXPORT = "export_weights must give back the HF checkpoint it was built from, exactly, each name once"
+LAYOUT = "compute_log_probs must return log_probs (and entropy when asked) as float32 (rows, response width) on CPU"
+LOG_PROBS_AGREE = "log-probs must agree with a transformers forward pass (logits divided by info['temperature'])"
+ZERO_LR = "an update with lr=0 must leave the weights unchanged"
+DESCENT = "an update with lr>0 must lower the loss on its batch"
+METRICS = "update must return its metrics as a dict of str -> float"
+OFFLOAD = "offload/onload must keep the weights"
+CHECKPOINT = "save_checkpoint/load_checkpoint must round-trip weights and optimiser state"
+
+SEQUENCE_KEYS = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
+
+
+def exported(engine: Any, bucket_bytes: int = 1 << 30) -> dict[str, torch.Tensor]:
+    """The engine's full weights as fp32 CPU copies."""
+    return {n: t.detach().to("cpu", torch.float32).clone() for b in engine.export_weights(bucket_bytes) for n, t in b}
+
+
+def weight_problems(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], atol: float = 0.0) -> list[str]:
+    problems = [f"'{n}' missing" for n in before if n not in after]
+    for name, tensor in before.items():
+        if name in after:
+            diff = float((after[name] - tensor).abs().max()) if tensor.numel() else 0.0
+            if diff > atol:
+                problems.append(f"'{name}' differs by up to {diff:.3g}")
+    return problems
+
+
+class TrainEngineContract(KitBase):
+    """The train-engine battery. Subclass with ``backend = "<registered train name>"``; optional class
+    attributes: ``device``, ``dtype``, ``engine_options``, ``logprob_atol``, ``lr``, ``export_atol``."""
+
+    #: the positive learning rate of the descent check (``ctx.options["lr"]``).
+    lr: float = 1e-3
+    #: |exported - checkpoint| allowed (0: the master weights are the checkpoint's fp32 values).
+    export_atol: float = 0.0
+    #: sequences per micro-batch (``ctx.options["micro_batch"]``): the kit's batches need several.
+    micro_batch: int = 2
+
+    @pytest.fixture(scope="class")
+    def kit_device(self, request: pytest.FixtureRequest, backend_name: str) -> str:
+        return backends.pick_device("train", backend_name, self.device or cli_device(request.config))
+
+    @pytest.fixture(scope="class")
+    def make_trainer(self, request: pytest.FixtureRequest, backend_name: str, kit_device: str,
+                     kit_models: KitModels) -> Callable[..., Any]:
+        return engine_factory("train", backend_name, kit_models.policy, kit_device, self.dtype,
+                              lambda role, **o: self._options(request.config, role,
+                                                              **{"micro_batch": self.micro_batch, **o}))
+
+    @pytest.fixture(scope="class")
+    def policy_ref(self, kit_models: KitModels) -> ReferenceModel:
+        return ReferenceModel(kit_models.policy)
+
+    @pytest.fixture(scope="class")
+    def batch(self, kit_models: KitModels) -> Batch:
+        return sequence_batch(6, seed=1, vocab_size=kit_models.vocab_size, pad_id=kit_models.pad_id)
+
+    # --- helpers ----------------------------------------------------------------------------------------
+    def _log_prob_problems(self, engine: Any, batch: Batch, ref: ReferenceModel, temperature: float | None,
+                           with_entropy: bool) -> tuple[list[str], list[str]]:
+        """(layout problems, agreement problems) of ``compute_log_probs`` on ``batch``."""
+        sent = batch.select(*SEQUENCE_KEYS)
+        if temperature is not None:
+            sent.info["temperature"] = temperature
+        out = engine.compute_log_probs(sent, with_entropy=with_entropy)
+        shape = tuple(batch[RESPONSE_IDS].shape)
+        layout: list[str] = []
+        for key in (LOG_PROBS, ENTROPY) if with_entropy else (LOG_PROBS,):
+            if key not in out:
+                layout.append(f"'{key}' missing")
+                continue
+            t = out[key]
+            if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device.type != "cpu":
+                layout.append(f"'{key}': {tuple(t.shape)} {t.dtype} on {t.device}, expected {shape} float32 on cpu")
+            elif not torch.isfinite(t).all():
+                layout.append(f"'{key}' holds non-finite values")
+        if layout:
+            return layout, []
+        agree = []
+        mask = batch[RESPONSE_MASK].bool()
+        for i, (prompt, response) in enumerate(rows(batch)):
+            logits = ref.step_logits(prompt, response)
+            if temperature is not None:
+                logits = logits / temperature
+            expected = {LOG_PROBS: torch.log_softmax(logits, -1)[torch.arange(len(response)), torch.tensor(response)]}
+            if with_entropy:
+                expected[ENTROPY] = entropy(logits)
+            for key, want in expected.items():
+                got = out[key][i][mask[i]]
+                diff = float((got - want).abs().max())
+                if diff > self.logprob_atol:
+                    agree.append(f"row {i} '{key}' (temperature {temperature}): |engine - transformers| up to "
+                                 f"{diff:.2e} > atol {self.logprob_atol:g}")
+        return layout, agree
+
+    def _loss(self, engine: Any, batch: Batch) -> float:
+        return policy_gradient_loss(engine.compute_log_probs(batch.select(*SEQUENCE_KEYS))[LOG_PROBS], batch)
+
+    def _update(self, backend_name: str, engine: Any, batch: Batch) -> dict[str, Any]:
+        metrics = engine.update(batch, PolicyGradientLoss())
+        bad = [] if isinstance(metrics, dict) else [f"got {type(metrics).__name__}"]
+        if not bad:
+            for key, value in metrics.items():
+                try:
+                    float(value)
+                except (TypeError, ValueError):
+                    bad.append(f"'{key}' is {type(value).__name__}")
+        check(backend_name, METRICS, bad)
+        return metrics
+
+    # --- weights ----------------------------------------------------------------------------------------
+    def test_export_is_the_checkpoint(self, backend_name: str, make_trainer: Callable[..., Any],
+                                      kit_models: KitModels) -> None:
+        from safetensors.torch import load_file
+
+        saved = {n: t.float() for n, t in load_file(str(kit_models.policy / "model.safetensors")).items()}
+        tied = kit_models_tied(kit_models)
+        engine = make_trainer()
+        for bucket_bytes in (1 << 30, 4096):
+            buckets = list(engine.export_weights(bucket_bytes))
+            names = [n for b in buckets for n, _ in b]
+            problems = [f"bucket_bytes={bucket_bytes}: '{n}' exported {names.count(n)} times"
+                        for n in sorted(set(names)) if names.count(n) > 1]
+            got = {n: t.detach().to("cpu", torch.float32) for b in buckets for n, t in b}
+            if tied and "lm_head.weight" in got and "model.embed_tokens.weight" in saved:
+                saved.setdefault("lm_head.weight", saved["model.embed_tokens.weight"])
+            problems += [f"bucket_bytes={bucket_bytes}: '{n}' not exported" for n in saved
+                         if n not in got and not (tied and n == "lm_head.weight")]
+            problems += [f"bucket_bytes={bucket_bytes}: '{n}' is not a name of the checkpoint" for n in got
+                         if n not in saved]
+            problems += [f"bucket_bytes={bucket_bytes}: {p}" for p in
+                         weight_problems({n: saved[n] for n in got if n in saved}, got, self.export_atol)]
+            check(backend_name, EXPORT, problems)
+
+    def test_log_probs_match_transformers(self, backend_name: str, make_trainer: Callable[..., Any], batch: Batch,
+                                          policy_ref: ReferenceModel) -> None:
+        engine = make_trainer()
+        for temperature, with_entropy in ((None, False), (None, True), (0.7, True)):
+            layout, agree = self._log_prob_problems(engine, batch, policy_ref, temperature, with_entropy)
+            check(backend_name, LAYOUT, layout)
+            check(backend_name, LOG_PROBS_AGREE, agree)
+
+    def test_frozen_engine_log_probs_match_transformers(self, backend_name: str, make_trainer: Callable[..., Any],
+                                                        batch: Batch, policy_ref: ReferenceModel) -> None:
+        engine = make_trainer(role="ref")  # trainable=False, as the reference policy is built
+        layout, agree = self._log_prob_problems(engine, batch, policy_ref, None, False)
+        check(backend_name, LAYOUT, layout)
+        check(backend_name, LOG_PROBS_AGREE, agree)
+
+    # --- updates ----------------------------------------------------------------------------------------
+    def test_zero_lr_update_changes_nothing(self, backend_name: str, make_trainer: Callable[..., Any],
+                                            batch: Batch) -> None:
+        engine = make_trainer(lr=0.0)
+        before = exported(engine)
+        self._update(backend_name, engine, batch)
+        check(backend_name, ZERO_LR, weight_problems(before, exported(engine)))
+
+    def test_update_lowers_the_loss(self, backend_name: str, make_trainer: Callable[..., Any], batch: Batch) -> None:
+        engine = make_trainer(lr=self.lr)
+        before = self._loss(engine, batch)
+        self._update(backend_name, engine, batch)
+        after = self._loss(engine, batch)
+        if not (math.isfinite(after) and after < before):
+            violated(backend_name, DESCENT, [f"loss {before:.6f} before the update, {after:.6f} after (lr={self.lr})"])
+
+    def test_offload_and_onload_keep_weights(self, backend_name: str, make_trainer: Callable[..., Any],
+                                             batch: Batch, policy_ref: ReferenceModel) -> None:
+        engine = make_trainer()
+        before = exported(engine)
+        engine.offload()
+        engine.onload()
+        check(backend_name, OFFLOAD, weight_problems(before, exported(engine)))
+        _, agree = self._log_prob_problems(engine, batch, policy_ref, None, False)
+        check(backend_name, OFFLOAD, agree)
+
+    def test_checkpoint_round_trip(self, backend_name: str, make_trainer: Callable[..., Any], batch: Batch,
+                                   kit_models: KitModels, tmp_path: Path) -> None:
+        engine = make_trainer(lr=1e-2)
+        other = sequence_batch(6, seed=2, vocab_size=kit_models.vocab_size, pad_id=kit_models.pad_id)
+        self._update(backend_name, engine, batch)  # optimiser state that the checkpoint must carry
+        path = tmp_path / "checkpoint"
+        try:
+            engine.save_checkpoint(str(path))
+        except NotImplementedError as exc:
+            pytest.skip(f"contract not implemented by '{backend_name}': save_checkpoint/load_checkpoint ({exc})")
+        saved = exported(engine)
+        self._update(backend_name, engine, other)
+        continued = exported(engine)
+        if not weight_problems(saved, continued):
+            violated(backend_name, DESCENT, ["an update with lr=1e-2 left every weight unchanged"])
+        try:
+            engine.load_checkpoint(str(path))
+        except NotImplementedError as exc:
+            pytest.skip(f"contract not implemented by '{backend_name}': load_checkpoint ({exc})")
+        check(backend_name, CHECKPOINT, [f"after load_checkpoint into the same engine: {p}"
+                                         for p in weight_problems(saved, exported(engine))])
+        resumed = make_trainer(lr=1e-2)
+        resumed.load_checkpoint(str(path))
+        check(backend_name, CHECKPOINT, [f"after load_checkpoint into a new engine: {p}"
+                                         for p in weight_problems(saved, exported(resumed))])
+        self._update(backend_name, resumed, other)
+        check(backend_name, CHECKPOINT, [f"the step after resuming differs from the step without a restart "
+                                         f"(optimiser state lost?): {p}"
+                                         for p in weight_problems(continued, exported(resumed), atol=1e-6)])
+
+
+def kit_models_tied(kit: KitModels) -> bool:
+    import json
+
+    return bool(json.loads((kit.policy / "config.json").read_text()).get("tie_word_embeddings", False))

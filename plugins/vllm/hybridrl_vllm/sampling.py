@@ -1,0 +1,90 @@
+"""hybridrl ``SamplingParams`` -> keyword arguments of ``vllm.SamplingParams`` (engine-free).
+
+The engine runs without a tokenizer (``skip_tokenizer_init``), so vLLM knows no EOS of its own: the model's
+EOS ids become ``stop_token_ids`` (which also makes ``min_tokens`` mask them, as the contract asks), and
+nothing is detokenized. ``logprobs=0`` returns exactly the sampled token's log-prob, which with the engine's
+``processed_logprobs`` mode is its log-prob under the distribution it was drawn from.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from hybridrl.engines import SamplingParams
+
+#: ``seed_mode`` values: one seed per request (reproducible, independent of batching) or the engine's
+#: own random stream (no per-request generators: faster for large batches on GPU).
+SEED_MODES = ("request", "engine")
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def mix_seed(*parts: int) -> int:
+    """A well-spread non-negative 63-bit seed from integers (order matters): nearby inputs such as
+    consecutive rows or replicas give unrelated seeds."""
+    h = 0
+    for p in parts:
+        h = _splitmix64(h ^ (int(p) & _MASK64))
+    return h >> 1
+
+
+def request_seeds(seed: int | None, replica: int, rows: int) -> list[int] | None:
+    """One seed per row, different for every (step seed, replica, row): identical prompts (a GRPO group)
+    draw different responses, and the peers of one tensor-parallel replica (same replica index) draw the
+    same ones. ``None`` when the caller gave no seed."""
+    if seed is None:
+        return None
+    return [mix_seed(seed, replica, row) for row in range(rows)]
+
+
+def sampling_kwargs(params: SamplingParams, eos_ids: Sequence[int], *, flat_logprobs: bool = False) -> dict[str, Any]:
+    """Keyword arguments shared by every request of one ``generate`` call (no seed)."""
+    if params.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 for vLLM, got {params.max_new_tokens}")
+    if params.min_new_tokens > params.max_new_tokens:
+        raise ValueError(f"min_new_tokens={params.min_new_tokens} exceeds max_new_tokens={params.max_new_tokens}")
+    kwargs: dict[str, Any] = {
+        "n": 1,
+        "temperature": float(params.temperature),
+        "max_tokens": int(params.max_new_tokens),
+        "min_tokens": int(params.min_new_tokens),
+        "logprobs": 0,
+        "detokenize": False,
+        "skip_special_tokens": False,
+        "ignore_eos": bool(params.ignore_eos),
+    }
+    if not params.greedy:  # greedy ignores them; vLLM would only warn
+        kwargs["top_p"] = float(params.top_p)
+        kwargs["top_k"] = int(params.top_k) if params.top_k and params.top_k > 0 else 0
+    # ignore_eos: an EOS must not end the row, and stop_token_ids would end it regardless of ignore_eos.
+    if not params.ignore_eos and eos_ids:
+        kwargs["stop_token_ids"] = [int(e) for e in eos_ids]
+    if flat_logprobs:
+        kwargs["flat_logprobs"] = True
+    return kwargs
+
+
+def per_request_kwargs(params: SamplingParams, eos_ids: Sequence[int], rows: int, replica: int,
+                       seed_mode: str = "request", flat_logprobs: bool = False) -> list[dict[str, Any]]:
+    """The kwargs of each row's ``vllm.SamplingParams``; with ``seed_mode="request"`` and a seed, each row
+    carries its own (see ``request_seeds``)."""
+    if seed_mode not in SEED_MODES:
+        raise ValueError(f"seed_mode must be one of {SEED_MODES}, got '{seed_mode}'")
+    shared = sampling_kwargs(params, eos_ids, flat_logprobs=flat_logprobs)
+    seeds = request_seeds(params.seed, replica, rows) if seed_mode == "request" and not params.greedy else None
+    if seeds is None:
+        return [shared] * rows
+    return [{**shared, "seed": s} for s in seeds]
+
+
+def engine_seed(base_seed: int, replica: int) -> int:
+    """The engine-level seed (``LLM(seed=...)``): the same for the tensor-parallel peers of a replica,
+    different between replicas, so ``seed_mode="engine"`` replicas draw distinct streams."""
+    return mix_seed(base_seed, replica) % (2**31 - 1)

@@ -1,0 +1,197 @@
+"""The kit itself, run as a user runs it (``pytest --hybridrl-backend=NAME`` in a fresh process, through
+pytester): deliberately broken backends fail with the name of the contract they break, backends whose
+engine is missing are skipped with the registry's reason, unknown names are a usage error."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import pytest
+
+from hybridrl.plugins import build_registry, plugin_manager
+from hybridrl.testing import bridge_contract as bridge
+from hybridrl.testing import rollout_contract as rollout
+from hybridrl.testing import train_contract as train
+
+pytest_plugins = ["pytester"]
+
+BROKEN_BACKENDS = '''
+"""Backends that each break one contract of the kit (registered through HYBRIDRL_PLUGINS)."""
+import dataclasses
+
+import torch
+
+from hybridrl import hookimpl
+from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
+from hybridrl.rollout.hf import HFRollout
+from hybridrl_fsdp.engine import FSDPEngine
+
+
+def _result(ids, mask, logp):
+    return Batch.from_tensors({RESPONSE_IDS: ids, RESPONSE_MASK: mask, ROLLOUT_LOG_PROBS: logp})
+
+
+class IgnoresImport(HFRollout):
+    def import_weights(self, bucket):
+        pass
+
+
+class NarrowOutput(HFRollout):
+    def generate(self, batch, params):
+        out = super().generate(batch, params)
+        return _result(out[RESPONSE_IDS][:, :-1], out[RESPONSE_MASK][:, :-1], out[ROLLOUT_LOG_PROBS][:, :-1])
+
+
+class KeepsReferences(HFRollout):
+    def import_weights(self, bucket):
+        targets = dict(self.model.named_parameters())
+        for name, tensor in bucket:
+            targets[name].data = tensor  # aliases the sender's buffer
+
+
+class EosOutsideMask(HFRollout):
+    def generate(self, batch, params):
+        out = super().generate(batch, params)
+        mask = out[RESPONSE_MASK].clone()
+        mask[torch.isin(out[RESPONSE_IDS], torch.tensor(self.eos_ids)) & mask.bool()] = 0
+        return _result(out[RESPONSE_IDS], mask, out[ROLLOUT_LOG_PROBS] * mask)
+
+
+class ShiftedLogProbs(HFRollout):
+    def generate(self, batch, params):
+        out = super().generate(batch, params)
+        return _result(out[RESPONSE_IDS], out[RESPONSE_MASK], out[ROLLOUT_LOG_PROBS] - 0.01 * out[RESPONSE_MASK])
+
+
+class NoContextLimit(HFRollout):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.context_length = None
+
+
+class ForgetfulSleep(HFRollout):
+    def sleep(self):
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.mul_(0.5)
+
+
+class NoisyExport(FSDPEngine):
+    def export_weights(self, bucket_bytes):
+        for bucket in super().export_weights(bucket_bytes):
+            yield [(name, tensor + 1e-3) for name, tensor in bucket]
+
+
+class IgnoresZeroLr(FSDPEngine):
+    def __init__(self, ctx):
+        lr = ctx.options.get("lr") or 1e-3
+        super().__init__(dataclasses.replace(ctx, options={**ctx.options, "lr": lr}))
+
+
+class Ascends(FSDPEngine):
+    def update(self, batch, objective):
+        class Negated:
+            needs = objective.needs
+
+            def __call__(self, outputs, micro_batch, scale):
+                loss, metrics = objective(outputs, micro_batch, scale)
+                return -loss, metrics
+
+        return super().update(batch, Negated())
+
+
+@hookimpl
+def hybridrl_register_backends(registry):
+    for name, cls in [("broken_import", IgnoresImport), ("broken_width", NarrowOutput),
+                      ("broken_refs", KeepsReferences), ("broken_eos", EosOutsideMask),
+                      ("broken_logp", ShiftedLogProbs), ("broken_limit", NoContextLimit),
+                      ("broken_sleep", ForgetfulSleep)]:
+        registry.add_rollout(name, cls)
+    for name, cls in [("broken_export", NoisyExport), ("broken_zero_lr", IgnoresZeroLr), ("broken_ascent", Ascends)]:
+        registry.add_train_engine(name, cls)
+    registry.add_rollout("needs_missing", "kit_nowhere.engine:Engine", requires=["not_a_real_engine>=1.0"],
+                         install_hint="pip install not-a-real-engine")
+    registry.add_train_engine("unwritten", "kit_nowhere_either.engine:Engine")
+'''
+
+# (backend, test that must fail, the contract its failure must name)
+CASES = [
+    ("broken_import", "test_import_weights_gives_the_reference_model", rollout.IMPORT),
+    ("broken_width", "test_output_layout", rollout.LAYOUT),
+    ("broken_refs", "test_import_weights_copies_the_bucket", rollout.IMPORT_COPIES),
+    ("broken_eos", "test_rows_end_at_eos_inside_the_mask", rollout.STOPPING),
+    ("broken_logp", "test_greedy_log_probs_match_the_reference", rollout.LOG_PROBS),
+    ("broken_limit", "test_prompt_over_the_context_is_refused", rollout.LONG_PROMPT),
+    ("broken_sleep", "test_sleep_and_wake_keep_outputs", rollout.SLEEP),
+    ("broken_export", "test_export_is_the_checkpoint", train.EXPORT),
+    ("broken_zero_lr", "test_zero_lr_update_changes_nothing", train.ZERO_LR),
+    ("broken_ascent", "test_update_lowers_the_loss", train.DESCENT),
+    ("broken_zero_lr-to-broken_import", "test_sync_gives_the_rollout_the_trainer_weights", bridge.SYNC),
+]
+# healthy selections in the same run: the built-in rollout and a working pair must pass
+PASSING = [("hf", "test_output_layout"), ("hf", "test_import_weights_gives_the_reference_model"),
+           ("broken_zero_lr-to-hf", "test_sync_gives_the_rollout_the_trainer_weights")]
+
+
+@pytest.fixture
+def kit_env(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    pytester.makepyfile(broken_backends=BROKEN_BACKENDS)
+    monkeypatch.setenv("HYBRIDRL_PLUGINS", "broken_backends")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(pytester.path), os.environ.get("PYTHONPATH")])))
+    return pytester
+
+
+def _backend_args(names: list[str]) -> list[str]:
+    return [f"--hybridrl-backend={n}" for n in names]
+
+
+def test_broken_backends_fail_naming_the_broken_contract(kit_env: pytest.Pytester) -> None:
+    names = sorted({backend for backend, _, _ in CASES if "-to-" not in backend} | {"hf"})
+    select = " or ".join(f"({backend} and {test})" for backend, test, _ in CASES)
+    select += " or " + " or ".join(f"({backend} and {test})" for backend, test in PASSING)
+    result = kit_env.runpytest_subprocess(*_backend_args(names), "-k", select, "-p", "no:cacheprovider",
+                                          timeout=540)
+    out = result.stdout.str()
+    for backend, test, contract in CASES:
+        assert re.search(rf"FAILED \S*::{test}\[{re.escape(backend)}\]", out), f"{backend} {test} did not fail"
+        assert f"backend '{backend.replace('-to-', ' -> ')}': {contract}" in out, f"{backend}: the failure does not name '{contract}'"
+    assert "backend 'broken_import': greedy outputs differ from the reference model after import_weights" in out
+    result.assert_outcomes(failed=len(CASES), passed=len(PASSING))
+
+
+def _unusable(name: str) -> bool:
+    """Registered here, but its engine package or engine module is missing."""
+    with pytest.MonkeyPatch.context() as mp:  # the installed plugins only, not the test's broken ones
+        mp.delenv("HYBRIDRL_PLUGINS", raising=False)
+        backends = build_registry(plugin_manager()).backends
+    entry = backends.get(("rollout", name)) or backends.get(("train", name))
+    if entry is None:
+        return False
+    module = entry.target.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    return entry.engine_problem() is not None or not found
+
+
+def test_missing_engines_are_skipped_with_the_reason(kit_env: pytest.Pytester) -> None:
+    optional = [n for n in ("vllm", "sglang", "megatron") if _unusable(n)]
+    result = kit_env.runpytest_subprocess(*_backend_args(["needs_missing", "unwritten", *optional]), "-rs",
+                                          "-p", "no:cacheprovider", timeout=300)
+    out = result.stdout.str()
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("skipped", 0) > 0 and "passed" not in outcomes and "failed" not in outcomes, out
+    assert "rollout backend 'needs_missing'" in out and "pip install not-a-real-engine" in out
+    assert "train backend 'unwritten'" in out and "does not exist yet" in out
+    for name in optional:  # the backends others are building: pointed at by name, skipped with the reason
+        assert re.search(rf"(rollout|train) backend '{name}' \(plugin {name}\) is", out), name
+
+
+def test_unknown_backend_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_inprocess("--hybridrl-backend=no_such_backend")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "no plugin registers 'no_such_backend'" in result.stderr.str()
+    assert "rollout: " in result.stderr.str() and "hf" in result.stderr.str()
