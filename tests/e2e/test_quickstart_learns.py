@@ -1,8 +1,11 @@
-"""The quick start, exactly as the README runs it, learns the task (the issue's acceptance bar)."""
+"""The quick start, exactly as the README runs it, learns the task (the issue's acceptance bar).
+
+About 3 minutes on 2 quiet cores: ``HYBRIDRL_SLOW=1 python -m pytest tests/e2e/test_quickstart_learns.py``."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW"), reason="minutes of CPU: set HYBRIDRL_SLOW=1 to run")
 def test_quickstart_learns_to_reverse(tmp_path):
     out = tmp_path / "qs"
     proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", "examples/quickstart.yaml",
