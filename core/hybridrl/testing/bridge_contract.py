@@ -17,7 +17,7 @@ from hybridrl.engines import SamplingParams
 from hybridrl.testing import backends
 from hybridrl.testing.batches import PolicyGradientLoss, prompt_batch, sequence_batch
 from hybridrl.testing.checks import check, layout_problems, reference_problems, violated
-from hybridrl.testing.fixtures import KitBase, cli_device, release
+from hybridrl.testing.fixtures import KitBase, cli_device, free_device_memory
 from hybridrl.testing.models import KIT_WIDTH, KitModels
 from hybridrl.testing.reference import ReferenceModel
 from hybridrl.testing.train_contract import exported, weight_problems
@@ -89,8 +89,8 @@ class BridgeContract(KitBase):
                 violated(label, contract, [f"the kit expected several buckets of {BUCKET_BYTES} bytes, got "
                                            f"{stats['buckets']:.0f}"])
         finally:
-            release(trainer)
-            release(rollout)
+            del trainer, rollout
+            free_device_memory()
 
     def _named_problems(self, rollout: Any, want: dict[str, torch.Tensor]) -> list[str]:
         """Compare by name when the rollout exposes its weights (optional API)."""

@@ -39,12 +39,49 @@ def cli_options(config: pytest.Config) -> dict[str, Any]:
     return options
 
 
-def release(engine: Any) -> None:
-    """Drop an engine built for one test (GPU engines hold memory until collected)."""
-    del engine
-    if torch.cuda.is_available():  # on CPU reference counting frees it; a full collection costs seconds
+def free_device_memory() -> None:
+    """Collect engines the caller has dropped: a GPU engine holds device memory until it is collected (on
+    CPU reference counting frees it, and a full collection costs seconds, so it is skipped)."""
+    if torch.cuda.is_available():
         gc.collect()
         torch.cuda.empty_cache()
+
+
+class EngineSlot:
+    """At most one engine of the backend under test alive at a time: engines such as vLLM or SGLang keep
+    process-wide state (dropping one engine can tear down what another still uses) and each takes its share
+    of the GPU. The shared engine is rebuilt when a test needed a fresh one in between; results computed
+    from the shared engine are cached with it."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+        self.engine: Any = None
+        self.is_shared = False
+        self.results: dict[str, Any] = {}
+
+    def shared(self) -> Any:
+        if self.engine is None or not self.is_shared:
+            self.drop()
+            self.engine, self.is_shared = self.make(), True
+        return self.engine
+
+    def fresh(self) -> Any:
+        self.drop()
+        self.engine, self.is_shared = self.make(), False
+        return self.engine
+
+    def cached(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per life of the shared engine."""
+        if key not in self.results:
+            self.results[key] = compute()
+        return self.results[key]
+
+    def drop(self) -> None:
+        dropped = self.engine is not None
+        self.engine = None
+        self.results.clear()
+        if dropped:
+            free_device_memory()
 
 
 class KitBase:

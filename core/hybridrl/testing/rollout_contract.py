@@ -16,7 +16,7 @@ from hybridrl.engines import SamplingParams
 from hybridrl.testing import backends
 from hybridrl.testing.batches import prompt_batch
 from hybridrl.testing.checks import check, layout_problems, reference_problems, stop_problems, violated
-from hybridrl.testing.fixtures import KitBase, cli_device, engine_factory, release
+from hybridrl.testing.fixtures import EngineSlot, KitBase, cli_device, engine_factory
 from hybridrl.testing.models import KIT_WIDTH, KitModels
 from hybridrl.testing.reference import ReferenceModel
 
@@ -72,18 +72,21 @@ class RolloutEngineContract(KitBase):
                               lambda role, **o: self._options(request.config, role, **o))
 
     @pytest.fixture(scope="class")
-    def rollout(self, make_rollout: Callable[..., Any]) -> Iterator[Any]:
-        """One engine shared by the tests that do not change its state."""
-        engine = make_rollout()
-        yield engine
-        release(engine)
+    def engine_slot(self, make_rollout: Callable[..., Any]) -> Iterator[EngineSlot]:
+        slot = EngineSlot(make_rollout)
+        yield slot
+        slot.drop()
 
     @pytest.fixture
-    def fresh_rollout(self, make_rollout: Callable[..., Any]) -> Iterator[Any]:
-        """An engine of its own for a test that imports weights or sleeps."""
-        engine = make_rollout()
-        yield engine
-        release(engine)
+    def rollout(self, engine_slot: EngineSlot) -> Any:
+        """The engine shared by the tests that do not change its state."""
+        return engine_slot.shared()
+
+    @pytest.fixture
+    def fresh_rollout(self, engine_slot: EngineSlot) -> Iterator[Any]:
+        """An engine of its own for a test that imports weights or sleeps (the shared one is dropped first)."""
+        yield engine_slot.fresh()
+        engine_slot.drop()
 
     @pytest.fixture(scope="class")
     def policy_ref(self, kit_models: KitModels) -> ReferenceModel:
@@ -100,14 +103,15 @@ class RolloutEngineContract(KitBase):
         width = max(len(p) for p in kit_models.prompts) + 2
         return prompt_batch(kit_models.prompts, kit_models.pad_id, width)
 
-    @pytest.fixture(scope="class")
-    def greedy_out(self, rollout: Any, prompts: Batch) -> Batch:
-        return rollout.generate(prompts, GREEDY_PARAMS)
+    @pytest.fixture
+    def greedy_out(self, engine_slot: EngineSlot, rollout: Any, prompts: Batch) -> Batch:
+        return engine_slot.cached("greedy", lambda: rollout.generate(prompts, GREEDY_PARAMS))
 
-    @pytest.fixture(scope="class")
-    def greedy_vs_reference(self, greedy_out: Batch, kit_models: KitModels, policy_ref: ReferenceModel
-                            ) -> tuple[list[str], list[str]]:
-        return self._reference(greedy_out, kit_models, policy_ref, GREEDY_PARAMS)
+    @pytest.fixture
+    def greedy_vs_reference(self, engine_slot: EngineSlot, greedy_out: Batch, kit_models: KitModels,
+                            policy_ref: ReferenceModel) -> tuple[list[str], list[str]]:
+        return engine_slot.cached("greedy_vs_reference",
+                                  lambda: self._reference(greedy_out, kit_models, policy_ref, GREEDY_PARAMS))
 
     # --- helpers --------------------------------------------------------------------------------------
     def _reference(self, out: Batch, kit: KitModels, ref: ReferenceModel, params: SamplingParams,
@@ -183,6 +187,30 @@ class RolloutEngineContract(KitBase):
         check(backend_name, SAMPLING, tokens)
         check(backend_name, LOG_PROBS, log_probs)
 
+    # --- bad inputs -----------------------------------------------------------------------------------
+    def _expect_row_error(self, backend_name: str, contract: str, engine: Any, batch: Batch, row: int) -> None:
+        try:
+            engine.generate(batch, SamplingParams(temperature=0.0, max_new_tokens=4))
+        except ValueError as exc:
+            if f"row {row}" not in str(exc):
+                violated(backend_name, contract, [f"ValueError raised but its message does not name 'row {row}': "
+                                                  f"{exc}"])
+            return
+        except Exception as exc:  # noqa: BLE001 - the wrong error type is the finding
+            violated(backend_name, contract, [f"raised {type(exc).__name__} instead of ValueError: {exc}"])
+        violated(backend_name, contract, [f"generate accepted the batch (bad row {row})"])
+
+    def test_empty_prompt_is_refused(self, backend_name: str, rollout: Any, kit_models: KitModels) -> None:
+        p = kit_models.prompts
+        self._expect_row_error(backend_name, EMPTY_PROMPT, rollout, prompt_batch([p[0], [], p[1]], kit_models.pad_id), 1)
+
+    def test_prompt_over_the_context_is_refused(self, backend_name: str, rollout: Any, kit_models: KitModels
+                                                ) -> None:
+        p = kit_models.prompts
+        too_long = [p[1][i % len(p[1])] for i in range(kit_models.context_length + 1)]
+        self._expect_row_error(backend_name, LONG_PROMPT, rollout,
+                               prompt_batch([p[0], p[1], too_long], kit_models.pad_id), 2)
+
     # --- weights and memory -------------------------------------------------------------------------
     def test_import_weights_gives_the_reference_model(self, backend_name: str, fresh_rollout: Any, prompts: Batch,
                                                       kit_models: KitModels, other_ref: ReferenceModel) -> None:
@@ -222,27 +250,3 @@ class RolloutEngineContract(KitBase):
         fresh_rollout.wake()
         out = fresh_rollout.generate(prompts, GREEDY_PARAMS)
         check(backend_name, IMPORT_ASLEEP, self._matches(out, kit_models, other_ref, GREEDY_PARAMS))
-
-    # --- bad inputs -----------------------------------------------------------------------------------
-    def _expect_row_error(self, backend_name: str, contract: str, engine: Any, batch: Batch, row: int) -> None:
-        try:
-            engine.generate(batch, SamplingParams(temperature=0.0, max_new_tokens=4))
-        except ValueError as exc:
-            if f"row {row}" not in str(exc):
-                violated(backend_name, contract, [f"ValueError raised but its message does not name 'row {row}': "
-                                                  f"{exc}"])
-            return
-        except Exception as exc:  # noqa: BLE001 - the wrong error type is the finding
-            violated(backend_name, contract, [f"raised {type(exc).__name__} instead of ValueError: {exc}"])
-        violated(backend_name, contract, [f"generate accepted the batch (bad row {row})"])
-
-    def test_empty_prompt_is_refused(self, backend_name: str, rollout: Any, kit_models: KitModels) -> None:
-        p = kit_models.prompts
-        self._expect_row_error(backend_name, EMPTY_PROMPT, rollout, prompt_batch([p[0], [], p[1]], kit_models.pad_id), 1)
-
-    def test_prompt_over_the_context_is_refused(self, backend_name: str, rollout: Any, kit_models: KitModels
-                                                ) -> None:
-        p = kit_models.prompts
-        too_long = [p[1][i % len(p[1])] for i in range(kit_models.context_length + 1)]
-        self._expect_row_error(backend_name, LONG_PROMPT, rollout,
-                               prompt_batch([p[0], p[1], too_long], kit_models.pad_id), 2)

@@ -18,7 +18,7 @@ from hybridrl.batch import ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE
 from hybridrl.testing import backends
 from hybridrl.testing.batches import PolicyGradientLoss, policy_gradient_loss, rows, sequence_batch
 from hybridrl.testing.checks import check, violated
-from hybridrl.testing.fixtures import KitBase, cli_device, engine_factory
+from hybridrl.testing.fixtures import KitBase, cli_device, engine_factory, free_device_memory
 from hybridrl.testing.models import KitModels
 from hybridrl.testing.reference import ReferenceModel, entropy
 
@@ -218,6 +218,8 @@ class TrainEngineContract(KitBase):
             pytest.skip(f"contract not implemented by '{backend_name}': load_checkpoint ({exc})")
         check(backend_name, CHECKPOINT, [f"after load_checkpoint into the same engine: {p}"
                                          for p in weight_problems(saved, exported(engine))])
+        del engine  # one engine at a time, as in a restarted job
+        free_device_memory()
         resumed = make_trainer(lr=1e-2)
         resumed.load_checkpoint(str(path))
         check(backend_name, CHECKPOINT, [f"after load_checkpoint into a new engine: {p}"
