@@ -158,17 +158,18 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             return sum(len(o.outputs[0].token_ids) for o in outs)
         return run
 
-    def hybrid(seed_mode: str) -> Callable[[], int]:
+    def hybrid(seed_mode: str, logprobs: bool = True) -> Callable[[], int]:
         def run() -> int:
             from dataclasses import replace
 
-            rollout.opts = replace(rollout.opts, seed_mode=seed_mode)
-            return int(rollout.generate(batch, params)[RESPONSE_MASK].sum())
+            rollout.seed_mode = seed_mode
+            return int(rollout.generate(batch, replace(params, logprobs=logprobs))[RESPONSE_MASK].sum())
         return run
 
     variants = {"vllm_alone": alone(None, False), "vllm_alone_logprobs": alone(0, False),
                 "vllm_alone_logprobs_seeded": alone(0, True), "hybridrl_seed_engine": hybrid("engine"),
-                "hybridrl_seed_request": hybrid("request")}
+                "hybridrl_seed_request": hybrid("request"),
+                "hybridrl_no_logprobs": hybrid("engine", logprobs=False)}
     for fn in variants.values():  # warm-up (first-use kernels, sampler paths)
         fn()
     samples: dict[str, list[float]] = {k: [] for k in variants}
@@ -188,7 +189,17 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         / gen["vllm_alone"]["tokens_per_s_median"],
         "ratio_hybridrl_default_vs_vllm_alone_logprobs": gen["hybridrl_seed_request"]["tokens_per_s_median"] / base,
         "ratio_hybridrl_engine_seed_vs_vllm_alone_logprobs": gen["hybridrl_seed_engine"]["tokens_per_s_median"] / base,
+        # the GPU default (seed_mode auto = engine) with log-probs off, as the step benchmark runs it
+        "ratio_hybridrl_no_logprobs_vs_vllm_alone": gen["hybridrl_no_logprobs"]["tokens_per_s_median"]
+        / gen["vllm_alone"]["tokens_per_s_median"],
     }
+    # Move the actor away from the checkpoint both engines started from, so the agreement check at the end
+    # fails if a reshard leaves any tensor behind.
+    with torch.no_grad():
+        gen_noise = torch.Generator(device=device).manual_seed(7)
+        for p in actor.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.add_(torch.randn(local.shape, generator=gen_noise, device=local.device, dtype=local.dtype) * 0.02)
 
     # --- reshard, sleep and wake in the trainer's order ---------------------------------------------------
     bucket = int(args.bucket_mb * 2**20)
@@ -197,7 +208,9 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     cycle: dict[str, Any] = {}
     t, stats = timed(lambda: sync_in_process(actor, rollout, bucket), device)
     cycle["reshard_awake_s"] = t
-    nbytes = int(stats["bytes"])
+    # the bytes the engine holds (its dtype), whatever dtype the export travelled in
+    nbytes = sum(p.numel() for p in actor.model.parameters()) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    cycle["exported_bytes"] = int(stats["bytes"])
     for k in range(3):  # k=0: level 1 (fresh weights); then level 2 once imports arrive while asleep
         rollout.wake()
         rollout.generate(small, short)
@@ -229,6 +242,9 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     lp = actor.compute_log_probs(check.select("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
     m = check["response_mask"].bool()
     out["logprob_abs_diff_mean"] = float((lp["log_probs"] - check["rollout_log_probs"]).abs()[m].mean())
+    out["copy_plan"] = {"state": getattr(rollout, "copy_plan", None),
+                        "placed": rollout.copy_plan_report.get("placed") if hasattr(rollout, "copy_plan_report") else None,
+                        "unplaced": len(rollout.copy_plan_report.get("unplaced", [])) if hasattr(rollout, "copy_plan_report") else None}
     if args.inprocess_steps:
         out["grpo_in_process"] = grpo_in_process(args, actor, rollout, mem, device)
     mem.mark("end")

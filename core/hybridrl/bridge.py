@@ -24,7 +24,7 @@ def sync_in_process(trainer: "TrainEngine", rollout: "RolloutEngine", bucket_byt
     at a time beyond the two models)."""
     start = time.perf_counter()
     nbytes, buckets = 0, 0
-    for bucket in trainer.export_weights(bucket_bytes):
+    for bucket in trainer.export_weights_transient(bucket_bytes):  # imported before the next is made
         rollout.import_weights(bucket)
         nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
         buckets += 1

@@ -102,6 +102,9 @@ class AlgorithmConfig(Strict):
     lam: float = Field(1.0, ge=0, le=1, description="GAE's lambda")
     critic_warmup: int = Field(0, ge=0, description="first steps in which only the critic is trained")
     kl: KLConfig | None = Field(default_factory=KLConfig)
+    old_log_probs: Literal["auto", "recompute"] = Field(
+        "auto", description="auto: skip the actor's old-log-prob pass where it provably equals the update's own "
+                            "log-probs (one optimizer step per batch, KL not folded into the reward)")
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -166,6 +169,8 @@ class RolloutConfig(RoleBase):
     min_new_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     tensor_parallel: int = Field(1, gt=0)
+    log_probs: bool = Field(True, description="the engine returns the sampled tokens' log-probs (diagnostics, "
+                                                "off-policy corrections); false saves their cost in generation")
     bucket_mb: float = Field(64.0, gt=0)
     weight_transport: Literal["auto", "in_process", "broadcast", "object_store"] = Field(
         "auto", description="how actor weights reach the rollout; auto follows the placement")

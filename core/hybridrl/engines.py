@@ -60,6 +60,7 @@ class SamplingParams:
     min_new_tokens: int = 0
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: bool = True  # return the sampled tokens' log-probs (False: engines that can skip their cost)
 
     @property
     def greedy(self) -> bool:
@@ -125,6 +126,12 @@ class TrainEngine(ABC):
         """Full (unsharded) weights under Hugging Face names, in buckets of about ``bucket_bytes``, on the
         engine's device in its master dtype (the importer casts). Collective: every rank must iterate to
         the end; ranks that are not ``exports_on_rank`` may yield nothing useful and the bridge ignores them."""
+
+    def export_weights_transient(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """Like ``export_weights`` for an importer that copies each bucket before asking for the next one
+        (the colocated in-process bridge): tensors may be views of the live weights and in any dtype the
+        importer can cast from, so an engine can skip its own copy. Default: ``export_weights``."""
+        return self.export_weights(bucket_bytes)
 
     def exports_on_rank(self) -> bool:
         """Whether this rank's exported buckets are the ones sent to a rollout on another pool."""

@@ -43,6 +43,16 @@ def value_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tenso
             "critic/returns_mean": float(r.mean()) if r.numel() else 0.0}
 
 
+def old_log_probs_needed(cfg: Any, kl_in_reward: bool) -> bool:
+    """Whether the actor's log-probs before the update need a pass of their own. With one optimizer step per
+    batch they equal the update's own log-probs (same weights, same tokens), which the objective then uses
+    under a stop-gradient: the pass is skipped. KL folded into the reward reads them before the update."""
+    algo = cfg.algorithm
+    mini = cfg.roles.actor.mini_batch
+    one_step = algo.epochs == 1 and (mini is None or mini >= cfg.data.prompts_per_step * algo.n_samples)
+    return algo.old_log_probs == "recompute" or not one_step or kl_in_reward
+
+
 class Trainer:
     """Drives the worker groups through training steps and logs every phase."""
 
@@ -65,7 +75,8 @@ class Trainer:
         r = self.cfg.roles.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
-                                       ignore_eos=r.ignore_eos)
+                                       ignore_eos=r.ignore_eos, logprobs=r.log_probs)
+        self.recompute_old_log_probs = old_log_probs_needed(self.cfg, self.kl_in_reward)
         self.groups: dict[str, WorkerGroup] = {}
         self.placement_groups: list[Any] = []
         self.last_batch: Batch | None = None
@@ -168,10 +179,11 @@ class Trainer:
                 batch.set(REF_LOG_PROBS, ref["log_probs"])
                 compute["ref"] = self.groups["ref"].last_compute_s
         actor = self.groups["actor"]
-        with timer.phase("old_log_prob"):
-            old = actor.run("actor", "compute_log_probs", batch.select(*SEQUENCE_KEYS))
-            batch.set(OLD_LOG_PROBS, old["log_probs"])
-            compute["old_log_prob"] = actor.last_compute_s
+        if self.recompute_old_log_probs:
+            with timer.phase("old_log_prob"):
+                old = actor.run("actor", "compute_log_probs", batch.select(*SEQUENCE_KEYS))
+                batch.set(OLD_LOG_PROBS, old["log_probs"])
+                compute["old_log_prob"] = actor.last_compute_s
         critic = self.groups.get("critic")
         if critic is not None:
             with timer.phase("values"):
@@ -203,9 +215,10 @@ class Trainer:
         metrics["perf/gen_tokens_per_s"] = resp_tokens / max(timer.seconds["gen"], 1e-9)
         if "update_actor" in timer.seconds:
             metrics["perf/train_tokens_per_s"] = all_tokens / max(timer.seconds["update_actor"], 1e-9)
-        metrics["rollout/logp_diff"] = float(
-            ((batch[ROLLOUT_LOG_PROBS] - batch[OLD_LOG_PROBS]).abs() * batch[RESPONSE_MASK]).sum()
-            / max(resp_tokens, 1.0))
+        if ROLLOUT_LOG_PROBS in batch and OLD_LOG_PROBS in batch:  # else the update reports it
+            metrics["rollout/logp_diff"] = float(
+                ((batch[ROLLOUT_LOG_PROBS] - batch[OLD_LOG_PROBS]).abs() * batch[RESPONSE_MASK]).sum()
+                / max(resp_tokens, 1.0))
         metrics.update(step_perf_metrics(self, batch, metrics))  # MFU per phase, peak memory per role
         return metrics
 
@@ -228,7 +241,8 @@ class Trainer:
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         algo_cfg = self.cfg.algorithm.model_dump(by_alias=True)
-        batch = batch.select(*SEQUENCE_KEYS, ADVANTAGES, OLD_LOG_PROBS, *([REF_LOG_PROBS] if REF_LOG_PROBS in batch else []))
+        optional = [k for k in (OLD_LOG_PROBS, REF_LOG_PROBS, ROLLOUT_LOG_PROBS) if k in batch]
+        batch = batch.select(*SEQUENCE_KEYS, ADVANTAGES, *optional)
         return self._mini_batch_updates(
             "actor", batch, self.cfg.roles.actor.mini_batch,
             lambda group, mini: group.run("actor", "update", mini, "policy", algo_cfg, worker_method="update",

@@ -16,7 +16,7 @@ from hybridrl.algorithms.kl_control import AdaptiveKLController, FixedKLControll
 from hybridrl.algorithms.losses import (PolicyLossSettings, clipped_value_loss, gspo, ppo_clip, seq_mean_token_mean,
                                         seq_mean_token_sum, token_mean)
 from hybridrl.algorithms.objective import PolicyObjective, ValueObjective
-from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, RETURNS, Batch
+from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.config import AlgorithmConfig
 from hybridrl.engines import LossScale
 from hybridrl.plugins import get_registry
@@ -130,6 +130,47 @@ def test_policy_objective_combines_pg_kl_and_entropy():
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     assert metrics["actor/kl_loss"] == pytest.approx(0.2, rel=1e-5)
     assert metrics["actor/entropy"] == pytest.approx(0.5)
+
+
+def test_objective_without_old_log_probs_uses_the_current_ones_under_stop_gradient():
+    """One update per batch skips the old-log-prob pass: loss and gradient must be those of old = logp."""
+    cfg = AlgorithmConfig(clip_low=0.2, clip_high=0.28, kl={"coef": 0.05, "estimator": "k3"})
+    objective = PolicyObjective(cfg, get_registry())
+    base = torch.tensor([[-1.0, -0.5, -0.3], [-2.0, -0.1, -0.7]])
+    tensors = {REF_LOG_PROBS: base - 0.3, ADVANTAGES: torch.tensor([[1.0, 1.0, 1.0], [-0.5, -0.5, -0.5]]),
+               RESPONSE_MASK: torch.tensor([[1, 1, 0], [1, 1, 1]]), ROLLOUT_LOG_PROBS: base - 0.1}
+    grads, losses = [], []
+    for with_old in (True, False):
+        logp = base.clone().requires_grad_(True)
+        batch = Batch.from_tensors({**tensors, **({OLD_LOG_PROBS: base.clone()} if with_old else {})})
+        loss, metrics = objective({"log_probs": logp, "entropy": torch.zeros(2, 3)}, batch, LossScale(5.0, 2.0, 1))
+        loss.backward()
+        grads.append(logp.grad)
+        losses.append(loss.item())
+        assert metrics["rollout/logp_diff"] == pytest.approx(0.1, rel=1e-5)  # |logp - rollout logp| on 5 tokens
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    torch.testing.assert_close(grads[0], grads[1])
+    assert grads[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("overrides,kl_in_reward,needed", [
+    ({}, False, False),                                          # one optimizer step per batch: skip
+    ({"algorithm.old_log_probs": "recompute"}, False, True),     # asked for
+    ({"algorithm.epochs": 2}, False, True),                      # the second epoch sees moved weights
+    ({"roles.actor.mini_batch": 64}, False, True),               # 256-row batch in 4 optimizer steps
+    ({"roles.actor.mini_batch": 256}, False, False),             # one mini-batch = the batch
+    ({}, True, True),                                            # KL in the reward reads them first
+])
+def test_old_log_prob_pass_is_skipped_only_where_it_equals_the_update(overrides, kl_in_reward, needed):
+    from pathlib import Path
+
+    from hybridrl.config import load_config
+    from hybridrl.trainer import old_log_probs_needed
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "examples" / "quickstart.yaml", [f"{k}={v}" for k, v in overrides.items()])
+    assert cfg.data.prompts_per_step * cfg.algorithm.n_samples == 256
+    assert old_log_probs_needed(cfg, kl_in_reward) is needed
 
 
 # --- the other estimators -------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ PHASES = ["gen", "reward", "ref", "old_log_prob", "adv", "update_actor", "reshar
 def test_train_cli_writes_metrics_with_every_phase(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", str(QUICKSTART), "trainer.steps=3",
-                           f"trainer.out={out}", "data.prompts_per_step=4", "algorithm.n_samples=4"],
+                           f"trainer.out={out}", "data.prompts_per_step=4", "algorithm.n_samples=4",
+                           "algorithm.old_log_probs=recompute"],  # the quick start would skip that pass
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "actor[fsdp] rank 0/1" in proc.stdout  # the device map printed at start-up

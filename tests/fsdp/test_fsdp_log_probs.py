@@ -66,3 +66,43 @@ def test_helpers_match_log_softmax() -> None:
     torch.testing.assert_close(token_log_probs(logits, labels), logp.gather(-1, labels[..., None]).squeeze(-1))
     torch.testing.assert_close(entropy_from_logits(logits), -(logp.exp() * logp).sum(-1))
     assert token_log_probs(logits, labels).dtype == torch.float32
+
+
+@pytest.mark.parametrize("temperature,with_entropy", [(None, True), (0.7, True), (1.3, False)])
+def test_chunked_log_probs_match_log_softmax_values_and_gradients(monkeypatch, temperature, with_entropy):
+    """The chunked fp32 path (no full fp32 copy of the logits) against ``log_softmax`` on fp64 logits, values
+    and gradients of a loss mixing both outputs; chunks forced small so rows straddle them."""
+    from hybridrl_fsdp import logprobs
+
+    monkeypatch.setattr(logprobs, "CHUNK_BYTES", 3 * 7 * 4 * 2)  # two rows of (7, V=...) per chunk
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7, 13, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 13, (5, 7))
+    w_lp, w_ent = torch.randn(5, 7, dtype=torch.float64), torch.randn(5, 7, dtype=torch.float64)
+    lp, ent = logprobs.chunked_log_probs(logits, labels, temperature, with_entropy)
+    loss = (lp * w_lp).sum() + ((ent * w_ent).sum() if with_entropy else 0.0)
+    (grad,) = torch.autograd.grad(loss, logits)
+
+    z = logits / (temperature or 1.0)
+    ref_logp = torch.log_softmax(z, -1)
+    ref_lp = ref_logp.gather(-1, labels[..., None]).squeeze(-1)
+    ref_loss = (ref_lp * w_lp).sum()
+    if with_entropy:
+        ref_ent = -(ref_logp.exp() * ref_logp).sum(-1)
+        torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
+        ref_loss = ref_loss + (ref_ent * w_ent).sum()
+    else:
+        assert ent is None
+    (ref_grad,) = torch.autograd.grad(ref_loss, logits)
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_log_probs_keep_bf16_gradients_in_bf16():
+    from hybridrl_fsdp.logprobs import chunked_log_probs
+
+    logits = torch.randn(2, 3, 11).to(torch.bfloat16).requires_grad_(True)
+    lp, _ = chunked_log_probs(logits, torch.zeros(2, 3, dtype=torch.long))
+    lp.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()

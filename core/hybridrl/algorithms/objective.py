@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from hybridrl.algorithms.advantages import estimator_needs
 from hybridrl.algorithms.losses import PolicyLossSettings, clipped_value_loss, masked_mean
-from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, RETURNS, Batch
+from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.config import AlgorithmConfig
 from hybridrl.engines import VALUES, LossScale
 from hybridrl.registry import Registry, RegistryError
@@ -95,9 +95,13 @@ class PolicyObjective:
                  ) -> tuple[torch.Tensor, dict[str, float]]:
         log_probs = outputs["log_probs"]
         mask = micro_batch[RESPONSE_MASK].to(log_probs.dtype)
-        token_loss, metrics = self.policy_loss(log_probs, micro_batch[OLD_LOG_PROBS], micro_batch[ADVANTAGES],
-                                               mask, self.settings)
+        # Without recomputed old log-probs (one update per batch: they would equal these), the ratio is 1 with
+        # the right gradient: pi / stopgrad(pi).
+        old = micro_batch[OLD_LOG_PROBS] if OLD_LOG_PROBS in micro_batch else log_probs.detach()
+        token_loss, metrics = self.policy_loss(log_probs, old, micro_batch[ADVANTAGES], mask, self.settings)
         report = {"actor/pg_loss": masked_mean(token_loss, mask)}
+        if ROLLOUT_LOG_PROBS in micro_batch:  # how far the rollout engine's numbers are from the trainer's
+            report["rollout/logp_diff"] = masked_mean((log_probs.detach() - micro_batch[ROLLOUT_LOG_PROBS]).abs(), mask)
         if self.kl_as_loss:
             kl = self.kl_estimator(log_probs, micro_batch[REF_LOG_PROBS])
             token_loss = token_loss + self.cfg.kl.coef * kl

@@ -33,7 +33,7 @@ from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, SCOR
 from hybridrl.distributed import all_reduce_sum
 from hybridrl.engines import VALUES, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
 
-from hybridrl_fsdp.logprobs import entropy_from_logits, token_log_probs
+from hybridrl_fsdp.logprobs import chunked_log_probs
 from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter_rows
 
 #: the per-micro-batch tensors the LM head can hand to an objective.
@@ -167,12 +167,11 @@ class FSDPEngine(TrainEngine):
         input_ids, attention_mask, position_ids = (t.to(self.device) for t in sequence_tensors(micro))
         labels = micro[RESPONSE_IDS].to(self.device)
         mask = micro[RESPONSE_MASK].to(self.device).bool()
-        logits = self._response_logits(input_ids, attention_mask, position_ids, labels.shape[1]).float()
-        if temperature is not None:
-            logits = logits / temperature
-        outputs = {LOG_PROBS: token_log_probs(logits, labels.masked_fill(~mask, 0)).masked_fill(~mask, 0.0)}
-        if with_entropy:
-            outputs[ENTROPY] = entropy_from_logits(logits).masked_fill(~mask, 0.0)
+        logits = self._response_logits(input_ids, attention_mask, position_ids, labels.shape[1])
+        log_probs, entropy = chunked_log_probs(logits, labels.masked_fill(~mask, 0), temperature, with_entropy)
+        outputs = {LOG_PROBS: log_probs.masked_fill(~mask, 0.0)}
+        if entropy is not None:
+            outputs[ENTROPY] = entropy.masked_fill(~mask, 0.0)
         return outputs
 
     def _response_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -272,11 +271,19 @@ class FSDPEngine(TrainEngine):
 
         A bucket closes once it holds ``bucket_bytes``; a tensor of at least ``bucket_bytes`` travels alone.
         Tensors stay on the engine's device (the bridge decides where they go)."""
+        return self._bucketed(self._full_named_tensors(), bucket_bytes)
+
+    @staticmethod
+    def _bucketed(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        return FSDPEngine._buckets(named, bucket_bytes)
+
+    @staticmethod
+    def _buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
         bucket: WeightBucket = []
         filled = 0
-        for name, tensor in self._full_named_tensors():
+        for name, tensor in named:
             nbytes = tensor.numel() * tensor.element_size()
             if nbytes >= bucket_bytes and bucket:
                 yield bucket
@@ -288,6 +295,23 @@ class FSDPEngine(TrainEngine):
                 bucket, filled = [], 0
         if bucket:
             yield bucket
+
+    def export_weights_transient(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """``export_weights`` for an importer that copies at once (colocated, same process): with one rank the
+        live fp32 shards themselves (the importer's copy casts them), with several the all-gather runs in the
+        compute dtype (half the bytes on the wire). No copy of the model is made."""
+        return self._bucketed(self._transient_named_tensors(), bucket_bytes)
+
+    @torch.no_grad()
+    def _transient_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        wire_dtype = self.ctx.torch_dtype if self.device.type == "cuda" else self.master_dtype
+        for name, param in self.model.named_parameters():
+            if isinstance(param, DTensor):
+                yield name, (param.to_local().detach() if self.ctx.world_size == 1
+                             else param.detach().to(wire_dtype).full_tensor())
+            else:
+                yield name, param.detach()
+        yield from _persistent_buffers(self.model)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights on CPU, keyed like ``export_weights`` (a tied ``lm_head.weight`` appears once, as

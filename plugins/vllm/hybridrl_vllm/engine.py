@@ -26,10 +26,11 @@ from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch
 from hybridrl.engines import DataParallelInfo, EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
 
 from hybridrl_vllm import compat
+from hybridrl_vllm.copy_plan import CopyPlan, checksum
 from hybridrl_vllm.options import VLLMOptions, llm_kwargs, resolve_weight_load
 from hybridrl_vllm.packing import check_context, pack_responses, sampled_logprobs, unpad_prompts
 from hybridrl_vllm.parallel import ReplicaLayout
-from hybridrl_vllm.sampling import engine_seed, per_request_kwargs
+from hybridrl_vllm.sampling import engine_seed, per_request_kwargs, resolve_seed_mode
 from hybridrl_vllm.sleep import SleepState
 from hybridrl_vllm.weights import tied_aliases, with_aliases
 
@@ -63,6 +64,31 @@ def special_ids(cfg: Any, model_path: str) -> tuple[list[int], int]:
 # --- functions run inside vLLM's worker (``collective_rpc``) --------------------------------------------------
 def _load_direct(worker: Any, bucket: WeightBucket) -> None:
     compat.worker_model(worker).load_weights(bucket)
+
+
+def _load_and_record(worker: Any, bucket: WeightBucket) -> None:
+    """``load_weights``, noting each tensor's shape and what it must look like in the model's dtype, from which
+    ``_build_copy_plan`` then makes and checks the direct-copy plan."""
+    model = compat.worker_model(worker)
+    model.load_weights(bucket)
+    dtype = next(model.parameters()).dtype
+    seen = worker.__dict__.setdefault("_hybridrl_seen", {})
+    for name, tensor in bucket:
+        seen[name] = (tuple(tensor.shape), checksum(tensor.to(dtype)))
+
+
+def _build_copy_plan(worker: Any) -> dict[str, Any]:
+    seen = worker.__dict__.pop("_hybridrl_seen", {})
+    plan = CopyPlan.build(compat.worker_model(worker), {n: shape for n, (shape, _) in seen.items()})
+    wrong = plan.verify({n: c for n, (_, c) in seen.items()})
+    worker._hybridrl_copy_plan = None if wrong or not plan.views else plan
+    return {"placed": len(plan.views), "unplaced": plan.unplaced, "wrong": wrong}
+
+
+def _load_planned(worker: Any, bucket: WeightBucket) -> None:
+    rest = worker._hybridrl_copy_plan.copy(bucket)
+    if rest:
+        compat.worker_model(worker).load_weights(rest)
 
 
 def _reload_begin(worker: Any) -> None:
@@ -140,9 +166,13 @@ class VLLMRollout(RolloutEngine):
         self.aliases = tied_aliases(hf_config, ctx.options.get("tied_weights")) if self.weight_load == "layerwise" else {}
         self.flat_logprobs = compat.supports_flat_logprobs()
         self.can_sleep = compat.sleep_supported(self.device) and bool(kwargs.get("enable_sleep_mode"))
+        self.seed_mode = resolve_seed_mode(self.opts.seed_mode, self.device)
         self.state = SleepState(self.opts.sleep_level)
         self.importing = False
         self.weight_version = 0
+        # direct loads: the first update goes through load_weights and teaches the copy plan (copy_plan.py)
+        self.copy_plan = "learn" if self.weight_load == "direct" and self.opts.fast_import else "off"
+        self.copy_plan_report: dict[str, Any] = {}
 
     def data_parallel(self) -> DataParallelInfo:
         return self.layout.data_parallel()
@@ -163,7 +193,7 @@ class VLLMRollout(RolloutEngine):
         if not prompts:
             return pack_responses([], [], width, self.pad_id)
         check_context(prompts, width, self.context_length)
-        rows = per_request_kwargs(params, self.eos_ids, len(prompts), self.layout.replica, self.opts.seed_mode,
+        rows = per_request_kwargs(params, self.eos_ids, len(prompts), self.layout.replica, self.seed_mode,
                                   self.flat_logprobs)
         outputs = compat.generate(self.llm, compat.tokens_prompts(prompts), compat.make_sampling_params(rows))
         if len(outputs) != len(prompts):
@@ -173,8 +203,9 @@ class VLLMRollout(RolloutEngine):
             completion = out.outputs[0]
             ids = list(completion.token_ids)
             tokens.append(ids)
-            logps.append(sampled_logprobs(ids, completion.logprobs))
-        return pack_responses(tokens, logps, width, self.pad_id)
+            if params.logprobs:
+                logps.append(sampled_logprobs(ids, completion.logprobs))
+        return pack_responses(tokens, logps if params.logprobs else None, width, self.pad_id)
 
     # --- weights ------------------------------------------------------------------------------------------
     def _begin_import(self) -> None:
@@ -195,7 +226,12 @@ class VLLMRollout(RolloutEngine):
             self._begin_import()
         if not bucket:
             return
-        compat.run_on_workers(self.llm, _load_direct, with_aliases(bucket, self.aliases))
+        if self.copy_plan == "learn":
+            compat.run_on_workers(self.llm, _load_and_record, bucket)
+        elif self.copy_plan == "on":
+            compat.run_on_workers(self.llm, _load_planned, bucket)
+        else:
+            compat.run_on_workers(self.llm, _load_direct, with_aliases(bucket, self.aliases))
 
     def finish_weight_import(self) -> None:
         """Close the update: finish the layerwise reload, drop cached prefixes (their KV came from the old
@@ -204,6 +240,12 @@ class VLLMRollout(RolloutEngine):
             self._begin_import()
         if self.weight_load == "layerwise":
             compat.run_on_workers(self.llm, _reload_end, compat.model_config(self.llm))
+        if self.copy_plan == "learn":
+            reports = compat.run_on_workers(self.llm, _build_copy_plan)
+            self.copy_plan_report = reports[0] if reports else {}
+            usable = bool(reports) and all(r["placed"] and not r["wrong"] for r in reports)
+            self.copy_plan = "on" if usable else "off"
+            log.info("vLLM direct-copy plan: %s (%s)", self.copy_plan, self.copy_plan_report)
         if self.device == "cuda":
             torch.cuda.synchronize()
         compat.reset_prefix_cache(self.llm)

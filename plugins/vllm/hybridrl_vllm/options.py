@@ -14,10 +14,13 @@ Keys of ``roles.rollout`` (typed) and ``roles.rollout.options`` (free-form) that
 ``enable_prefix_caching``  default: vLLM's (on); the prompts of a GRPO group share their prefix
 ``sleep_mode``             allocate so that ``sleep`` can release memory (default: on for GPU)
 ``sleep_level``            1, 2 or ``auto`` (see ``hybridrl_vllm.sleep``)
-``seed_mode``              ``request`` (one seed per row, reproducible) or ``engine`` (one stream)
+``seed_mode``              ``request`` (one seed per row, reproducible), ``engine`` (one stream:
+                           fast on GPU) or ``auto`` (request on CPU, engine on GPU)
 ``weight_load``            ``auto``, ``direct`` (``load_weights`` into the live parameters) or
                            ``layerwise`` (vLLM's in-place reload that re-runs weight processing:
                            needed where weights are repacked after loading, e.g. on CPU, or quantized)
+``fast_import``            with ``direct`` loads, copy each tensor straight into its slice of the live
+                           parameters after the first update taught where it goes (``copy_plan``)
 ``tied_weights``           ``{alias: source}`` names to send twice with the layerwise reload (default:
                            ``lm_head.weight`` <- ``model.embed_tokens.weight`` when embeddings are tied)
 ``engine_kwargs``          any other ``vllm.LLM`` keyword arguments (they win)
@@ -47,8 +50,9 @@ class VLLMOptions:
     enable_prefix_caching: bool | None = None
     sleep_mode: bool | None = None
     sleep_level: int | str = "auto"
-    seed_mode: str = "request"
+    seed_mode: str = "auto"
     weight_load: str = "auto"
+    fast_import: bool = True
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -70,8 +74,9 @@ class VLLMOptions:
             enable_prefix_caching=opt("enable_prefix_caching", bool, None),
             sleep_mode=opt("sleep_mode", bool, None),
             sleep_level=level,
-            seed_mode=str(options.get("seed_mode") or "request"),
+            seed_mode=str(options.get("seed_mode") or "auto"),
             weight_load=str(options.get("weight_load") or "auto"),
+            fast_import=opt("fast_import", bool, True),
             engine_kwargs=dict(options.get("engine_kwargs") or {}),
         )
         made.validate()

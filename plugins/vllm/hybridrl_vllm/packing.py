@@ -77,12 +77,15 @@ def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
     return out
 
 
-def pack_responses(token_lists: Sequence[Sequence[int]], logprob_lists: Sequence[Sequence[float]], width: int,
+def pack_responses(token_lists: Sequence[Sequence[int]], logprob_lists: Sequence[Sequence[float]] | None, width: int,
                    pad_id: int) -> Batch:
     """``response_ids`` (pad after the last token), ``response_mask`` (1 on every returned token, the stop
-    token included) and ``rollout_log_probs`` (float32, 0 where masked), each ``(B, width)`` on CPU. A
-    response longer than ``width`` raises (the engine was asked for at most ``width`` tokens)."""
+    token included) and ``rollout_log_probs`` (float32, 0 where masked; left out when ``logprob_lists`` is
+    None), each ``(B, width)`` on CPU. A response longer than ``width`` raises (the engine was asked for at
+    most ``width`` tokens)."""
     n = len(token_lists)
+    with_logprobs = logprob_lists is not None
+    logprob_lists = logprob_lists if with_logprobs else [[0.0] * len(t) for t in token_lists]
     if len(logprob_lists) != n:
         raise ValueError(f"{n} responses but {len(logprob_lists)} log-prob lists")
     ids = torch.full((n, width), int(pad_id), dtype=torch.long)
@@ -98,4 +101,7 @@ def pack_responses(token_lists: Sequence[Sequence[int]], logprob_lists: Sequence
             ids[i, :k] = torch.as_tensor(list(toks), dtype=torch.long)
             mask[i, :k] = 1
             logps[i, :k] = torch.as_tensor(list(lps), dtype=torch.float32)
-    return Batch.from_tensors({RESPONSE_IDS: ids, RESPONSE_MASK: mask, ROLLOUT_LOG_PROBS: logps})
+    tensors = {RESPONSE_IDS: ids, RESPONSE_MASK: mask}
+    if with_logprobs:
+        tensors[ROLLOUT_LOG_PROBS] = logps
+    return Batch.from_tensors(tensors)

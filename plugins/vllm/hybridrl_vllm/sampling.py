@@ -12,9 +12,18 @@ from typing import Any, Sequence
 
 from hybridrl.engines import SamplingParams
 
-#: ``seed_mode`` values: one seed per request (reproducible, independent of batching) or the engine's
-#: own random stream (no per-request generators: faster for large batches on GPU).
-SEED_MODES = ("request", "engine")
+#: ``seed_mode`` values: one seed per request (reproducible, independent of batching), the engine's
+#: own random stream (no per-request generators: faster for large batches on GPU), or ``auto``: request on
+#: CPU (tests compare runs), engine on GPU (vLLM samples seeded rows one by one).
+SEED_MODES = ("auto", "request", "engine")
+
+
+def resolve_seed_mode(mode: str, device: str) -> str:
+    if mode not in SEED_MODES:
+        raise ValueError(f"seed_mode must be one of {SEED_MODES}, got '{mode}'")
+    if mode == "auto":
+        return "engine" if device == "cuda" else "request"
+    return mode
 
 _MASK64 = (1 << 64) - 1
 
@@ -55,7 +64,7 @@ def sampling_kwargs(params: SamplingParams, eos_ids: Sequence[int], *, flat_logp
         "temperature": float(params.temperature),
         "max_tokens": int(params.max_new_tokens),
         "min_tokens": int(params.min_new_tokens),
-        "logprobs": 0,
+        "logprobs": 0 if params.logprobs else None,
         "detokenize": False,
         "skip_special_tokens": False,
         "ignore_eos": bool(params.ignore_eos),
@@ -66,7 +75,7 @@ def sampling_kwargs(params: SamplingParams, eos_ids: Sequence[int], *, flat_logp
     # ignore_eos: an EOS must not end the row, and stop_token_ids would end it regardless of ignore_eos.
     if not params.ignore_eos and eos_ids:
         kwargs["stop_token_ids"] = [int(e) for e in eos_ids]
-    if flat_logprobs:
+    if flat_logprobs and params.logprobs:
         kwargs["flat_logprobs"] = True
     return kwargs
 
@@ -75,8 +84,8 @@ def per_request_kwargs(params: SamplingParams, eos_ids: Sequence[int], rows: int
                        seed_mode: str = "request", flat_logprobs: bool = False) -> list[dict[str, Any]]:
     """The kwargs of each row's ``vllm.SamplingParams``; with ``seed_mode="request"`` and a seed, each row
     carries its own (see ``request_seeds``)."""
-    if seed_mode not in SEED_MODES:
-        raise ValueError(f"seed_mode must be one of {SEED_MODES}, got '{seed_mode}'")
+    if seed_mode not in SEED_MODES or seed_mode == "auto":
+        raise ValueError(f"seed_mode must be 'request' or 'engine' here (resolve 'auto' first), got '{seed_mode}'")
     shared = sampling_kwargs(params, eos_ids, flat_logprobs=flat_logprobs)
     seeds = request_seeds(params.seed, replica, rows) if seed_mode == "request" and not params.greedy else None
     if seeds is None:

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One measurement on the GPU host, after the engine's wheels were unpacked into SITE (see benchmarks/gpu/README.md).
+#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | megatron | grpo | micro | sglang
+# Figures and logs go to $OUT (the device tool brings them back).
+set -uo pipefail
+site=$1 step=$2; shift 2
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
+  RAY_USAGE_STATS_ENABLED=0 RAY_memory_monitor_refresh_ms=0 VLLM_USE_FLASHINFER_SAMPLER=0 \
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ! python3 -c "import hybridrl_fsdp" 2>/dev/null; then  # editable installs of this checkout, no index needed
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . -e plugins/fsdp -e plugins/vllm \
+    -e plugins/megatron -e plugins/sglang > "$OUT/pip-editable.log" 2>&1 || { echo "editable install failed"; tail "$OUT/pip-editable.log"; }
+fi
+case $step in
+  env) nvidia-smi -L; python3 -c "import torch, ray, tensordict; print(torch.__version__, torch.cuda.device_count(), ray.__version__)";
+       python3 -m hybridrl.cli plugins ;;
+  megatron) python3 -m pytest -q -s -p no:cacheprovider tests/megatron/test_gpu.py 2>&1 | tee "$OUT/megatron_gpu.log" ;;
+  grpo) backend=${1:-vllm}; shift
+        python3 benchmarks/grpo_step.py --backend "$backend" --log "$OUT/grpo_$backend.log" \
+          --out "$OUT/grpo_step_$backend${TAG:-}.json" "$@" ;;
+  micro) python3 benchmarks/vllm_rollout.py --parts micro --out "$OUT/vllm_rollout.json" --log-dir "$OUT" "$@" ;;
+  *) echo "unknown step $step"; exit 2 ;;
+esac

@@ -1,0 +1,83 @@
+"""The direct-copy plan (``hybridrl_vllm.copy_plan``) on a module laid out like vLLM's Qwen2 (packed q/k/v and
+gate/up along dim 0), against an independent packing with ``torch.cat``. Engine-free."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridrl_vllm.copy_plan import CopyPlan, checksum
+
+H, Q, KV, I = 8, 8, 4, 12
+
+
+class PackedToy(nn.Module):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, kv_rows: int = KV) -> None:
+        super().__init__()
+        self.qkv_w = nn.Parameter(torch.zeros(Q + 2 * kv_rows, H, dtype=torch.bfloat16))
+        self.qkv_b = nn.Parameter(torch.zeros(Q + 2 * kv_rows, dtype=torch.bfloat16))
+        self.gate_up = nn.Parameter(torch.zeros(2 * I, H, dtype=torch.bfloat16))
+        self.norm = nn.Parameter(torch.zeros(H, dtype=torch.bfloat16))
+
+    def named_parameters(self, *args, **kwargs):  # vLLM's names
+        yield "model.layers.0.self_attn.qkv_proj.weight", self.qkv_w
+        yield "model.layers.0.self_attn.qkv_proj.bias", self.qkv_b
+        yield "model.layers.0.mlp.gate_up_proj.weight", self.gate_up
+        yield "model.norm.weight", self.norm
+
+
+def hf_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p = "model.layers.0."
+    return {p + "self_attn.q_proj.weight": torch.randn(Q, H, generator=g),
+            p + "self_attn.k_proj.weight": torch.randn(KV, H, generator=g),
+            p + "self_attn.v_proj.weight": torch.randn(KV, H, generator=g),
+            p + "self_attn.q_proj.bias": torch.randn(Q, generator=g),
+            p + "self_attn.k_proj.bias": torch.randn(KV, generator=g),
+            p + "self_attn.v_proj.bias": torch.randn(KV, generator=g),
+            p + "mlp.gate_proj.weight": torch.randn(I, H, generator=g),
+            p + "mlp.up_proj.weight": torch.randn(I, H, generator=g),
+            "model.norm.weight": torch.randn(H, generator=g)}
+
+
+def test_plan_places_packed_members_like_concatenation():
+    model, hf = PackedToy(), hf_tensors(0)
+    plan = CopyPlan.build(model, {n: tuple(t.shape) for n, t in hf.items()})
+    assert plan.unplaced == [] and len(plan.views) == len(hf)
+    rest = plan.copy(list(hf.items()))
+    assert rest == []
+    p = "model.layers.0."
+    expected_qkv = torch.cat([hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).to(torch.bfloat16)
+    expected_bias = torch.cat([hf[p + f"self_attn.{x}_proj.bias"] for x in "qkv"]).to(torch.bfloat16)
+    expected_gate_up = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]).to(torch.bfloat16)
+    assert torch.equal(model.qkv_w.data, expected_qkv)
+    assert torch.equal(model.qkv_b.data, expected_bias)
+    assert torch.equal(model.gate_up.data, expected_gate_up)
+    assert torch.equal(model.norm.data, hf["model.norm.weight"].to(torch.bfloat16))
+
+
+def test_plan_verification_accepts_what_load_weights_wrote_and_catches_a_wrong_layout():
+    model, hf = PackedToy(), hf_tensors(1)
+    plan = CopyPlan.build(model, {n: tuple(t.shape) for n, t in hf.items()})
+    # what a loader wrote: v before k (a layout the plan does not assume)
+    p = "model.layers.0."
+    wrote = torch.cat([hf[p + f"self_attn.{x}_proj.weight"] for x in "qvk"]).to(torch.bfloat16)
+    model.qkv_w.data.copy_(wrote)
+    plan_expect = {n: checksum(t.to(torch.bfloat16)) for n, t in hf.items()}
+    wrong = plan.verify(plan_expect)
+    assert p + "self_attn.k_proj.weight" in wrong and p + "self_attn.v_proj.weight" in wrong
+    assert p + "self_attn.q_proj.weight" not in wrong
+    plan.copy(list(hf.items()))
+    assert plan.verify(plan_expect) == []
+
+
+def test_sharded_or_mismatched_parameters_stay_with_load_weights():
+    model = PackedToy(kv_rows=KV // 2)  # as if k/v were split over tensor-parallel ranks
+    hf = hf_tensors(2)
+    plan = CopyPlan.build(model, {n: tuple(t.shape) for n, t in hf.items()})
+    assert sorted(n for n in plan.unplaced if "self_attn" in n) == sorted(n for n in hf if "self_attn" in n)
+    rest = plan.copy(list(hf.items()))
+    assert {n for n, _ in rest} == set(plan.unplaced)
+    assert torch.equal(model.norm.data, hf["model.norm.weight"].to(torch.bfloat16))
