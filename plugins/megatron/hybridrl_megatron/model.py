@@ -99,10 +99,23 @@ def build_gpt(spec: ModelSpec, config, layout: Layout, settings: MegatronSetting
         share_embeddings_and_output_weights=spec.tie_embeddings and head == "lm", position_embedding_type="rope",
         rotary_percent=1.0, rotary_base=int(theta) if float(theta).is_integer() else theta, **kwargs,
     )
+    if not config.use_cpu_initialization:
+        _to_device_dtype(model, config.params_dtype)
     if head == "value" and layout.last_stage:
         lm_head = model.output_layer.weight
         model.output_layer = ValueHead(spec.hidden_size, lm_head.dtype, lm_head.device)
     return model
+
+
+def _to_device_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """On the GPU Megatron's own layers allocate their weights there in ``params_dtype``, but the local spec's
+    norms are plain torch modules built on the CPU in fp32; Megatron's training scripts fix this with
+    ``model.cuda()`` and ``Float16Module``. Do the same for the parameters (buffers such as rotary
+    frequencies move but keep their dtype)."""
+    model.cuda(torch.cuda.current_device())
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def stage_layers(spec: ModelSpec, layout: Layout, stage: int) -> range:
