@@ -1,0 +1,201 @@
+"""Everything that touches SGLang itself, and so everything that may differ between its versions, in one place.
+
+Written against SGLang 0.5.16 (the GPU host's; its torch pin matches the host's torch). The rest of the plugin
+calls these functions and never imports SGLang. Differences handled here: ``ServerArgs`` fields that a version
+lacks are dropped with a warning (e.g. ``cuda_graph_backend_prefill``, new in the 0.5 line), and a version
+without the ``flattened_bucket`` load format falls back to one IPC handle per tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from functools import lru_cache
+from typing import Any, Iterator, Sequence
+
+import torch
+from packaging.version import Version
+
+from hybridrl_sglang.buckets import FlatEntry
+
+log = logging.getLogger(__name__)
+
+#: the oldest SGLang this plugin supports (the registration's ``requires`` says the same).
+MIN_VERSION = Version("0.5.16")
+
+
+@lru_cache(maxsize=1)
+def version() -> Version:
+    import sglang
+
+    return Version(str(sglang.__version__).split("+")[0])
+
+
+def check_version() -> None:
+    if version() < MIN_VERSION:
+        raise RuntimeError(f"hybridrl-sglang needs SGLang >= {MIN_VERSION}, found {version()}")
+
+
+@lru_cache(maxsize=1)
+def server_arg_names() -> frozenset[str]:
+    """Field names of this version's ``ServerArgs`` (what ``sglang.Engine(**kwargs)`` accepts)."""
+    try:
+        from sglang.srt.server_args import ServerArgs
+
+        return frozenset(f.name for f in dataclasses.fields(ServerArgs))
+    except Exception:  # noqa: BLE001 - unknown layout: accept everything, SGLang will complain itself
+        return frozenset()
+
+
+@contextlib.contextmanager
+def _visible_devices(devices: str | None) -> Iterator[None]:
+    """Set ``CUDA_VISIBLE_DEVICES`` while the engine starts its scheduler processes (they inherit it)."""
+    if devices is None:
+        yield
+        return
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
+def start_engine(kwargs: dict[str, Any], visible_devices: str | None = None) -> Any:
+    """``sglang.Engine(**kwargs)`` in this process (its scheduler and detokenizer run as child processes)."""
+    from hybridrl_sglang.options import split_known
+
+    accepted, dropped = split_known(kwargs, server_arg_names())
+    if dropped:
+        log.warning("SGLang %s has no server argument(s) %s; starting without them", version(), ", ".join(dropped))
+    import sglang
+
+    with _visible_devices(visible_devices):
+        return sglang.Engine(**accepted)
+
+
+def current_device() -> torch.device:
+    """The GPU of this process (the buffers handed to the schedulers live there)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def synchronize() -> None:
+    """Finish this process's pending copies before another process reads the memory."""
+    torch.cuda.current_stream().synchronize()
+
+
+def ipc_collect() -> None:
+    """Free buffers the schedulers have released (torch keeps shared CUDA blocks until then)."""
+    torch.cuda.ipc_collect()
+
+
+def generate(engine: Any, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
+             top_logprobs: int = 0) -> list[dict[str, Any]]:
+    """One batched request, results in the order of ``input_ids``, with the sampled tokens' log-probs."""
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
+    if top_logprobs > 0:
+        kwargs["top_logprobs_num"] = int(top_logprobs)
+    out = engine.generate(**kwargs)
+    return [out] if isinstance(out, dict) else list(out)
+
+
+def context_length(engine: Any) -> int | None:
+    manager = getattr(engine, "tokenizer_manager", None)
+    value = getattr(manager, "context_len", None)
+    return int(value) if value else None
+
+
+def release(engine: Any, tags: Sequence[str]) -> None:
+    if tags:
+        engine.release_memory_occupation(tags=list(tags))
+
+
+def resume(engine: Any, tags: Sequence[str]) -> None:
+    """Resume one tag per call, in the order given (weights before the KV cache)."""
+    for tag in tags:
+        engine.resume_memory_occupation(tags=[tag])
+
+
+def flush_cache(engine: Any) -> None:
+    engine.flush_cache()
+
+
+def _check(result: Any, what: str) -> None:
+    """SGLang's update calls answer ``(success, message)`` (or an object with those fields)."""
+    if isinstance(result, tuple) and result:
+        ok, message = bool(result[0]), (result[1] if len(result) > 1 else "")
+    else:
+        ok, message = bool(getattr(result, "success", True)), getattr(result, "message", "")
+    if not ok:
+        raise RuntimeError(f"SGLang {what} failed: {message}")
+
+
+@lru_cache(maxsize=1)
+def supports_flattened_bucket() -> bool:
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata  # noqa: F401
+    except ImportError:
+        return False
+    return bool(getattr(FlattenedTensorBucket, "supports_multi_dtypes", False))
+
+
+def _serializer() -> Any:
+    """SGLang's serializer, with torch's CUDA-IPC reductions patched to name devices by UUID (so a scheduler
+    that numbers GPUs differently opens the right one); must be applied before serialising."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()
+    return MultiprocessingSerializer
+
+
+def update_flat(engine: Any, flat: torch.Tensor, entries: Sequence[FlatEntry], tp_size: int) -> None:
+    """Load one flattened bucket into every tensor-parallel rank of the engine (CUDA IPC, no copy here)."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+    metadata = [FlattenedTensorMetadata(name=e.name, shape=torch.Size(e.shape), dtype=e.dtype, start_idx=e.start,
+                                        end_idx=e.end, numel=e.numel) for e in entries]
+    payload = _serializer().serialize({"flattened_tensor": flat, "metadata": metadata})
+    result = engine.update_weights_from_tensor(named_tensors=[payload] * int(tp_size),
+                                               load_format="flattened_bucket", flush_cache=False)
+    _check(result, "update_weights_from_tensor (flattened_bucket)")
+
+
+def update_tensors(engine: Any, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Fallback: one IPC handle per tensor (versions without the flattened format)."""
+    _serializer()
+    result = engine.update_weights_from_tensor(named_tensors=list(named), flush_cache=False)
+    _check(result, "update_weights_from_tensor")
+
+
+def shutdown(engine: Any) -> None:
+    """Stop the engine's processes (SGLang kills the child processes of this process)."""
+    engine.shutdown()
+
+
+# --- split mode: SGLang's own weight-update group (``hybridrl_sglang.distributed``) ---------------------------
+def init_update_group(engine: Any, host: str, port: int, rank_offset: int, world_size: int, group_name: str,
+                      backend: str) -> None:
+    result = engine.init_weights_update_group(master_address=host, master_port=int(port), rank_offset=int(rank_offset),
+                                              world_size=int(world_size), group_name=group_name, backend=backend)
+    _check(result, "init_weights_update_group")
+
+
+def update_from_distributed(engine: Any, entries: Sequence[tuple[str, str, list[int]]], group_name: str) -> None:
+    """Receive one bucket broadcast from rank 0 of the group, in SGLang's flattened layout."""
+    names = [n for n, _, _ in entries]
+    dtypes = [d for _, d, _ in entries]
+    shapes = [list(s) for _, _, s in entries]
+    result = engine.update_weights_from_distributed(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+                                                    flush_cache=False, load_format="flattened_bucket")
+    _check(result, "update_weights_from_distributed")
+
+
+def destroy_update_group(engine: Any, group_name: str) -> None:
+    with contextlib.suppress(Exception):
+        engine.destroy_weights_update_group(group_name=group_name)

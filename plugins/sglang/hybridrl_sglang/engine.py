@@ -1,0 +1,261 @@
+"""``SGLangRollout``: the rollout engine on SGLang's offline ``sglang.Engine``.
+
+One engine per tensor-parallel group of the pool (``parallel.ReplicaLayout``), started by the group's first rank
+in the process of the Ray worker that hosts the role; SGLang runs its scheduler (one per tensor-parallel rank)
+and detokenizer as child processes, so weights reach it through CUDA IPC:
+
+* colocated with the trainer, the trainer's exported buckets are flattened into one buffer per bucket and
+  handed over with ``update_weights_from_tensor(load_format="flattened_bucket")``; the engine sleeps while the
+  trainer works (SGLang's memory saver, ``hybridrl_sglang.sleep`` decides what to release);
+* on its own pool (split), the broadcast bridge's receive buffer arrives through the same ``import_weights``
+  and is sent as it is (zero copy); ``hybridrl_sglang.distributed`` offers SGLang's own
+  ``update_weights_from_distributed`` path instead.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import torch
+
+from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch
+from hybridrl.engines import DataParallelInfo, EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
+
+from hybridrl_sglang import compat
+from hybridrl_sglang.buckets import flatten
+from hybridrl_sglang.options import SGLangOptions, engine_kwargs
+from hybridrl_sglang.packing import (Completion, check_context, ended, pack_responses, parse_output, renormalise,
+                                     unpad_prompts)
+from hybridrl_sglang.parallel import ReplicaLayout, engine_devices
+from hybridrl_sglang.sampling import engine_seed, per_request, phases, top_logprobs_wanted
+from hybridrl_sglang.sleep import MemoryState
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def special_ids(model_path: str) -> tuple[list[int], int]:
+    """The model's EOS ids and pad id (generation config first, then model config), read without weights.
+    The engine has no tokenizer, so these are what stops a row and pads a response."""
+    from transformers import AutoConfig, GenerationConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    try:
+        gen = GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        gen = None
+    eos = _as_id_list(getattr(gen, "eos_token_id", None)) or _as_id_list(getattr(cfg, "eos_token_id", None))
+    if not eos:
+        raise ValueError(f"model at '{model_path}' names no eos_token_id (config or generation config)")
+    pad = _as_id_list(getattr(gen, "pad_token_id", None)) or _as_id_list(getattr(cfg, "pad_token_id", None))
+    return eos, (pad[0] if pad else eos[0])
+
+
+def _gather_visible_devices(world_size: int) -> list[str | None]:
+    """Every rank's ``CUDA_VISIBLE_DEVICES`` (collective over the host's process group)."""
+    import os
+
+    import torch.distributed as dist
+
+    mine = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [mine] * world_size
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, mine)
+    return out
+
+
+class SGLangRollout(RolloutEngine):
+    """Token-in/token-out generation on SGLang, with memory-saver sleep/wake and flattened-bucket weight import.
+
+    ``ctx.options``: see ``hybridrl_sglang.options`` (``tensor_parallel``, ``gpu_memory_utilization``,
+    ``weights_cpu_backup``, ``seed_mode``, ``engine_kwargs`` ...)."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx)
+        if not str(ctx.device).startswith("cuda"):
+            raise RuntimeError("SGLangRollout needs a CUDA device (SGLang has no CPU build)")
+        self.opts = SGLangOptions.from_options(ctx.options)
+        self.layout = ReplicaLayout(ctx.rank, ctx.world_size, self.opts.tensor_parallel)
+        compat.check_version()
+        self.eos_ids, self.pad_id = special_ids(ctx.model_path)
+        self.device = compat.current_device()
+        self.engine_dtype = ctx.torch_dtype
+        self.state = MemoryState(cpu_backup=self.opts.weights_cpu_backup)
+        self.can_sleep = self.opts.sleep_mode
+        self.importing = False
+        self.weight_version = 0
+        self.import_stats = {"buckets": 0, "shared": 0, "bytes": 0}
+        self.engine: Any = None
+        self.inexact_logprobs = 0
+        self.last_released: list[str] = []
+        devices = None
+        if self.layout.tp > 1:  # the leader's engine must see its peers' GPUs (collective over the pool)
+            devices = engine_devices(self.layout, _gather_visible_devices(ctx.world_size))
+        if not self.layout.leader:
+            self.start_seconds = 0.0
+            self.context_length = None
+            return
+        kwargs = engine_kwargs(self.opts, model_path=ctx.model_path, dtype=ctx.dtype,
+                               seed=engine_seed(ctx.seed, self.layout.replica))
+        start = time.perf_counter()
+        self.engine = compat.start_engine(kwargs, devices)
+        self.start_seconds = time.perf_counter() - start
+        self.context_length = compat.context_length(self.engine)
+
+    def data_parallel(self) -> DataParallelInfo:
+        return self.layout.data_parallel()
+
+    # --- generation ---------------------------------------------------------------------------------------
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        """See ``RolloutEngine.generate``. Rows are unpadded into ``input_ids`` lists (one request each; a GRPO
+        group's shared prompt is reused through the radix cache) and packed back to ``max_new_tokens`` columns.
+        Non-leader ranks of a tensor-parallel replica return zeros (the driver ignores them)."""
+        if self.importing:
+            raise RuntimeError("SGLangRollout.generate called during a weight import (finish_weight_import first)")
+        self.state.on_generate()
+        width = int(params.max_new_tokens)
+        prompts = unpad_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])
+        if not prompts or self.engine is None:
+            return pack_responses([[] for _ in prompts], [[] for _ in prompts], width, self.pad_id)
+        check_context(prompts, width, self.context_length)
+        top_n = top_logprobs_wanted(params, self.opts.logprob_top_n)
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logps: list[list[float]] = [[] for _ in prompts]
+        self.inexact_logprobs = 0
+        for phase in phases(params):
+            rows = [i for i in range(len(prompts)) if not ended(tokens[i], self.eos_ids) or params.ignore_eos]
+            if not rows:
+                break
+            sampling = per_request(params, phase, self.eos_ids, len(prompts), self.layout.replica, self.opts.seed_mode)
+            outputs = compat.generate(self.engine, [prompts[i] + tokens[i] for i in rows],
+                                      [sampling[i] for i in rows], top_n)
+            if len(outputs) != len(rows):
+                raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(rows)} prompts")
+            for i, out in zip(rows, outputs):
+                done = parse_output(out, i)
+                tokens[i].extend(done.token_ids)
+                logps[i].extend(self._sampling_logprobs(done, params))
+        return pack_responses(tokens, logps, width, self.pad_id)
+
+    def _sampling_logprobs(self, done: Completion, params: SamplingParams) -> list[float]:
+        """The tokens' log-probs under the truncated distribution they were drawn from."""
+        if params.greedy or (not params.top_k and params.top_p >= 1.0):
+            return done.logprobs
+        out = []
+        for pos, lp in enumerate(done.logprobs):
+            value, exact = renormalise(lp, done.top[pos] if pos < len(done.top) else [], params.top_k, params.top_p)
+            self.inexact_logprobs += int(not exact)
+            out.append(value)
+        return out
+
+    # --- weights ------------------------------------------------------------------------------------------
+    def _begin_import(self) -> None:
+        tags = self.state.on_import_begin() if self.can_sleep else []
+        if tags and self.engine is not None:
+            compat.resume(self.engine, tags)
+        self.importing = True
+
+    @torch.no_grad()
+    def import_weights(self, bucket: WeightBucket) -> None:
+        """Hand one bucket of HF-named tensors to every scheduler of the replica (SGLang's ``load_weights``
+        stacks q/k/v and gate/up, shards for tensor parallelism, casts, and skips a tied ``lm_head``). The
+        first bucket of an update wakes the weights alone when asleep. SGLang copies during the call, so the
+        caller may reuse the bucket's memory afterwards."""
+        if not self.importing:
+            self._begin_import()
+        if not bucket or self.engine is None:
+            return
+        if compat.supports_flattened_bucket():
+            flat, entries, shared = flatten(bucket, self.engine_dtype, self.device)
+            compat.synchronize()  # the schedulers read the buffer on their own streams
+            compat.update_flat(self.engine, flat, entries, self.opts.tensor_parallel)
+            self.import_stats["shared"] += int(shared)
+            self.import_stats["bytes"] += sum(e.numel for e in entries)
+        else:
+            named = [(n, t.detach().to(self.device)) for n, t in bucket]
+            compat.synchronize()
+            compat.update_tensors(self.engine, named)
+        self.import_stats["buckets"] += 1
+
+    def finish_weight_import(self) -> None:
+        """Close the update: drop cached prefixes (their KV came from the old weights), count the version."""
+        if not self.importing:
+            self._begin_import()
+        if self.engine is not None:
+            compat.flush_cache(self.engine)
+        compat.ipc_collect()
+        self.importing = False
+        self.state.on_import_end()
+        self.weight_version += 1
+
+    # --- split mode through SGLang's weight-update group (``hybridrl_sglang.distributed``) -----------------
+    def weight_sync_mode(self) -> str:
+        return self.opts.weight_sync
+
+    def engine_ranks(self) -> int:
+        """Ranks this worker's engine adds to the weight-update group (its tensor-parallel size; 0: no engine)."""
+        return self.opts.tensor_parallel if self.engine is not None else 0
+
+    def distributed_layout(self, specs: list) -> list:
+        """The flat layout of each bucket of the trainer's manifest, in this engine's dtype."""
+        from hybridrl_sglang.distributed import receive_layout
+
+        return receive_layout(specs, self.ctx.dtype)
+
+    def open_update_group(self, host: str, port: int, rank_offset: int, world_size: int, group_name: str) -> None:
+        if self.engine is not None:
+            compat.init_update_group(self.engine, host, port, rank_offset, world_size, group_name, "nccl")
+            self.update_group = group_name
+
+    def receive_distributed(self, layout: list, group_name: str) -> None:
+        """Receive every bucket (broadcast by the trainer) straight into the schedulers, then close the update."""
+        self._begin_import()
+        if self.engine is not None:
+            for entries in layout:
+                compat.update_from_distributed(self.engine, entries, group_name)
+                self.import_stats["buckets"] += 1
+        self.finish_weight_import()
+
+    # --- memory -------------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Release the KV cache (and the weights when safe, see ``hybridrl_sglang.sleep``)."""
+        if not self.can_sleep:
+            return
+        tags = self.state.on_sleep()
+        if tags and self.engine is not None:
+            compat.release(self.engine, tags)
+        self.last_released = tags
+
+    def wake(self) -> None:
+        """Bring back what ``sleep`` released and an import did not: weights first, then the KV cache."""
+        if not self.can_sleep:
+            return
+        tags = self.state.on_wake()
+        if tags and self.engine is not None:
+            compat.resume(self.engine, tags)
+
+    def named_weights(self) -> Iterator[NamedTensor]:
+        raise NotImplementedError("SGLangRollout keeps weights in the scheduler processes, in SGLang's fused layout "
+                                  "(qkv_proj, gate_up_proj); compare generations instead")
+
+    # --- lifetime -----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the engine's processes and free its GPU memory."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            if getattr(self, "update_group", None):
+                compat.destroy_update_group(engine, self.update_group)
+            compat.shutdown(engine)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

@@ -1,0 +1,139 @@
+"""The rollout role's settings as the SGLang engine reads them, and the ``sglang.Engine`` arguments they make
+(engine-free: no SGLang import, so the translation is tested without the engine).
+
+The keys are the vLLM plugin's where the meaning is the same, so that ``roles.rollout.backend=sglang`` is the
+only change a config needs; keys of other backends (``sleep_level``, ``weight_load`` ...) are ignored.
+
+=========================  ==========================================================================
+``tensor_parallel``        ranks per engine replica (``tp_size``; consecutive ranks of the pool)
+``gpu_memory_utilization`` share of the GPU for weights + KV cache (``mem_fraction_static``; default
+                           0.5: it shares the GPU with the trainer)
+``max_model_len``          context length (``context_length``; default: the model's)
+``max_num_seqs``           requests decoded at once (``max_running_requests``)
+``max_num_batched_tokens`` tokens per prefill chunk (``chunked_prefill_size``)
+``enforce_eager``          no CUDA graphs at all (``disable_cuda_graph``)
+``prefill_cuda_graph``     default off (``cuda_graph_backend_prefill="disabled"``): the default prefill
+                           graph failed in cuBLAS on the H200 host with SGLang 0.5.16
+``enable_prefix_caching``  default on (radix cache); off sets ``disable_radix_cache``
+``sleep_mode``             start with the memory saver so ``sleep`` can release memory (default on)
+``weights_cpu_backup``     back the weights up to host memory when sleeping (``enable_weights_cpu_backup``);
+                           off (default): the weights are released only when an import will refill
+                           them before the next generation (see ``hybridrl_sglang.sleep``)
+``seed_mode``              ``engine`` (default: the engine's random stream, seeded per replica) or
+                           ``request`` (one seed per row via ``sampling_seed``; turns on SGLang's
+                           deterministic inference, which is slower)
+``logprob_top_n``          top log-probs fetched per token to renormalise a top-p nucleus (default 64)
+``weight_sync``            split pools only: ``channel`` (default: the core's broadcast into the
+                           worker, then CUDA IPC) or ``distributed`` (SGLang's schedulers join the
+                           group: ``update_weights_from_distributed``, see ``hybridrl_sglang.distributed``)
+``engine_kwargs``          any other ``sglang.Engine`` keyword arguments (they win); a float32 model gets
+                           ``attention_backend="triton"`` unless set here
+=========================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+SEED_MODES = ("engine", "request")
+WEIGHT_SYNCS = ("channel", "distributed")
+
+
+@dataclass(frozen=True)
+class SGLangOptions:
+    tensor_parallel: int = 1
+    gpu_memory_utilization: float = 0.5
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    prefill_cuda_graph: bool = False
+    enable_prefix_caching: bool = True
+    sleep_mode: bool = True
+    weights_cpu_backup: bool = False
+    seed_mode: str = "engine"
+    logprob_top_n: int = 64
+    weight_sync: str = "channel"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> "SGLangOptions":
+        def opt(key: str, cast, default):
+            value = options.get(key)
+            return default if value is None else cast(value)
+
+        made = cls(
+            tensor_parallel=opt("tensor_parallel", int, 1),
+            gpu_memory_utilization=opt("gpu_memory_utilization", float, 0.5),
+            max_model_len=opt("max_model_len", int, None),
+            max_num_seqs=opt("max_num_seqs", int, None),
+            max_num_batched_tokens=opt("max_num_batched_tokens", int, None),
+            enforce_eager=opt("enforce_eager", bool, False),
+            prefill_cuda_graph=opt("prefill_cuda_graph", bool, False),
+            enable_prefix_caching=opt("enable_prefix_caching", bool, True),
+            sleep_mode=opt("sleep_mode", bool, True),
+            weights_cpu_backup=opt("weights_cpu_backup", bool, False),
+            seed_mode=str(options.get("seed_mode") or "engine"),
+            logprob_top_n=opt("logprob_top_n", int, 64),
+            weight_sync=str(options.get("weight_sync") or "channel"),
+            engine_kwargs=dict(options.get("engine_kwargs") or {}),
+        )
+        made.validate()
+        return made
+
+    def validate(self) -> None:
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.seed_mode not in SEED_MODES:
+            raise ValueError(f"seed_mode must be one of {SEED_MODES}, got '{self.seed_mode}'")
+        if self.weight_sync not in WEIGHT_SYNCS:
+            raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got '{self.weight_sync}'")
+        if self.logprob_top_n < 1:
+            raise ValueError(f"logprob_top_n must be >= 1, got {self.logprob_top_n}")
+
+
+def engine_kwargs(opts: SGLangOptions, *, model_path: str, dtype: str, seed: int) -> dict[str, Any]:
+    """Keyword arguments of ``sglang.Engine`` (``ServerArgs`` fields). Token-in/token-out: no tokenizer
+    (``skip_tokenizer_init``), so no detokenizer work per step; EOS ids are passed per request."""
+    kwargs: dict[str, Any] = {
+        "model_path": model_path,
+        "dtype": dtype,
+        "tp_size": opts.tensor_parallel,
+        "mem_fraction_static": opts.gpu_memory_utilization,
+        "random_seed": int(seed),
+        "skip_tokenizer_init": True,
+        "enable_memory_saver": opts.sleep_mode,
+        "log_level": "error",
+    }
+    if opts.weights_cpu_backup:
+        kwargs["enable_weights_cpu_backup"] = True
+    if opts.enforce_eager:
+        kwargs["disable_cuda_graph"] = True
+    elif not opts.prefill_cuda_graph:
+        kwargs["cuda_graph_backend_prefill"] = "disabled"
+    if not opts.enable_prefix_caching:
+        kwargs["disable_radix_cache"] = True
+    if opts.seed_mode == "request":
+        kwargs["enable_deterministic_inference"] = True
+    if dtype in ("float32", "float"):
+        kwargs["attention_backend"] = "triton"  # the default kernels (FlashAttention-3, FlashInfer) want 16-bit
+    for ours, theirs in (("max_model_len", "context_length"), ("max_num_seqs", "max_running_requests"),
+                         ("max_num_batched_tokens", "chunked_prefill_size")):
+        value = getattr(opts, ours)
+        if value is not None:
+            kwargs[theirs] = value
+    kwargs.update(opts.engine_kwargs)
+    return kwargs
+
+
+def split_known(kwargs: Mapping[str, Any], known: set[str] | frozenset[str]) -> tuple[dict[str, Any], list[str]]:
+    """``(accepted, dropped names)``: the arguments this SGLang version's ``ServerArgs`` has, and the others
+    (an argument a newer or older version lacks is dropped with a warning rather than crashing the start).
+    An empty ``known`` (fields could not be read) accepts everything."""
+    if not known:
+        return dict(kwargs), []
+    accepted = {k: v for k, v in kwargs.items() if k in known}
+    return accepted, sorted(k for k in kwargs if k not in known)

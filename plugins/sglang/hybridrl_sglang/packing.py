@@ -1,0 +1,145 @@
+"""Between hybridrl's padded tensors and SGLang's per-request token lists (engine-free).
+
+In: ``prompt_ids``/``prompt_mask`` left-padded ``(B, P)`` -> one ``input_ids`` list per row. Out: each request's
+``output_ids`` and ``meta_info["output_token_logprobs"]`` (``(logprob, token_id, text)`` triples) ->
+``response_ids``/``response_mask``/``rollout_log_probs`` right-padded to exactly ``max_new_tokens`` columns.
+
+SGLang's sampled-token log-probs are ``log softmax(logits / T)`` *before* top-k/top-p truncation; the contract
+wants them under the distribution the token was drawn from, so with top-k/top-p they are renormalised over the
+kept support, computed from the top log-probs SGLang returns (``renormalise``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
+
+
+def unpad_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """The real tokens of each row (where the mask is 1), in order; an empty row raises ``ValueError`` naming it."""
+    if prompt_ids.shape != prompt_mask.shape:
+        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} differ")
+    rows = []
+    for i, (row, keep) in enumerate(zip(prompt_ids.to(torch.long).tolist(), prompt_mask.to(torch.bool).tolist())):
+        tokens = [t for t, k in zip(row, keep) if k]
+        if not tokens:
+            raise ValueError(f"row {i}: empty prompt (its prompt_mask has no token)")
+        rows.append(tokens)
+    return rows
+
+
+def check_context(prompts: Sequence[Sequence[int]], max_new_tokens: int, context_length: int | None) -> None:
+    """Refuse a row whose prompt plus ``max_new_tokens`` exceeds the engine's context, before any row starts."""
+    if context_length is None:
+        return
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens > context_length:
+            raise ValueError(f"row {i}: prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                             f"engine's context length {context_length}")
+
+
+@dataclass
+class Completion:
+    """One request's sampled tokens, their log-probs, and (when asked) the top log-probs at each position."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[float, int]]] = field(default_factory=list)
+
+
+def parse_output(out: Mapping[str, Any], row: int) -> Completion:
+    """Read one element of ``Engine.generate``'s result. Log-probs are matched to tokens by position and the
+    token id they carry is checked, so a shifted or truncated list fails loudly instead of mislabelling."""
+    ids = [int(t) for t in out.get("output_ids") or []]
+    meta = out.get("meta_info") or {}
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        raise ValueError(f"row {row}: SGLang returned no output_token_logprobs (return_logprob must be on)")
+    if len(entries) != len(ids):
+        raise ValueError(f"row {row}: {len(ids)} output ids but {len(entries)} log-probs")
+    lps = []
+    for pos, (entry, tok) in enumerate(zip(entries, ids)):
+        value, token = float(entry[0]), int(entry[1])
+        if token != tok:
+            raise ValueError(f"row {row}, position {pos}: log-prob of token {token}, but token {tok} was sampled")
+        lps.append(value)
+    top: list[list[tuple[float, int]]] = []
+    raw_top = meta.get("output_top_logprobs")
+    if raw_top:
+        top = [[(float(e[0]), int(e[1])) for e in (pos or [])] for pos in raw_top[:len(ids)]]
+    return Completion(ids, lps, top)
+
+
+def _logsumexp(values: Sequence[float]) -> float:
+    m = max(values)
+    if m == -math.inf:
+        return m
+    return m + math.log(sum(math.exp(v - m) for v in values))
+
+
+def renormalise(logprob: float, top: Sequence[tuple[float, int]], top_k: int, top_p: float,
+                joint: bool = True) -> tuple[float, bool]:
+    """``(log-prob under the truncated distribution, exact)`` of a token whose full-vocabulary log-prob is
+    ``logprob``, given the position's top log-probs ``top`` (any order).
+
+    The support is the ``top_k`` most likely tokens (0: all) that also pass top-p: a token is kept while the
+    probability mass before it stays within ``top_p`` (the most likely token always kept). ``joint=True`` measures
+    that mass on the full distribution, as SGLang's samplers do (FlashInfer's ``joint`` order and its PyTorch
+    fallback); ``joint=False`` on the distribution renormalised over the top-k first, as
+    ``hybridrl.rollout.hf.filter_logits`` does. The two agree unless both top-k and top-p are set. ``exact`` is
+    False when ``top`` is too short to close the support (the log-sum then stops at what was returned)."""
+    k = int(top_k) if top_k and top_k > 0 else 0
+    if k == 0 and top_p >= 1.0:
+        return logprob, True
+    values = sorted((v for v, _ in top), reverse=True)
+    if not values:
+        return logprob, False
+    exact = not k or len(values) >= k
+    kept = values[:k] if k else values
+    if top_p < 1.0:
+        # log-probs are normalised over the vocabulary; renormalise over the top-k first unless joint
+        base = _logsumexp(kept) if (k and exact and not joint) else 0.0
+        nucleus, before = [], 0.0
+        for v in kept:
+            if nucleus and before >= top_p:
+                break
+            nucleus.append(v)
+            before += math.exp(v - base)
+        else:
+            if not k and before < top_p:  # ran out of returned entries before the mass reached top_p
+                exact = False
+        kept = nucleus
+    return logprob - _logsumexp(kept), exact
+
+
+def pack_responses(token_lists: Sequence[Sequence[int]], logprob_lists: Sequence[Sequence[float]], width: int,
+                   pad_id: int) -> Batch:
+    """``response_ids`` (pad after the last token), ``response_mask`` (1 on every returned token, the stop token
+    included) and ``rollout_log_probs`` (float32, 0 where masked), each ``(B, width)`` on CPU."""
+    n = len(token_lists)
+    if len(logprob_lists) != n:
+        raise ValueError(f"{n} responses but {len(logprob_lists)} log-prob lists")
+    ids = torch.full((n, width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    logps = torch.zeros((n, width), dtype=torch.float32)
+    for i, (toks, lps) in enumerate(zip(token_lists, logprob_lists)):
+        k = len(toks)
+        if k > width:
+            raise ValueError(f"row {i}: {k} tokens returned, at most {width} asked for")
+        if len(lps) != k:
+            raise ValueError(f"row {i}: {k} tokens but {len(lps)} log-probs")
+        if k:
+            ids[i, :k] = torch.as_tensor(list(toks), dtype=torch.long)
+            mask[i, :k] = 1
+            logps[i, :k] = torch.as_tensor(list(lps), dtype=torch.float32)
+    return Batch.from_tensors({RESPONSE_IDS: ids, RESPONSE_MASK: mask, ROLLOUT_LOG_PROBS: logps})
+
+
+def ended(tokens: Sequence[int], eos_ids: Sequence[int]) -> bool:
+    """Whether a phase's output stopped at an EOS (then later phases add nothing to the row)."""
+    return bool(tokens) and int(tokens[-1]) in {int(e) for e in eos_ids}

@@ -1,0 +1,39 @@
+"""The SGLang rollout through the conformance kit, as a plugin author runs it (``RolloutEngineContract`` and the
+FSDP -> SGLang ``BridgeContract`` subclassed with the registered names); needs SGLang and a GPU.
+
+The engines run in bfloat16, SGLang's own path (``HYBRIDRL_SGLANG_TEST_DTYPE=float32`` for float32 with Triton
+attention), against the kit's float32 transformers reference, hence the wider tolerances. The same battery runs
+without this file: ``pytest --hybridrl-backend=sglang --hybridrl-device=cuda`` (float32, the kit's default)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hybridrl.testing import BridgeContract, RolloutEngineContract
+
+pytestmark = [pytest.mark.sglang, pytest.mark.gpu]
+
+DTYPE = os.environ.get("HYBRIDRL_SGLANG_TEST_DTYPE", "bfloat16")
+#: (log-prob atol, greedy near-tie tolerance) against the kit's float32 CPU reference.
+LOGPROB_ATOL, TIE_TOLERANCE = {"bfloat16": (0.1, 0.05), "float32": (1e-3, 1e-4)}[DTYPE]
+
+
+class TestSGLangRollout(RolloutEngineContract):
+    backend = "sglang"
+    device = "cuda"
+    dtype = DTYPE
+    engine_options = {"gpu_memory_utilization": 0.3}
+    logprob_atol = LOGPROB_ATOL
+    greedy_tie_tolerance = TIE_TOLERANCE
+
+
+class TestFSDPToSGLangBridge(BridgeContract):
+    trainer_backend = "fsdp"
+    rollout_backend = "sglang"
+    device = "cuda"
+    dtype = DTYPE
+    engine_options = {"gpu_memory_utilization": 0.3}
+    logprob_atol = LOGPROB_ATOL
+    greedy_tie_tolerance = TIE_TOLERANCE
