@@ -151,11 +151,37 @@ def test_export_of_a_missing_step_names_the_steps_there(full_run, tmp_path, caps
     assert "no checkpoint of step 3" in capsys.readouterr().err and not (tmp_path / "none").exists()
 
 
+def test_a_failed_save_leaves_the_previous_checkpoint_loadable(full_run, resumed_run, monkeypatch) -> None:
+    import errno
+
+    from hybridrl import checkpoint
+
+    trainer: Trainer = resumed_run["trainer"]
+    root = checkpoints_root(resumed_run["out"])
+
+    def disk_full(folder: Path, state: dict) -> None:  # after the workers wrote their shards
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "save_driver_state", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            trainer.run_state.save()
+    assert sorted(p.name for p in root.iterdir()) == [LATEST, "step_000002"]
+    assert (root / LATEST).read_text() == "step_000002"
+    trainer.run_state.restore(root / "step_000002")  # the previous checkpoint loads into the running workers
+    trainer.sync_weights()
+    assert trainer.step == 2
+    again = computed(trainer.train_step())  # and step 3 comes out as in the uninterrupted run
+    expected = {k: v for k, v in computed(full_run["history"][2]).items() if not k.startswith("trainer/")}
+    assert again.keys() == expected.keys()  # (fit adds trainer/bad_step*, a bare train_step does not)
+    assert all(again[k] == pytest.approx(v, rel=1e-6, abs=1e-6) for k, v in expected.items())
+
+
 def test_nan_steps_are_skipped_reported_and_stop_the_run(resumed_run) -> None:
     trainer: Trainer = resumed_run["trainer"]
     weights = trainer.groups["actor"].call_all("weights", "actor")[0]
-    good_fn = trainer.scorer.reward_fn
-    trainer.cfg.trainer.steps = STEPS + 5
+    good_fn, start = trainer.scorer.reward_fn, trainer.step
+    trainer.cfg.trainer.steps = start + 5
     trainer.run_state.guard.max_bad = 2
     trainer.scorer.reward_fn = lambda *args, **kwargs: float("nan")
     trainer.trackers = trainer.run_state.make_trackers()  # fit closed them; a resumed run's append
@@ -165,7 +191,7 @@ def test_nan_steps_are_skipped_reported_and_stop_the_run(resumed_run) -> None:
     finally:
         trainer.scorer.reward_fn = good_fn
     logged = rows(resumed_run["out"])[-2:]
-    assert [r["step"] for r in logged] == [STEPS + 1, STEPS + 2]
+    assert [r["step"] for r in logged] == [start + 1, start + 2]
     for row in logged:
         assert row["trainer/bad_step"] == 1.0 and row["actor/skipped_step"] == 1.0 and row["reward/mean"] is None
     assert logged[-1]["trainer/bad_steps_in_row"] == 2.0
