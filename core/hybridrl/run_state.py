@@ -67,6 +67,8 @@ class RunState:
         self.resumed_from, self.last_saved_step = folder, t.step
         print(f"resumed from {folder} (step {t.step}"
               + (f"; dropped {dropped} metrics row(s) logged after it" if dropped else "") + ")", flush=True)
+        if t.step >= self.tcfg.steps:
+            print(f"the run is already at trainer.steps={self.tcfg.steps}: raise it to train on", flush=True)
 
     def make_trackers(self) -> list[Any]:
         """The configured trackers; a resumed run appends to the metrics it already has."""
