@@ -54,9 +54,12 @@ def checkpoint_problems(cfg: RunConfig, registry: Registry, trained: dict[str, s
     if out.exists() and not out.is_dir():
         problems.append(("trainer.out", f"'{out}' exists and is not a folder"))
     try:
-        ckpt.resolve_resume(cfg.trainer.resume, out)
+        resume_from = ckpt.resolve_resume(cfg.trainer.resume, out)
     except ckpt.CheckpointError as exc:
         problems.append(("trainer.resume", str(exc).removeprefix("trainer.resume: ")))
+        resume_from = None
+    if resume_from is not None:
+        problems += _resume_fit_problems(resume_from, trained)
     if cfg.trainer.save_every > 0:
         for role, backend in trained.items():
             try:
@@ -66,6 +69,25 @@ def checkpoint_problems(cfg: RunConfig, registry: Registry, trained: dict[str, s
             if getattr(engine_cls, "save_checkpoint", None) is TrainEngine.save_checkpoint:
                 problems.append(("trainer.save_every", f"the '{backend}' backend of roles.{role} cannot save "
                                                        "checkpoints; set trainer.save_every=0 or use another backend"))
+    return problems
+
+
+def _resume_fit_problems(folder: Path, trained: dict[str, str]) -> Problems:
+    """The checkpoint must hold every trained role, saved by the same backend (formats differ)."""
+    from hybridrl import checkpoint as ckpt
+
+    try:
+        saved = json.loads((folder / ckpt.DRIVER_SUMMARY).read_text()).get("roles", {})
+    except (OSError, json.JSONDecodeError) as exc:
+        return [("trainer.resume", f"cannot read {folder / ckpt.DRIVER_SUMMARY}: {exc}")]
+    problems: Problems = []
+    for role, backend in trained.items():
+        if role not in saved:
+            problems.append(("trainer.resume", f"checkpoint '{folder}' holds no {role} state (saved by a run with "
+                                               "another algorithm?); set trainer.resume=never to start afresh"))
+        elif saved[role] != backend:
+            problems.append(("trainer.resume", f"checkpoint '{folder}' holds a '{saved[role]}' {role}, this run uses "
+                                               f"'{backend}'"))
     return problems
 
 

@@ -62,7 +62,21 @@ CASES = {
     "resume from nowhere": (lambda t: [f"trainer.resume={t}/gone"], "trainer.resume", "gone' does not exist"),
     "resume from a non-checkpoint": (lambda t: [f"trainer.resume={t}"], "trainer.resume",
                                      "neither a complete checkpoint"),
+    "resume without a critic": (lambda t: [f"trainer.resume={grpo_checkpoint(t)}", "algorithm.name=ppo"],
+                                "trainer.resume", "holds no critic state"),
 }
+
+
+def grpo_checkpoint(tmp_path: Path) -> Path:
+    """A checkpoint as a GRPO run with an FSDP actor leaves it (its contents are not read by the pre-flight)."""
+    from hybridrl import checkpoint as ckpt
+
+    def write(folder: Path) -> dict:
+        (folder / "actor").mkdir()
+        ckpt.save_driver_state(folder, {"step": 1})
+        return {"roles": {"actor": "fsdp"}}
+
+    return ckpt.save_checkpoint(tmp_path / "grpo", 1, write, keep=0)
 
 
 @pytest.mark.parametrize("case", list(CASES))
