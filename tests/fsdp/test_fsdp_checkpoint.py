@@ -15,27 +15,30 @@ from hybridrl.distributed import free_port
 WORKER = Path(__file__).with_name("_fsdp_ckpt_worker.py")
 
 
-def run_ranks(world_size: int, model: Path, out: Path, mode: str) -> None:
+def launch(world_size: int, model: Path, out: Path, mode: str) -> list[tuple[str, subprocess.Popen]]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world_size), str(port), str(model), str(out),
-                               mode], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world_size)]
+    return [(f"{mode} rank {r}/{world_size}",
+             subprocess.Popen([sys.executable, str(WORKER), str(r), str(world_size), str(port), str(model), str(out),
+                               mode], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            for r in range(world_size)]
+
+
+def wait(procs: list[tuple[str, subprocess.Popen]]) -> None:
     try:
-        logs = [p.communicate(timeout=180)[0] for p in procs]
+        logs = [p.communicate(timeout=180)[0] for _, p in procs]
     finally:
-        for p in procs:
+        for _, p in procs:
             if p.poll() is None:
                 p.kill()
-    for rank, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"{mode} rank {rank}/{world_size} failed:\n{log}"
+    for (name, p), log in zip(procs, logs):
+        assert p.returncode == 0, f"{name} failed:\n{log}"
 
 
 def test_two_rank_checkpoint_resumes_exactly_on_two_and_one_ranks(tiny_model: Path, tmp_path: Path) -> None:
-    run_ranks(2, tiny_model, tmp_path, "save")
+    wait(launch(2, tiny_model, tmp_path, "save"))
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["dcp", "engine_rank0.pt", "engine_rank1.pt"]
-    run_ranks(2, tiny_model, tmp_path, "load")
-    run_ranks(1, tiny_model, tmp_path, "load")
+    wait(launch(2, tiny_model, tmp_path, "load") + launch(1, tiny_model, tmp_path, "load"))  # both read it at once
     continued = torch.load(tmp_path / "continued.pt")
     moved = max(float((continued["state"][n] - continued["saved"][n]).abs().max()) for n in continued["state"])
     assert moved > 1e-4, "the second update must move the weights"
