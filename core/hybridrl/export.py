@@ -78,7 +78,11 @@ def actor_weights(state_dir: Path, backend: str, model_path: str, options: dict[
     try:
         ctx = EngineContext(role="actor", backend=backend, model_path=model_path, rank=0, world_size=1, device="cpu",
                             dtype="float32", trainable=False, options=dict(options))
-        engine = engine_cls(ctx)
+        try:
+            engine = engine_cls(ctx)
+        except ValueError as exc:  # a layout one rank cannot hold (Megatron's tensor/pipeline parallel ...)
+            raise ExportError(f"the '{backend}' actor of this run cannot be built on one CPU rank for the export "
+                              f"({exc}); its checkpoint loads only on the layout it was saved with") from None
         try:
             engine.load_checkpoint(str(state_dir))
         except NotImplementedError as exc:

@@ -173,10 +173,11 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec) -> Run
     the model and data are there, the tokenised prompts, the context length and a probe of the reward."""
     from hybridrl import run_checks
     from hybridrl.data import DataError, load_rows, tokenize_rows
+    from hybridrl.run_state import TRAINABLE_ROLES
 
     backends, plan, problems = check_config(cfg, registry, cluster)
     run_cfg, notes = with_algorithm_roles(cfg, registry)
-    trained = {r: b.name for r, b in backends.items() if r in ("actor", "critic")}
+    trained = {r: b.name for r, b in backends.items() if r in TRAINABLE_ROLES}
     problems += run_checks.tracker_problems(cfg, registry) + run_checks.checkpoint_problems(cfg, registry, trained)
     rows = None
     try:
