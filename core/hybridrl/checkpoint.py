@@ -210,9 +210,14 @@ def load_driver_state(folder: Path) -> dict[str, Any]:
 
 
 def trim_metrics(out: str | Path, step: int) -> int:
-    """Drop the rows of ``metrics.jsonl`` past ``step`` (steps logged after the checkpoint a run resumes from
-    are run again and logged again). Returns how many rows were dropped."""
-    path = Path(out) / "metrics.jsonl"
+    """Drop the rows of ``metrics.jsonl`` (and ``samples.jsonl``) past ``step``: steps logged after the
+    checkpoint a run resumes from are run again and logged again. Returns how many metrics rows were dropped."""
+    trim_step_rows(Path(out) / "samples.jsonl", step)
+    return trim_step_rows(Path(out) / "metrics.jsonl", step)
+
+
+def trim_step_rows(path: Path, step: int) -> int:
+    """Keep the JSON lines of ``path`` whose ``step`` is at most ``step`` (and drop a line cut by a crash)."""
     if not path.is_file():
         return 0
     kept, dropped = [], 0

@@ -94,7 +94,9 @@ def test_rng_and_metrics_rows_after_the_checkpoint(tmp_path: Path) -> None:
     ckpt.set_rng_state(state)
     assert torch.equal(torch.rand(3), expected)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)) + '{"st')
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"step": s, "prompt": "p"}) + "\n" for s in (1, 3)))
     assert ckpt.trim_metrics(tmp_path, 2) == 2
+    assert [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == [1]
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
