@@ -88,7 +88,8 @@ def actor_weights(state_dir: Path, backend: str, model_path: str, options: dict[
         except NotImplementedError as exc:
             raise ExportError(f"the '{backend}' backend cannot load checkpoints: {exc}") from None
         except ValueError as exc:  # e.g. a layout (tensor parallel ...) that one rank cannot take
-            raise ExportError(f"the '{backend}' checkpoint in '{state_dir}' does not load on one CPU rank: {exc}") from None
+            raise ExportError(f"the '{backend}' checkpoint in '{state_dir}' does not load on one CPU rank: "
+                              f"{exc}") from None
         return {n: t.detach().to("cpu", copy=True) for bucket in engine.export_weights(1 << 28) for n, t in bucket}
     finally:
         if own_group:

@@ -201,7 +201,8 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec) -> Run
     if run_cfg.roles.reward.fn is not None and not any(k == "roles.reward.fn" for k, _ in problems):
         reward_fn = resolve_reward(run_cfg.roles.reward.fn, registry)
         if rows:
-            problems += run_checks.reward_probe_problems(reward_fn, run_cfg.roles.reward.fn, rows[0], cfg.data.prompt_key)
+            problems += run_checks.reward_probe_problems(reward_fn, run_cfg.roles.reward.fn, rows[0],
+                                                         cfg.data.prompt_key)
     if problems:
         raise ConfigError(problems)
     assert plan is not None and prompts is not None
