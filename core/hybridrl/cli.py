@@ -1,4 +1,4 @@
-"""``hybridrl train | plan | plugins``."""
+"""``hybridrl train | plan | report | export | plugins``."""
 
 from __future__ import annotations
 
@@ -72,7 +72,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from hybridrl.checkpoint import CheckpointError
     from hybridrl.cluster import detect_cluster
+    from hybridrl.faults import BadStepsError, WorkerDiedError
     from hybridrl.preflight import prepare_run
     from hybridrl.trainer import Trainer
 
@@ -82,13 +84,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         trainer.start()
         history = trainer.fit()
+    except (WorkerDiedError, BadStepsError, CheckpointError) as exc:
+        print(f"hybridrl: {exc}", file=sys.stderr)
+        return 1
     finally:
         trainer.shutdown()
+    if trainer.run_state.interrupted:
+        return 130
     if history:
         last = history[-10:]
         mean = sum(m["reward/mean"] for m in last) / len(last)
         print(f"done: {len(history)} steps, mean reward of the last {len(last)}: {mean:.3f}; "
               f"metrics in {cfg.trainer.out}/metrics.jsonl")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from hybridrl.export import ExportError, export_checkpoint
+
+    try:
+        out = export_checkpoint(args.run, args.out, step=args.step, dtype=args.dtype)
+    except ExportError as exc:
+        print(f"hybridrl: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported to {out}")
     return 0
 
 
@@ -132,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run", help="the run folder (trainer.out) holding metrics.jsonl and config.json")
     report.add_argument("--out", help="where to write (default: RUN/report)")
     report.set_defaults(func=cmd_report)
+    export = sub.add_parser("export", help="the actor of a checkpoint as a Hugging Face model folder")
+    export.add_argument("run", help="the run folder (trainer.out) or one checkpoint folder (checkpoints/step_N)")
+    export.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
+    export.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the saved weights (default: the run's model.dtype)")
+    export.set_defaults(func=cmd_export)
     plugins = sub.add_parser("plugins", help="list plugins, what they register, and engine availability")
     plugins.set_defaults(func=cmd_plugins)
     return parser

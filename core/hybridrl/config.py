@@ -234,6 +234,13 @@ class TrainerConfig(Strict):
     log_every: int = Field(1, gt=0)
     log_samples: int = Field(4, ge=0, description="sample responses written to <out>/samples.jsonl per logged step")
     progress: bool = True
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps and at the last step (0: never; Ctrl-C "
+                                                 "still saves one)")
+    keep_checkpoints: int = Field(2, ge=0, description="complete checkpoints kept, newest first (0: all)")
+    resume: str = Field("auto", min_length=1, description="auto: from the latest checkpoint in trainer.out, if any; "
+                                                          "never; or a checkpoint / run folder")
+    max_bad_steps: int = Field(3, ge=0, description="stop after this many steps in a row whose update was skipped "
+                                                    "(non-finite loss or gradient); 0: never stop")
 
     @field_validator("trackers")
     @classmethod

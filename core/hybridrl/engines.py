@@ -144,10 +144,16 @@ class TrainEngine(ABC):
         """Undo ``offload``."""
 
     def save_checkpoint(self, path: str) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not save checkpoints yet")
+        """Everything needed to continue training into folder ``path`` (created if missing): sharded weights,
+        optimiser and lr-schedule state, this rank's RNG. Collective: every rank writes its own part (``path``
+        is on a filesystem all ranks share). The driver publishes the folder atomically after all returned
+        (``hybridrl.checkpoint``). Engines that cannot leave this, and ``trainer.save_every`` is refused."""
+        raise NotImplementedError(f"{type(self).__name__} (backend '{self.ctx.backend}') does not save checkpoints")
 
     def load_checkpoint(self, path: str) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not load checkpoints yet")
+        """Restore what ``save_checkpoint`` wrote into this freshly built engine (collective). The driver
+        then syncs the weights into the rollout as after any update."""
+        raise NotImplementedError(f"{type(self).__name__} (backend '{self.ctx.backend}') does not load checkpoints")
 
 
 class RolloutEngine(ABC):

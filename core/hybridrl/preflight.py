@@ -169,23 +169,42 @@ def role_model_paths(cfg: RunConfig) -> dict[str, str]:
 
 
 def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec) -> RunSetup:
+    """Every check, with every problem collected: config, placement, files, packages, checkpoints; then, when
+    the model and data are there, the tokenised prompts, the context length and a probe of the reward."""
+    from hybridrl import run_checks
     from hybridrl.data import DataError, load_rows, tokenize_rows
+    from hybridrl.run_state import TRAINABLE_ROLES
 
     backends, plan, problems = check_config(cfg, registry, cluster)
+    run_cfg, notes = with_algorithm_roles(cfg, registry)
+    trained = {r: b.name for r, b in backends.items() if r in TRAINABLE_ROLES}
+    problems += run_checks.tracker_problems(cfg, registry) + run_checks.checkpoint_problems(cfg, registry, trained)
     rows = None
     try:
         rows = load_rows(cfg.data, registry)
     except (DataError, RegistryError) as exc:
         problems.append(("data.train" if cfg.data.train else "data.dataset", str(exc)))
-    if problems:
+    model_problems = run_checks.model_problems(cfg)
+    problems += model_problems
+    if model_problems:
         raise ConfigError(problems)
     model_path, tokenizer = prepare_model(cfg)
-    try:
-        prompts = tokenize_rows(rows, tokenizer, cfg.data)
-    except DataError as exc:
-        raise ConfigError([("data", str(exc))]) from None
-    assert plan is not None
-    cfg, notes = with_algorithm_roles(cfg, registry)
-    reward_fn = resolve_reward(cfg.roles.reward.fn, registry) if cfg.roles.reward.fn is not None else None
-    return RunSetup(cfg, registry, backends, plan, model_path, tokenizer, list(prompts), reward_fn,
-                    prompts.dropped, role_model_paths(cfg), notes)
+    prompts = None
+    if rows is not None:
+        try:
+            prompts = tokenize_rows(rows, tokenizer, cfg.data)
+        except DataError as exc:
+            problems.append(("data", str(exc)))
+    if prompts:
+        problems += run_checks.context_problems(cfg, model_path, max(len(p.token_ids) for p in prompts))
+    reward_fn = None
+    if run_cfg.roles.reward.fn is not None and not any(k == "roles.reward.fn" for k, _ in problems):
+        reward_fn = resolve_reward(run_cfg.roles.reward.fn, registry)
+        if rows:
+            problems += run_checks.reward_probe_problems(reward_fn, run_cfg.roles.reward.fn, rows[0],
+                                                         cfg.data.prompt_key)
+    if problems:
+        raise ConfigError(problems)
+    assert plan is not None and prompts is not None
+    return RunSetup(run_cfg, registry, backends, plan, model_path, tokenizer, list(prompts), reward_fn,
+                    prompts.dropped, role_model_paths(run_cfg), notes)

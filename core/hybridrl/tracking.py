@@ -100,6 +100,9 @@ class TensorBoardTracker:
     """Scalars in ``<out>/tensorboard`` (``tensorboard --logdir <out>/tensorboard``); the config as a text
     summary at step 0."""
 
+    #: module -> pip name, checked before the run starts (``hybridrl.run_checks.tracker_problems``).
+    requires = {"tensorboard": "tensorboard"}
+
     def __init__(self, out_dir: str, config: dict[str, Any] | None = None, resume: bool = False) -> None:
         require("tensorboard", "tensorboard", "tensorboard")
         from torch.utils.tensorboard import SummaryWriter
@@ -124,6 +127,9 @@ class WandbTracker:
     out folder's). ``WANDB_MODE=offline`` works without a network (``wandb sync`` uploads later). A resumed
     run continues the same W&B run (its id is kept in ``<out>/wandb_run_id``)."""
 
+    #: module -> pip name, checked before the run starts (``hybridrl.run_checks.tracker_problems``).
+    requires = {"wandb": "wandb"}
+
     def __init__(self, out_dir: str, config: dict[str, Any] | None = None, resume: bool = False) -> None:
         wandb = require("wandb", "wandb", "wandb")
         out = Path(out_dir)
@@ -147,6 +153,9 @@ class MlflowTracker:
     """An MLflow run in a local file store at ``<out>/mlruns`` (``mlflow ui --backend-store-uri <out>/mlruns``)
     unless ``MLFLOW_TRACKING_URI`` names another; experiment ``$MLFLOW_EXPERIMENT_NAME`` or ``hybridrl``. The
     config goes in once as flattened params and as the artifact ``config.json``."""
+
+    #: module -> pip name, checked before the run starts (``hybridrl.run_checks.tracker_problems``).
+    requires = {"mlflow": "mlflow-skinny"}
 
     MAX_BATCH = 100  # params/metrics per request the tracking API accepts
 

@@ -25,6 +25,7 @@ from hybridrl.engines import VALUES, SamplingParams
 from hybridrl.flops import step_perf_metrics
 from hybridrl.launch import build_engines, start_worker_groups
 from hybridrl.preflight import RunSetup
+from hybridrl.run_state import RunState
 from hybridrl.rewarding import RewardScorer, on_last_token
 from hybridrl.timing import PhaseTimer
 
@@ -82,6 +83,7 @@ class Trainer:
         self.last_batch: Batch | None = None
         self.trackers: list[Any] = []
         self.step = 0
+        self.run_state = RunState(self)  # checkpoints, resume, faults (hybridrl.run_state)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_id = self.tokenizer.eos_token_id
 
@@ -89,7 +91,9 @@ class Trainer:
     def start(self) -> None:
         out = Path(self.cfg.trainer.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "samples.jsonl").write_text("")
+        resume_from = self.run_state.resume_point()
+        if resume_from is None:
+            (out / "samples.jsonl").write_text("")
         (out / "config.json").write_text(json.dumps(self.cfg.model_dump(mode="json", by_alias=True), indent=2))
         print(self.setup.plan.render(), flush=True)
         for note in self.setup.notes:
@@ -114,12 +118,13 @@ class Trainer:
         rollout_backend = self.setup.plan.group_of("rollout").roles["rollout"]
         self.bridge = self.registry.bridge(actor_backend, rollout_backend, transport).target()
         self.bucket_bytes = int(self.cfg.roles.rollout.bucket_mb * 2**20)
+        if resume_from is not None:
+            self.run_state.restore(resume_from)
         self.sync_weights()  # the rollout starts from exactly the actor's weights
         if self.rollout_colocated:
             self.groups["rollout"].call_all("call", "rollout", "sleep")
         print(f"workers ready in {time.perf_counter() - t0:.1f}s", flush=True)
-        self.trackers = [self.registry.get("tracker", name)(self.cfg.trainer.out, self.cfg.model_dump(mode="json"))
-                         for name in self.cfg.trainer.trackers]
+        self.trackers = self.run_state.make_trackers()
 
     def sync_weights(self) -> dict[str, float]:
         return self.bridge.sync(self.groups["actor"], "actor", self.groups["rollout"], "rollout", self.bucket_bytes)
@@ -319,20 +324,24 @@ class Trainer:
         from tqdm import tqdm
 
         history = []
-        bar = tqdm(total=self.cfg.trainer.steps, desc="train", unit="step", disable=not self.cfg.trainer.progress,
-                   dynamic_ncols=True)
+        bar = tqdm(total=self.cfg.trainer.steps, initial=self.step, desc="train", unit="step",
+                   disable=not self.cfg.trainer.progress, dynamic_ncols=True)
         try:
-            while self.step < self.cfg.trainer.steps:
-                metrics = self.train_step()
-                metrics["perf/peak_mem_mb"] = max(
-                    max(g.call_all("peak_memory_mb")) for g in {id(g): g for g in self.groups.values()}.values())
-                history.append(metrics)
-                if self.step % self.cfg.trainer.log_every == 0 or self.step == self.cfg.trainer.steps:
-                    for tracker in self.trackers:
-                        tracker.log(metrics, self.step)
-                    self.write_samples()
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['timing/step']:.2f}")
+            with self.run_state.guarding():  # Ctrl-C: stop cleanly; a dead worker: a clear error
+                while self.step < self.cfg.trainer.steps:
+                    metrics = self.train_step()
+                    bad = self.run_state.observe(metrics)
+                    metrics["perf/peak_mem_mb"] = max(
+                        max(g.call_all("peak_memory_mb")) for g in {id(g): g for g in self.groups.values()}.values())
+                    history.append(metrics)
+                    if self.step % self.cfg.trainer.log_every == 0 or self.step == self.cfg.trainer.steps:
+                        for tracker in self.trackers:
+                            tracker.log(metrics, self.step)
+                        self.write_samples()
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['timing/step']:.2f}")
+                    if self.run_state.end_of_step(bad):  # save when due; Ctrl-C; too many bad steps
+                        break
         finally:
             bar.close()
             for tracker in self.trackers:

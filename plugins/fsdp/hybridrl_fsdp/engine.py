@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from pathlib import Path
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -40,6 +41,8 @@ from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter
 SUPPORTED_OUTPUTS = frozenset({LOG_PROBS, ENTROPY})
 #: what each head can hand to an objective in ``update``.
 HEAD_OUTPUTS = {"lm": SUPPORTED_OUTPUTS, "value": frozenset({VALUES}), "reward": frozenset()}
+#: the torch.distributed.checkpoint folder inside a checkpoint directory.
+DCP_DIR = "dcp"
 #: the head a role gets unless ``options.head`` says otherwise.
 ROLE_HEADS = {"critic": "value", "reward": "reward"}
 
@@ -327,6 +330,54 @@ class FSDPEngine(TrainEngine):
         for name, buffer in _persistent_buffers(self.model):
             yield name, _full_copy(buffer, buffer.dtype)
 
+    # --- checkpoints --------------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded model + AdamW state through torch.distributed.checkpoint (each rank writes its own shards,
+        so no rank gathers the full model), plus per-rank ``engine_rank<r>.pt`` with the lr schedule and
+        this rank's RNG states. Reload with any world size DCP can reshard to. Collective."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
+
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        if self.optimizer is not None:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(self.model)}
+        dcp.save(state, checkpoint_id=str(out / DCP_DIR))
+        extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                 "rng": _rng_state(), "trainable": self.optimizer is not None}
+        torch.save(extra, out / _rank_file(self.ctx.rank))
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what ``save_checkpoint`` wrote into this (already built) engine. Collective."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                             set_model_state_dict, set_state_dict)
+
+        src = Path(path)
+        if not (src / DCP_DIR).is_dir():
+            raise FileNotFoundError(f"no FSDP checkpoint in '{src}' (missing {DCP_DIR}/)")
+        if self.optimizer is not None:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(self.model)}
+        dcp.load(state, checkpoint_id=str(src / DCP_DIR))
+        if self.optimizer is not None:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:
+            set_model_state_dict(self.model, state["model"])
+        rank_file = src / _rank_file(self.ctx.rank)
+        if rank_file.is_file():  # absent when resuming on more ranks than were saved: keep the fresh RNG
+            extra = torch.load(rank_file, map_location="cpu", weights_only=False)
+            if self.scheduler is not None and extra.get("scheduler") is not None:
+                self.scheduler.load_state_dict(extra["scheduler"])
+            _set_rng_state(extra["rng"])
+        dist.barrier()
+
     # --- memory -------------------------------------------------------------------------------------------
     def offload(self) -> None:
         """Move parameter shards, gradients and AdamW state to host memory (CUDA only).
@@ -483,6 +534,24 @@ def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 continue
             seen.add(id(buffer))
             yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
+def _rank_file(rank: int) -> str:
+    return f"engine_rank{rank}.pt"
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's torch RNG states (CPU, and CUDA when present)."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:

@@ -1,0 +1,236 @@
+"""Run checkpoints on disk: layout, atomic publication, retention, and finding the one to resume from.
+
+Layout under ``<trainer.out>/checkpoints/``::
+
+    step_000010/             a complete checkpoint (only ever appears by a rename, never half-written)
+        actor/  critic/      each trainer's own format (``TrainEngine.save_checkpoint``: sharded, per rank)
+        driver.pt            the driver's state between steps (step, data position, KL controller, RNG ...)
+        driver.json          a readable summary, written last inside the temporary folder
+    .tmp-step_000012/        a save in progress (removed when the save fails; never resumed from)
+    latest                   the name of the newest complete checkpoint, replaced atomically after the rename
+
+A crash, a full disk or Ctrl-C during a save therefore leaves the previous checkpoint and ``latest`` as they
+were. The folder must be on a filesystem every worker can write (each rank writes its own shards).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+DRIVER_STATE = "driver.pt"
+DRIVER_SUMMARY = "driver.json"
+TMP_PREFIX = ".tmp-"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was asked for, or one that does not fit this run."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def checkpoints_root(out: str | Path) -> Path:
+    return Path(out) / CHECKPOINTS
+
+
+def is_complete(path: Path) -> bool:
+    """A published checkpoint: its name is ``step_N`` (not a temporary one) and its summary was written."""
+    return _STEP_DIR.fullmatch(path.name) is not None and (path / DRIVER_SUMMARY).is_file() \
+        and (path / DRIVER_STATE).is_file()
+
+
+def complete_checkpoints(out: str | Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every complete checkpoint of a run, oldest first."""
+    root = checkpoints_root(out)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP_DIR.fullmatch(child.name)
+        if m and child.is_dir() and is_complete(child):
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(out: str | Path) -> Path | None:
+    """The folder ``latest`` names when it is complete (it may name an older step than another folder: a run
+    resumed from an earlier checkpoint continues from there), else the newest complete one, else None."""
+    root = checkpoints_root(out)
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if is_complete(named):
+            return named
+    found = complete_checkpoints(out)
+    return found[-1][1] if found else None
+
+
+def find_checkpoint(out: str | Path, step: int | None = None) -> Path:
+    """The checkpoint of ``step`` (default: the latest) of the run in ``out``; ``CheckpointError`` if none."""
+    found = complete_checkpoints(out)
+    if not found:
+        raise CheckpointError(f"no complete checkpoint under '{checkpoints_root(out)}'")
+    if step is None:
+        latest = latest_checkpoint(out)
+        assert latest is not None
+        return latest
+    for s, path in found:
+        if s == step:
+            return path
+    raise CheckpointError(f"no checkpoint of step {step} under '{checkpoints_root(out)}' "
+                          f"(steps: {', '.join(str(s) for s, _ in found)})")
+
+
+def resolve_resume(resume: str, out: str | Path) -> Path | None:
+    """What ``trainer.resume`` points at: ``never`` -> None; ``auto`` -> the latest complete checkpoint in
+    ``out`` (None on a fresh run); a path -> that checkpoint folder, or the latest one of that run folder."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(out)
+    path = Path(resume)
+    if is_complete(path):
+        return path
+    if path.is_dir() and (path / CHECKPOINTS).is_dir():
+        return find_checkpoint(path)
+    if path.is_dir() and path.name == CHECKPOINTS:
+        return find_checkpoint(path.parent)
+    if path.exists():
+        raise CheckpointError(f"trainer.resume: '{path}' is neither a complete checkpoint (step_N/ with "
+                              f"{DRIVER_SUMMARY}) nor a run folder holding {CHECKPOINTS}/")
+    raise CheckpointError(f"trainer.resume: '{path}' does not exist")
+
+
+def save_checkpoint(out: str | Path, step: int, write: Callable[[Path], dict[str, Any]], keep: int) -> Path:
+    """Write a checkpoint of ``step`` through ``write(tmp_dir) -> summary`` into a temporary folder, rename it
+    to ``step_N``, point ``latest`` at it, then keep only the newest ``keep`` (0: all). Any exception
+    (a full disk, a worker failing, Ctrl-C) removes the temporary folder and leaves the previous checkpoint
+    and ``latest`` untouched, then propagates."""
+    root = checkpoints_root(out)
+    root.mkdir(parents=True, exist_ok=True)
+    name = step_dir_name(step)
+    tmp, final = root / f"{TMP_PREFIX}{name}", root / name
+    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save of the same step
+    tmp.mkdir()
+    try:
+        summary = write(tmp)
+        summary = {"format_version": FORMAT_VERSION, "step": step, "saved_at": time.time(), **summary}
+        _write_atomic(tmp / DRIVER_SUMMARY, json.dumps(summary, indent=2))
+        if final.exists():  # the same step saved again (a resumed run re-saving): the new one replaces it
+            old = root / f"{TMP_PREFIX}old-{name}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_atomic(root / LATEST, name)
+    prune(out, keep)
+    return final
+
+
+def prune(out: str | Path, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` complete checkpoints (never the one ``latest`` names) and the
+    temporary folders of crashed saves. Returns what was removed."""
+    root = checkpoints_root(out)
+    removed: list[Path] = []
+    for child in root.iterdir() if root.is_dir() else ():
+        if child.name.startswith(TMP_PREFIX):
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    found = complete_checkpoints(out)
+    latest = latest_checkpoint(out)
+    if keep > 0:
+        for _, path in found[:-keep]:
+            if path != latest:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write to a sibling temporary file, fsync, rename over ``path``: readers see the old or the new text."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --- driver state ------------------------------------------------------------------------------------------
+
+def rng_state() -> dict[str, Any]:
+    """The driver's RNG states (Python, NumPy when present, torch CPU)."""
+    import random
+
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def save_driver_state(folder: Path, state: dict[str, Any]) -> None:
+    torch.save(state, folder / DRIVER_STATE)
+
+
+def load_driver_state(folder: Path) -> dict[str, Any]:
+    return torch.load(folder / DRIVER_STATE, map_location="cpu", weights_only=False)
+
+
+def trim_metrics(out: str | Path, step: int) -> int:
+    """Drop the rows of ``metrics.jsonl`` (and ``samples.jsonl``) past ``step``: steps logged after the
+    checkpoint a run resumes from are run again and logged again. Returns how many metrics rows were dropped."""
+    trim_step_rows(Path(out) / "samples.jsonl", step)
+    return trim_step_rows(Path(out) / "metrics.jsonl", step)
+
+
+def trim_step_rows(path: Path, step: int) -> int:
+    """Keep the JSON lines of ``path`` whose ``step`` is at most ``step`` (and drop a line cut by a crash)."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row_step = json.loads(line).get("step", 0)
+        except json.JSONDecodeError:  # a line cut by a crash
+            dropped += 1
+            continue
+        if row_step > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        _write_atomic(path, "".join(line + "\n" for line in kept))
+    return dropped

@@ -1,0 +1,136 @@
+"""``hybridrl export RUN``: the actor of a checkpoint as a Hugging Face model folder (config, tokenizer,
+safetensors) that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+The checkpoint's format belongs to its train backend, so the export does not read it directly: it builds
+the actor's engine on one CPU rank in this process, has it load the checkpoint (the backend reshards, e.g.
+DCP for FSDP), and writes what ``export_weights`` yields, the same full HF-named tensors the reshard bridge
+sends to the rollout. The tokenizer and generation config are copied from the model the run started from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridrl import checkpoint as ckpt
+
+#: files of the source model folder that are not copied (the weights and config are written anew).
+_SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+class ExportError(RuntimeError):
+    """The checkpoint cannot be exported (missing, saved by another layout, weights that do not fit)."""
+
+
+def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None, dtype: str | None = None) -> Path:
+    """Write the actor of ``run``'s checkpoint of ``step`` (default: the latest) to ``out`` as an HF model.
+    ``run`` is a run folder (``trainer.out``) or a checkpoint folder; ``dtype`` defaults to the run's
+    ``model.dtype``. Returns ``out``."""
+    folder = _checkpoint_folder(Path(run), step)
+    summary = json.loads((folder / ckpt.DRIVER_SUMMARY).read_text())
+    backend = summary.get("roles", {}).get("actor")
+    if backend is None or not (folder / "actor").is_dir():
+        raise ExportError(f"checkpoint '{folder}' holds no actor state")
+    model_path = Path(summary["model_path"])
+    if not (model_path / "config.json").is_file():
+        raise ExportError(f"the run's model folder '{model_path}' (config and tokenizer) is gone")
+    weights = actor_weights(folder / "actor", backend, str(model_path), summary.get("actor_options", {}))
+    target = getattr(torch, dtype or summary.get("dtype", "float32"))
+    return write_hf_model(weights, model_path, Path(out), target,
+                          {"source": str(folder), "step": summary["step"], "backend": backend})
+
+
+def _checkpoint_folder(run: Path, step: int | None) -> Path:
+    if ckpt.is_complete(run):
+        if step is not None and summary_step(run) != step:
+            raise ExportError(f"'{run}' is the checkpoint of step {summary_step(run)}, not {step}")
+        return run
+    try:
+        return ckpt.find_checkpoint(run, step)
+    except ckpt.CheckpointError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def summary_step(folder: Path) -> int:
+    return int(json.loads((folder / ckpt.DRIVER_SUMMARY).read_text())["step"])
+
+
+def actor_weights(state_dir: Path, backend: str, model_path: str, options: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Full HF-named CPU tensors of the actor saved in ``state_dir``: its engine built on one CPU rank (in a
+    one-rank gloo group of this process), loaded, exported."""
+    import torch.distributed as dist
+
+    from hybridrl.distributed import free_port, init_process_group
+    from hybridrl.engines import EngineContext
+    from hybridrl.plugins import get_registry
+
+    engine_cls = get_registry().backend("train", backend).load()
+    own_group = not dist.is_initialized()
+    if own_group:
+        init_process_group(0, 1, "127.0.0.1", free_port(), "cpu")
+    elif dist.get_world_size() != 1:
+        raise ExportError("export runs on one rank, but this process is in a multi-rank process group")
+    try:
+        ctx = EngineContext(role="actor", backend=backend, model_path=model_path, rank=0, world_size=1, device="cpu",
+                            dtype="float32", trainable=False, options=dict(options))
+        try:
+            engine = engine_cls(ctx)
+        except ValueError as exc:  # a layout one rank cannot hold (Megatron's tensor/pipeline parallel ...)
+            raise ExportError(f"the '{backend}' actor of this run cannot be built on one CPU rank for the export "
+                              f"({exc}); its checkpoint loads only on the layout it was saved with") from None
+        try:
+            engine.load_checkpoint(str(state_dir))
+        except NotImplementedError as exc:
+            raise ExportError(f"the '{backend}' backend cannot load checkpoints: {exc}") from None
+        except ValueError as exc:  # e.g. a layout (tensor parallel ...) that one rank cannot take
+            raise ExportError(f"the '{backend}' checkpoint in '{state_dir}' does not load on one CPU rank: "
+                              f"{exc}") from None
+        return {n: t.detach().to("cpu", copy=True) for bucket in engine.export_weights(1 << 28) for n, t in bucket}
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def write_hf_model(weights: dict[str, torch.Tensor], model_path: Path, out: Path, dtype: torch.dtype,
+                   meta: dict[str, Any]) -> Path:
+    """``weights`` into the architecture of ``model_path`` (checked: every parameter given, nothing extra,
+    tied heads aside), saved with ``save_pretrained`` next to copies of its tokenizer files; written to a
+    temporary folder and renamed, so ``out`` is never half-written."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    expected = set(model.state_dict())
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = sorted(expected - set(weights) - tied)
+    unexpected = sorted(set(weights) - expected)
+    if missing or unexpected:
+        raise ExportError(f"the checkpoint's weights do not fit {type(model).__name__}: missing {missing[:5]}, "
+                          f"unexpected {unexpected[:5]}")
+    model.load_state_dict(weights, strict=False, assign=True)
+    if tied:
+        model.tie_weights()
+    model = model.to(dtype)
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        for item in model_path.iterdir():
+            if item.is_file() and item.name != "config.json" and not item.name.endswith(_SKIP_SUFFIXES) \
+                    and not item.name.startswith("hybridrl_"):
+                shutil.copy2(item, tmp / item.name)
+        (tmp / "hybridrl_export.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

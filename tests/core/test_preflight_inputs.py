@@ -1,0 +1,124 @@
+"""Bad config and data are all found before any process starts, each with its key path and, for data, the
+file and line: missing files, bad lines, overlong prompts, a reward that cannot be imported, raises or
+returns no number, a tracker without its package, a context longer than the model's, checkpoints asked of a
+backend that cannot write them, a resume path that is not a checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config import ConfigError, load_config
+from hybridrl.placement import ClusterSpec
+from hybridrl.plugins import get_registry
+from hybridrl.preflight import prepare_run
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+CPU2 = ClusterSpec(1, 2, "cpu")
+GOOD_ROW = '{"prompt": "reverse 12 ->", "answer": "21"}'
+NO_PROMPT_ROW = '{"q": 1}'
+
+
+def problems(tmp_path: Path, overrides: list[str]) -> dict[str, str]:
+    """key path -> reason (several reasons of one key joined) of the ConfigError the run set-up raises."""
+    cfg = load_config(QUICKSTART, [f"trainer.out={tmp_path / 'run'}", *overrides])
+    with pytest.raises(ConfigError) as err:
+        prepare_run(cfg, get_registry(tuple(cfg.plugins)), CPU2)
+    found: dict[str, str] = {}
+    for key, reason in err.value.problems:
+        found[key] = f"{found[key]} | {reason}" if key in found else reason
+    return found
+
+
+def data_file(tmp_path: Path, lines: list[str]) -> str:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+CASES = {
+    "model folder missing": (lambda t: ["model.tiny=null", f"model.path={t}/no_model"], "model.path", "does not exist"),
+    "model folder without config": (lambda t: ["model.tiny=null", f"model.path={t}"], "model.path", "no config.json"),
+    "data file missing": (lambda t: [f"data.train={t}/nope.jsonl"], "data.train", "nope.jsonl' not found"),
+    "bad JSON line": (lambda t: [f"data.train={data_file(t, [GOOD_ROW, '{oops'])}"], "data.train",
+                      "prompts.jsonl, line 2: invalid JSON"),
+    "row without prompt": (lambda t: [f"data.train={data_file(t, [GOOD_ROW, GOOD_ROW, NO_PROMPT_ROW])}"], "data.train",
+                           "line 3: no 'prompt' field"),
+    "prompts over the limit": (lambda t: ["data.max_prompt_len=4"], "data",
+                               "longer than data.max_prompt_len=4 tokens (first: examples/data/reverse2.jsonl, line 1"),
+    "reward not importable": (lambda t: ["roles.reward.fn=no_such_module:score"], "roles.reward.fn",
+                              "cannot import reward function 'no_such_module:score'"),
+    "reward returns text": (lambda t: ["roles.reward.fn=_preflight_helpers:text_reward"], "roles.reward.fn",
+                            "returned str '1.0' for the first prompt; a reward must be a number"),
+    "reward raises": (lambda t: ["roles.reward.fn=_preflight_helpers:raising_reward"], "roles.reward.fn",
+                      "raised KeyError: 'score' when probed"),
+    "context too long": (lambda t: ["roles.rollout.max_new_tokens=200"], "roles.rollout.max_new_tokens",
+                         "more than the model's max_position_embeddings=128"),
+    "checkpoints without support": (lambda t: ["plugins=[_preflight_helpers]", "roles.actor.backend=nockpt",
+                                               "trainer.save_every=5"], "trainer.save_every",
+                                    "the 'nockpt' backend of roles.actor cannot save checkpoints"),
+    "resume from nowhere": (lambda t: [f"trainer.resume={t}/gone"], "trainer.resume", "gone' does not exist"),
+    "resume from a non-checkpoint": (lambda t: [f"trainer.resume={t}"], "trainer.resume",
+                                     "neither a complete checkpoint"),
+    "resume without a critic": (lambda t: [f"trainer.resume={grpo_checkpoint(t)}", "algorithm.name=ppo"],
+                                "trainer.resume", "holds no critic state"),
+}
+
+
+def grpo_checkpoint(tmp_path: Path) -> Path:
+    """A checkpoint as a GRPO run with an FSDP actor leaves it (its contents are not read by the pre-flight)."""
+    from hybridrl import checkpoint as ckpt
+
+    def write(folder: Path) -> dict:
+        (folder / "actor").mkdir()
+        ckpt.save_driver_state(folder, {"step": 1})
+        return {"roles": {"actor": "fsdp"}}
+
+    return ckpt.save_checkpoint(tmp_path / "grpo", 1, write, keep=0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_rejected_with_its_key(tmp_path: Path, case: str) -> None:
+    overrides, key, reason = CASES[case]
+    found = problems(tmp_path, overrides(tmp_path))
+    assert key in found, found
+    assert reason in found[key]
+
+
+@pytest.mark.parametrize("override, key, reason", [
+    ("trainer.save_every=-1", "trainer.save_every", "greater than or equal to 0"),
+    ("trainer.keep_checkpoints=x", "trainer.keep_checkpoints", "valid integer"),
+    ("trainer.max_bad_steps=-2", "trainer.max_bad_steps", "greater than or equal to 0"),
+    ("trainer.resume=", "trainer.resume", "string"),
+])
+def test_bad_checkpoint_settings_are_config_errors(override: str, key: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(QUICKSTART, [override])
+    found = dict(err.value.problems)
+    assert reason in found.get(key, ""), found
+
+
+def test_a_missing_tracker_package_is_found_before_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridrl.tracking import WandbTracker
+
+    monkeypatch.setattr(WandbTracker, "requires", {"hybridrl_no_such_package": "no-such-package"})
+    found = problems(tmp_path, ["trainer.trackers=[jsonl, wandb]"])
+    assert "pip install no-such-package" in found["trainer.trackers"]
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    found = problems(tmp_path, ["roles.reward.fn=_preflight_helpers:text_reward", "roles.rollout.max_new_tokens=200",
+                                f"trainer.resume={tmp_path}/gone", "roles.rollout.backend=nope",
+                                "trainer.trackers=[jsonl, nope]"])
+    assert {"roles.reward.fn", "roles.rollout.max_new_tokens", "trainer.resume", "roles.rollout.backend",
+            "trainer.trackers"} <= set(found)
+
+
+def test_overlong_prompts_can_be_dropped_and_counted(tmp_path: Path) -> None:
+    lines = [GOOD_ROW, '{"prompt": "reverse 1234567890 ->", "answer": "x"}', GOOD_ROW]
+    cfg = load_config(QUICKSTART, [f"trainer.out={tmp_path / 'run'}", f"data.train={data_file(tmp_path, lines)}",
+                                   "data.long_prompts=drop"])
+    setup = prepare_run(cfg, get_registry(), CPU2)
+    assert setup.dropped_prompts == 1 and len(setup.prompts) == 2

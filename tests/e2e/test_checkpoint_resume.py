@@ -1,0 +1,215 @@
+"""Checkpoints end to end on CPU with Ray, PPO with an adaptive KL controller (actor, critic, reference,
+rollout and driver state all matter): an interrupted and resumed run logs exactly the metrics of an
+uninterrupted one; the export loads in transformers with the actor's logits; NaN steps are skipped, reported
+and stop the run; a dead worker is named, and the checkpoint survives.
+
+Runs are shared between tests (each Ray run costs seconds): the module's fixtures run them once, and the
+last two tests continue the resumed run, in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridrl.checkpoint import LATEST, checkpoints_root, is_complete, latest_checkpoint
+from hybridrl.cluster import detect_cluster
+from hybridrl.config import load_config
+from hybridrl.faults import BadStepsError, WorkerDiedError
+from hybridrl.plugins import get_registry
+from hybridrl.preflight import prepare_run
+from hybridrl.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+STEPS = 4
+RUN = [f"trainer.steps={STEPS}", "data.prompts_per_step=4", "algorithm.n_samples=4", "trainer.progress=false",
+       "trainer.trackers=[jsonl]", "trainer.log_samples=0", "algorithm.name=ppo", "algorithm.critic_warmup=1",
+       "roles.critic.lr=1e-3", "algorithm.kl.as=reward", "algorithm.kl.estimator=k1",
+       "algorithm.kl.controller=adaptive", "algorithm.kl.target=0.5", "algorithm.kl.horizon=100"]
+#: metrics that measure the machine (time, memory, bytes moved), not the computation.
+MACHINE = ("timing/", "compute/", "perf/", "memory/", "reshard/")
+
+
+def make_trainer(out: Path, *overrides: str) -> Trainer:
+    cfg = load_config(QUICKSTART, [*RUN, *overrides, f"trainer.out={out}"])
+    trainer = Trainer(prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster)))
+    trainer.start()
+    return trainer
+
+
+def computed(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if not k.startswith(MACHINE)}
+
+
+def rows(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def full_run(ray_local, tmp_path_factory) -> dict[str, Any]:
+    """4 uninterrupted steps, a checkpoint every 2 keeping 1."""
+    out = tmp_path_factory.mktemp("full")
+    trainer = make_trainer(out, "trainer.save_every=2", "trainer.keep_checkpoints=1")
+    try:
+        history = trainer.fit()
+        weights = trainer.groups["actor"].call_all("weights", "actor")[0]
+    finally:
+        trainer.shutdown()
+    return {"out": out, "history": history, "weights": weights, "model_path": trainer.setup.model_path}
+
+
+@pytest.fixture(scope="module")
+def resumed_run(ray_local, tmp_path_factory):
+    """Ctrl-C after step 2 (no periodic saves), then a new trainer on the same folder resumes (auto)."""
+    out = tmp_path_factory.mktemp("resumed")
+    first = make_trainer(out)
+    step = first.train_step
+
+    def interrupted_step() -> dict[str, float]:
+        metrics = step()
+        if first.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends; the handler lets the step finish
+        return metrics
+
+    first.train_step = interrupted_step  # type: ignore[method-assign]
+    try:
+        before = first.fit()
+    finally:
+        first.shutdown()
+    state = {"out": out, "before": before, "interrupted": first.run_state.interrupted,
+             "checkpoints": sorted(p.name for p in checkpoints_root(out).iterdir())}
+    second = make_trainer(out)
+    try:
+        state.update(trainer=second, resumed_from=second.run_state.resumed_from, start_step=second.step,
+                     after=second.fit())
+        yield state
+    finally:
+        second.shutdown()
+
+
+def test_ctrl_c_saves_and_auto_resume_repeats_the_uninterrupted_run(full_run, resumed_run) -> None:
+    out = resumed_run["out"]
+    assert resumed_run["interrupted"] and len(resumed_run["before"]) == 2
+    assert resumed_run["checkpoints"] == [LATEST, "step_000002"]  # nothing temporary left behind
+    assert resumed_run["resumed_from"] == checkpoints_root(out) / "step_000002" and resumed_run["start_step"] == 2
+    full = [computed(m) for m in full_run["history"]]
+    joined = [computed(m) for m in resumed_run["before"] + resumed_run["after"]]
+    assert len(full) == len(joined) == STEPS
+    assert full[2]["actor/grad_norm"] > 0 and full[2]["kl/coef"] != full[0]["kl/coef"]  # trains, KL moves
+    for step, (a, b) in enumerate(zip(full, joined), start=1):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-6), f"step {step}: {key}"
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]  # appended after the resume, no duplicates
+
+
+def test_periodic_saves_keep_the_newest(full_run) -> None:
+    root = checkpoints_root(full_run["out"])
+    assert sorted(p.name for p in root.iterdir()) == [LATEST, "step_000004"]
+    assert latest_checkpoint(full_run["out"]) == root / "step_000004" and is_complete(root / "step_000004")
+    assert sorted(p.name for p in (root / "step_000004").iterdir()) == ["actor", "critic", "driver.json", "driver.pt"]
+
+
+def test_export_loads_in_transformers_with_the_actors_logits(full_run, tmp_path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hybridrl.tokenizer import load_tokenizer
+
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "export", str(full_run["out"]), "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    actor = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(full_run["model_path"]), dtype=torch.float32)
+    missing, _ = actor.load_state_dict(full_run["weights"], strict=False)
+    assert set(missing) <= {"lm_head.weight"}
+    actor.tie_weights()
+    actor.eval()
+    tokenizer = load_tokenizer(out)
+    ids = torch.tensor([tokenizer("reverse 12 ->")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, actor(ids).logits, atol=1e-6, rtol=0)
+        initial = AutoModelForCausalLM.from_pretrained(full_run["model_path"], dtype=torch.float32).eval()
+        assert (initial(ids).logits - actor(ids).logits).abs().max() > 1e-4  # the trained weights, not the initial
+
+
+def test_export_of_a_missing_step_names_the_steps_there(full_run, tmp_path, capsys) -> None:
+    from hybridrl.cli import main
+
+    assert main(["export", str(full_run["out"]), "--step", "3", "--out", str(tmp_path / "none")]) == 2
+    assert "no checkpoint of step 3" in capsys.readouterr().err and not (tmp_path / "none").exists()
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_loadable(full_run, resumed_run, monkeypatch) -> None:
+    import errno
+
+    from hybridrl import checkpoint
+
+    trainer: Trainer = resumed_run["trainer"]
+    root = checkpoints_root(resumed_run["out"])
+
+    def disk_full(folder: Path, state: dict) -> None:  # after the workers wrote their shards
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "save_driver_state", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            trainer.run_state.save()
+    assert sorted(p.name for p in root.iterdir()) == [LATEST, "step_000002"]
+    assert (root / LATEST).read_text() == "step_000002"
+    trainer.run_state.restore(root / "step_000002")  # the previous checkpoint loads into the running workers
+    trainer.sync_weights()
+    assert trainer.step == 2
+    again = computed(trainer.train_step())  # and step 3 comes out as in the uninterrupted run
+    expected = {k: v for k, v in computed(full_run["history"][2]).items() if not k.startswith("trainer/")}
+    assert again.keys() == expected.keys()  # (fit adds trainer/bad_step*, a bare train_step does not)
+    assert all(again[k] == pytest.approx(v, rel=1e-6, abs=1e-6) for k, v in expected.items())
+
+
+def test_nan_steps_are_skipped_reported_and_stop_the_run(resumed_run) -> None:
+    trainer: Trainer = resumed_run["trainer"]
+    weights = trainer.groups["actor"].call_all("weights", "actor")[0]
+    good_fn, start = trainer.scorer.reward_fn, trainer.step
+    trainer.cfg.trainer.steps = start + 5
+    trainer.run_state.guard.max_bad = 2
+    trainer.scorer.reward_fn = lambda *args, **kwargs: float("nan")
+    trainer.trackers = trainer.run_state.make_trackers()  # fit closed them; a resumed run's append
+    try:
+        with pytest.raises(BadStepsError, match=r"2 bad steps in a row .*trainer.max_bad_steps=2"):
+            trainer.fit()
+    finally:
+        trainer.scorer.reward_fn = good_fn
+    logged = rows(resumed_run["out"])[-2:]
+    assert [r["step"] for r in logged] == [start + 1, start + 2]
+    for row in logged:
+        assert row["trainer/bad_step"] == 1.0 and row["actor/skipped_step"] == 1.0 and row["reward/mean"] is None
+    assert logged[-1]["trainer/bad_steps_in_row"] == 2.0
+    after = trainer.groups["actor"].call_all("weights", "actor")[0]
+    assert all(torch.equal(after[n], t) for n, t in weights.items())  # the skipped updates changed nothing
+
+
+def test_dead_worker_is_named_and_the_checkpoint_survives(resumed_run) -> None:
+    import ray
+
+    trainer: Trainer = resumed_run["trainer"]
+    out = resumed_run["out"]
+    trainer.run_state.guard.in_row = 0
+    trainer.trackers = []
+    ray.kill(trainer.groups["actor"].workers[0])
+    with pytest.raises(WorkerDiedError) as err:
+        trainer.fit()
+    message = str(err.value)
+    assert "actor" in message and "rank 0 of 1" in message and "node0:0" in message, message
+    assert "step_000002" in message and "intact" in message
+    assert latest_checkpoint(out) == checkpoints_root(out) / "step_000002"
+    assert json.loads((checkpoints_root(out) / "step_000002" / "driver.json").read_text())["step"] == 2
