@@ -15,16 +15,9 @@ import torch.nn.functional as F
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.engines import EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
+from hybridrl.rollout.common import eos_and_pad
 
 log = logging.getLogger(__name__)
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -84,12 +77,7 @@ class HFRollout(RolloutEngine):
             p.requires_grad_(False)
         gen_cfg = getattr(self.model, "generation_config", None)
         cfg = self.model.config
-        eos = _as_id_list(getattr(gen_cfg, "eos_token_id", None)) or _as_id_list(getattr(cfg, "eos_token_id", None))
-        if not eos:
-            raise ValueError(f"model at '{ctx.model_path}' names no eos_token_id (config or generation config)")
-        self.eos_ids: list[int] = eos
-        pad = _as_id_list(getattr(gen_cfg, "pad_token_id", None)) or _as_id_list(getattr(cfg, "pad_token_id", None))
-        self.pad_id: int = pad[0] if pad else eos[0]
+        self.eos_ids, self.pad_id = eos_and_pad(gen_cfg, cfg, ctx.model_path)
         self._sleeping = False
         self.weight_version = 0
         #: prompt + response tokens the model supports (None: no limit stated in its config).

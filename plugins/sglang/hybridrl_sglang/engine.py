@@ -21,6 +21,7 @@ import torch
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch
 from hybridrl.engines import DataParallelInfo, EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
+from hybridrl.rollout.common import special_ids
 
 from hybridrl_sglang import compat
 from hybridrl_sglang.buckets import flatten
@@ -30,31 +31,6 @@ from hybridrl_sglang.packing import (Completion, check_context, ended, pack_resp
 from hybridrl_sglang.parallel import ReplicaLayout, engine_devices
 from hybridrl_sglang.sampling import engine_seed, per_request, phases, top_logprobs_wanted
 from hybridrl_sglang.sleep import MemoryState
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
-def special_ids(model_path: str) -> tuple[list[int], int]:
-    """The model's EOS ids and pad id (generation config first, then model config), read without weights.
-    The engine has no tokenizer, so these are what stops a row and pads a response."""
-    from transformers import AutoConfig, GenerationConfig
-
-    cfg = AutoConfig.from_pretrained(model_path)
-    try:
-        gen = GenerationConfig.from_pretrained(model_path)
-    except OSError:
-        gen = None
-    eos = _as_id_list(getattr(gen, "eos_token_id", None)) or _as_id_list(getattr(cfg, "eos_token_id", None))
-    if not eos:
-        raise ValueError(f"model at '{model_path}' names no eos_token_id (config or generation config)")
-    pad = _as_id_list(getattr(gen, "pad_token_id", None)) or _as_id_list(getattr(cfg, "pad_token_id", None))
-    return eos, (pad[0] if pad else eos[0])
 
 
 def _gather_visible_devices(world_size: int) -> list[str | None]:

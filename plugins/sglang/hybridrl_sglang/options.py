@@ -36,8 +36,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from hybridrl.rollout.common import ENGINE_OPTION_CASTS, check_choice, check_engine_options, read_choices, read_options
+
 SEED_MODES = ("engine", "request")
 WEIGHT_SYNCS = ("channel", "distributed")
+#: how ``from_options`` reads each typed key (an unset or ``None`` key keeps the field's default).
+_CASTS = {**ENGINE_OPTION_CASTS, "prefill_cuda_graph": bool, "weights_cpu_backup": bool, "logprob_top_n": int}
 
 
 @dataclass(frozen=True)
@@ -59,38 +63,18 @@ class SGLangOptions:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> "SGLangOptions":
-        def opt(key: str, cast, default):
-            value = options.get(key)
-            return default if value is None else cast(value)
-
         made = cls(
-            tensor_parallel=opt("tensor_parallel", int, 1),
-            gpu_memory_utilization=opt("gpu_memory_utilization", float, 0.5),
-            max_model_len=opt("max_model_len", int, None),
-            max_num_seqs=opt("max_num_seqs", int, None),
-            max_num_batched_tokens=opt("max_num_batched_tokens", int, None),
-            enforce_eager=opt("enforce_eager", bool, False),
-            prefill_cuda_graph=opt("prefill_cuda_graph", bool, False),
-            enable_prefix_caching=opt("enable_prefix_caching", bool, True),
-            sleep_mode=opt("sleep_mode", bool, True),
-            weights_cpu_backup=opt("weights_cpu_backup", bool, False),
-            seed_mode=str(options.get("seed_mode") or "engine"),
-            logprob_top_n=opt("logprob_top_n", int, 64),
-            weight_sync=str(options.get("weight_sync") or "channel"),
+            **read_options(options, _CASTS),
+            **read_choices(options, ("seed_mode", "weight_sync")),
             engine_kwargs=dict(options.get("engine_kwargs") or {}),
         )
         made.validate()
         return made
 
     def validate(self) -> None:
-        if self.tensor_parallel < 1:
-            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.seed_mode not in SEED_MODES:
-            raise ValueError(f"seed_mode must be one of {SEED_MODES}, got '{self.seed_mode}'")
-        if self.weight_sync not in WEIGHT_SYNCS:
-            raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got '{self.weight_sync}'")
+        check_engine_options(self.tensor_parallel, self.gpu_memory_utilization)
+        check_choice("seed_mode", self.seed_mode, SEED_MODES)
+        check_choice("weight_sync", self.weight_sync, WEIGHT_SYNCS)
         if self.logprob_top_n < 1:
             raise ValueError(f"logprob_top_n must be >= 1, got {self.logprob_top_n}")
 

@@ -6,7 +6,8 @@ In: ``prompt_ids``/``prompt_mask`` left-padded ``(B, P)`` -> one ``input_ids`` l
 
 SGLang's sampled-token log-probs are ``log softmax(logits / T)`` *before* top-k/top-p truncation; the contract
 wants them under the distribution the token was drawn from, so with top-k/top-p they are renormalised over the
-kept support, computed from the top log-probs SGLang returns (``renormalise``).
+kept support, computed from the top log-probs SGLang returns (``renormalise``). Unpadding, the context check and
+packing are the core's (``hybridrl.rollout.common``).
 """
 
 from __future__ import annotations
@@ -15,32 +16,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-import torch
+from hybridrl.rollout.common import check_context, pack_responses, unpad_prompts
 
-from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
-
-
-def unpad_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
-    """The real tokens of each row (where the mask is 1), in order; an empty row raises ``ValueError`` naming it."""
-    if prompt_ids.shape != prompt_mask.shape:
-        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} differ")
-    rows = []
-    for i, (row, keep) in enumerate(zip(prompt_ids.to(torch.long).tolist(), prompt_mask.to(torch.bool).tolist())):
-        tokens = [t for t, k in zip(row, keep) if k]
-        if not tokens:
-            raise ValueError(f"row {i}: empty prompt (its prompt_mask has no token)")
-        rows.append(tokens)
-    return rows
-
-
-def check_context(prompts: Sequence[Sequence[int]], max_new_tokens: int, context_length: int | None) -> None:
-    """Refuse a row whose prompt plus ``max_new_tokens`` exceeds the engine's context, before any row starts."""
-    if context_length is None:
-        return
-    for i, p in enumerate(prompts):
-        if len(p) + max_new_tokens > context_length:
-            raise ValueError(f"row {i}: prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                             f"engine's context length {context_length}")
+__all__ = ["Completion", "check_context", "ended", "pack_responses", "parse_output", "renormalise", "unpad_prompts"]
 
 
 @dataclass
@@ -115,29 +93,6 @@ def renormalise(logprob: float, top: Sequence[tuple[float, int]], top_k: int, to
                 exact = False
         kept = nucleus
     return logprob - _logsumexp(kept), exact
-
-
-def pack_responses(token_lists: Sequence[Sequence[int]], logprob_lists: Sequence[Sequence[float]], width: int,
-                   pad_id: int) -> Batch:
-    """``response_ids`` (pad after the last token), ``response_mask`` (1 on every returned token, the stop token
-    included) and ``rollout_log_probs`` (float32, 0 where masked), each ``(B, width)`` on CPU."""
-    n = len(token_lists)
-    if len(logprob_lists) != n:
-        raise ValueError(f"{n} responses but {len(logprob_lists)} log-prob lists")
-    ids = torch.full((n, width), int(pad_id), dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
-    logps = torch.zeros((n, width), dtype=torch.float32)
-    for i, (toks, lps) in enumerate(zip(token_lists, logprob_lists)):
-        k = len(toks)
-        if k > width:
-            raise ValueError(f"row {i}: {k} tokens returned, at most {width} asked for")
-        if len(lps) != k:
-            raise ValueError(f"row {i}: {k} tokens but {len(lps)} log-probs")
-        if k:
-            ids[i, :k] = torch.as_tensor(list(toks), dtype=torch.long)
-            mask[i, :k] = 1
-            logps[i, :k] = torch.as_tensor(list(lps), dtype=torch.float32)
-    return Batch.from_tensors({RESPONSE_IDS: ids, RESPONSE_MASK: mask, ROLLOUT_LOG_PROBS: logps})
 
 
 def ended(tokens: Sequence[int], eos_ids: Sequence[int]) -> bool:

@@ -4,58 +4,17 @@ Same layout as the vLLM plugin: ``world_size // tp`` replicas of ``tp`` consecut
 scheduler process per tensor-parallel rank, so only the first rank of a replica (the *leader*) starts an
 ``sglang.Engine``; it must see the GPUs of all its peers (Ray narrows each worker to its own), so the leader
 gathers the peers' visible devices and starts the engine with them. The other ranks host no engine: they
-return no output and their weight imports are no-ops (the leader feeds every tensor-parallel rank).
+return no output and their weight imports are no-ops (the leader feeds every tensor-parallel rank). The layout
+(``leader``, ``peers`` included) is the core's ``hybridrl.rollout.common.ReplicaLayout``; the devices are here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
-from hybridrl.engines import DataParallelInfo
+from hybridrl.rollout.common import ReplicaLayout
 
-
-@dataclass(frozen=True)
-class ReplicaLayout:
-    rank: int
-    world_size: int
-    tp: int
-
-    def __post_init__(self) -> None:
-        if self.tp < 1:
-            raise ValueError(f"tensor_parallel must be >= 1, got {self.tp}")
-        if self.world_size % self.tp:
-            raise ValueError(f"the rollout pool has {self.world_size} device(s), not a multiple of "
-                             f"tensor_parallel={self.tp}")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} outside a pool of {self.world_size}")
-
-    @property
-    def replica(self) -> int:
-        """Index of this rank's engine replica (its data-parallel rank)."""
-        return self.rank // self.tp
-
-    @property
-    def replicas(self) -> int:
-        return self.world_size // self.tp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
-
-    @property
-    def leader(self) -> bool:
-        """Whether this rank starts and drives the replica's engine."""
-        return self.tp_rank == 0
-
-    @property
-    def peers(self) -> list[int]:
-        """Pool ranks of this replica, leader first."""
-        first = self.replica * self.tp
-        return list(range(first, first + self.tp))
-
-    def data_parallel(self) -> DataParallelInfo:
-        return DataParallelInfo(dp_rank=self.replica, dp_size=self.replicas, returns_output=self.leader)
+__all__ = ["ReplicaLayout", "engine_devices"]
 
 
 def engine_devices(layout: ReplicaLayout, visible_per_rank: Sequence[str | None]) -> str | None:

@@ -15,31 +15,14 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hybridrl.engines import SamplingParams
+from hybridrl.rollout.common import engine_seed, mix_seed, request_seeds
+
+__all__ = ["BAN", "Phase", "base_sampling", "engine_seed", "mix_seed", "per_request", "phase_sampling", "phases",
+           "request_seeds", "top_logprobs_wanted", "validate"]
 
 #: logit bias that bans a token (``-inf`` would also work in SGLang, but a finite value survives every
 #: serialisation and gives ``exp() == 0`` in float32).
 BAN = -1.0e9
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def mix_seed(*parts: int) -> int:
-    """A well-spread non-negative 63-bit seed from integers (order matters; fits SGLang's int64 seeds)."""
-    h = 0
-    for p in parts:
-        h = _splitmix64(h ^ (int(p) & _MASK64))
-    return h >> 1
-
-
-def engine_seed(base_seed: int, replica: int) -> int:
-    """``random_seed`` of a replica's engine: distinct between replicas, so they draw distinct streams."""
-    return mix_seed(base_seed, replica) % (2**31 - 1)
 
 
 def validate(params: SamplingParams) -> None:
@@ -90,13 +73,6 @@ def phase_sampling(params: SamplingParams, phase: Phase, eos_ids: Sequence[int])
     elif eos:
         kwargs["stop_token_ids"] = eos
     return kwargs
-
-
-def request_seeds(seed: int | None, replica: int, rows: int) -> list[int] | None:
-    """One seed per row, different for every (step seed, replica, row); ``None`` without a seed."""
-    if seed is None:
-        return None
-    return [mix_seed(seed, replica, row) for row in range(rows)]
 
 
 def per_request(params: SamplingParams, phase: Phase, eos_ids: Sequence[int], rows: int, replica: int,

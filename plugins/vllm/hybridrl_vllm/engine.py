@@ -24,6 +24,7 @@ import torch
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch
 from hybridrl.engines import DataParallelInfo, EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
+from hybridrl.rollout.common import special_ids
 
 from hybridrl_vllm import compat
 from hybridrl_vllm.copy_plan import CopyPlan, checksum
@@ -35,30 +36,6 @@ from hybridrl_vllm.sleep import SleepState
 from hybridrl_vllm.weights import tied_aliases, with_aliases
 
 log = logging.getLogger(__name__)
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
-def special_ids(cfg: Any, model_path: str) -> tuple[list[int], int]:
-    """The model's EOS ids and pad id (generation config first, then model config), read without loading
-    weights. The engine has no tokenizer, so these are what stops a row and pads a response."""
-    from transformers import GenerationConfig
-
-    try:
-        gen = GenerationConfig.from_pretrained(model_path)
-    except OSError:
-        gen = None
-    eos = _as_id_list(getattr(gen, "eos_token_id", None)) or _as_id_list(getattr(cfg, "eos_token_id", None))
-    if not eos:
-        raise ValueError(f"model at '{model_path}' names no eos_token_id (config or generation config)")
-    pad = _as_id_list(getattr(gen, "pad_token_id", None)) or _as_id_list(getattr(cfg, "pad_token_id", None))
-    return eos, (pad[0] if pad else eos[0])
 
 
 # --- functions run inside vLLM's worker (``collective_rpc``) --------------------------------------------------
@@ -152,7 +129,7 @@ class VLLMRollout(RolloutEngine):
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(ctx.model_path)
-        self.eos_ids, self.pad_id = special_ids(hf_config, ctx.model_path)
+        self.eos_ids, self.pad_id = special_ids(ctx.model_path, hf_config)
         kwargs = llm_kwargs(self.opts, model_path=ctx.model_path, dtype=ctx.dtype, device=self.device,
                             seed=engine_seed(ctx.seed, self.layout.replica), distributed=distributed,
                             logprobs_kwargs=compat.logprobs_kwargs())

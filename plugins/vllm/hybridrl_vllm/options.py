@@ -32,10 +32,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from hybridrl.rollout.common import ENGINE_OPTION_CASTS, check_choice, check_engine_options, read_choices, read_options
+
 from hybridrl_vllm.sampling import SEED_MODES
 from hybridrl_vllm.sleep import LEVELS
 
 WEIGHT_LOADS = ("auto", "direct", "layerwise")
+#: how ``from_options`` reads each typed key (an unset or ``None`` key keeps the field's default).
+_CASTS = {**ENGINE_OPTION_CASTS, "kv_cache_gb": float, "fast_import": bool}
 
 
 @dataclass(frozen=True)
@@ -57,44 +61,24 @@ class VLLMOptions:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> "VLLMOptions":
-        def opt(key: str, cast, default):
-            value = options.get(key)
-            return default if value is None else cast(value)
-
         level = options.get("sleep_level", "auto")
-        level = level if level == "auto" else int(level)
         made = cls(
-            tensor_parallel=opt("tensor_parallel", int, 1),
-            gpu_memory_utilization=opt("gpu_memory_utilization", float, 0.5),
-            kv_cache_gb=opt("kv_cache_gb", float, None),
-            max_model_len=opt("max_model_len", int, None),
-            max_num_seqs=opt("max_num_seqs", int, None),
-            max_num_batched_tokens=opt("max_num_batched_tokens", int, None),
-            enforce_eager=opt("enforce_eager", bool, None),
-            enable_prefix_caching=opt("enable_prefix_caching", bool, None),
-            sleep_mode=opt("sleep_mode", bool, None),
-            sleep_level=level,
-            seed_mode=str(options.get("seed_mode") or "auto"),
-            weight_load=str(options.get("weight_load") or "auto"),
-            fast_import=opt("fast_import", bool, True),
+            **read_options(options, _CASTS),
+            **read_choices(options, ("seed_mode", "weight_load")),
+            sleep_level=level if level == "auto" else int(level),
             engine_kwargs=dict(options.get("engine_kwargs") or {}),
         )
         made.validate()
         return made
 
     def validate(self) -> None:
-        if self.tensor_parallel < 1:
-            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_engine_options(self.tensor_parallel, self.gpu_memory_utilization)
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         if self.sleep_level not in LEVELS:
             raise ValueError(f"sleep_level must be one of {LEVELS}, got {self.sleep_level!r}")
-        if self.seed_mode not in SEED_MODES:
-            raise ValueError(f"seed_mode must be one of {SEED_MODES}, got '{self.seed_mode}'")
-        if self.weight_load not in WEIGHT_LOADS:
-            raise ValueError(f"weight_load must be one of {WEIGHT_LOADS}, got '{self.weight_load}'")
+        check_choice("seed_mode", self.seed_mode, SEED_MODES)
+        check_choice("weight_load", self.weight_load, WEIGHT_LOADS)
 
 
 def resolve_weight_load(choice: str, device: str, quantized: bool) -> str:

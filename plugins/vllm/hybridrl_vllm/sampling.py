@@ -11,6 +11,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from hybridrl.engines import SamplingParams
+from hybridrl.rollout.common import engine_seed, mix_seed, request_seeds
+
+__all__ = ["SEED_MODES", "engine_seed", "mix_seed", "per_request_kwargs", "request_seeds", "resolve_seed_mode",
+           "sampling_kwargs"]
 
 #: ``seed_mode`` values: one seed per request (reproducible, independent of batching), the engine's
 #: own random stream (no per-request generators: faster for large batches on GPU), or ``auto``: request on
@@ -24,33 +28,6 @@ def resolve_seed_mode(mode: str, device: str) -> str:
     if mode == "auto":
         return "engine" if device == "cuda" else "request"
     return mode
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def mix_seed(*parts: int) -> int:
-    """A well-spread non-negative 63-bit seed from integers (order matters): nearby inputs such as
-    consecutive rows or replicas give unrelated seeds."""
-    h = 0
-    for p in parts:
-        h = _splitmix64(h ^ (int(p) & _MASK64))
-    return h >> 1
-
-
-def request_seeds(seed: int | None, replica: int, rows: int) -> list[int] | None:
-    """One seed per row, different for every (step seed, replica, row): identical prompts (a GRPO group)
-    draw different responses, and the peers of one tensor-parallel replica (same replica index) draw the
-    same ones. ``None`` when the caller gave no seed."""
-    if seed is None:
-        return None
-    return [mix_seed(seed, replica, row) for row in range(rows)]
 
 
 def sampling_kwargs(params: SamplingParams, eos_ids: Sequence[int], *, flat_logprobs: bool = False) -> dict[str, Any]:
@@ -92,8 +69,3 @@ def per_request_kwargs(params: SamplingParams, eos_ids: Sequence[int], rows: int
         return [shared] * rows
     return [{**shared, "seed": s} for s in seeds]
 
-
-def engine_seed(base_seed: int, replica: int) -> int:
-    """The engine-level seed (``LLM(seed=...)``): the same for the tensor-parallel peers of a replica,
-    different between replicas, so ``seed_mode="engine"`` replicas draw distinct streams."""
-    return mix_seed(base_seed, replica) % (2**31 - 1)

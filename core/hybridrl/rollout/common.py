@@ -1,0 +1,238 @@
+"""Engine-free pieces shared by the rollout backends (the ``hf`` engine here and the vLLM / SGLang plugins).
+
+No inference-engine import: only torch, and transformers inside ``special_ids``. What is here:
+
+* the model's EOS / pad ids, read from its configs (``as_id_list``, ``eos_and_pad``, ``special_ids``);
+* which ranks of a pool form one engine replica (``ReplicaLayout``);
+* seeds that differ per (step seed, replica, row) (``mix_seed``, ``request_seeds``, ``engine_seed``);
+* between hybridrl's padded tensors and per-request token lists (``unpad_prompts``, ``check_context``,
+  ``pack_responses``);
+* reading the rollout role's free-form options (``read_options``, ``read_choices``, ``check_engine_options``,
+  ``check_choice``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
+from hybridrl.engines import DataParallelInfo
+
+
+# --- special token ids --------------------------------------------------------------------------------------
+def as_id_list(value: Any) -> list[int]:
+    """A config's token id field (``None``, one id or a list of ids) as a list of ints."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def eos_and_pad(gen: Any, cfg: Any, model_path: str) -> tuple[list[int], int]:
+    """The EOS ids and pad id of a model from its generation config ``gen`` (first; may be ``None``) and its model
+    config ``cfg``. No pad id: the first EOS. No EOS id in either: ``ValueError`` naming ``model_path``."""
+    eos = as_id_list(getattr(gen, "eos_token_id", None)) or as_id_list(getattr(cfg, "eos_token_id", None))
+    if not eos:
+        raise ValueError(f"model at '{model_path}' names no eos_token_id (config or generation config)")
+    pad = as_id_list(getattr(gen, "pad_token_id", None)) or as_id_list(getattr(cfg, "pad_token_id", None))
+    return eos, (pad[0] if pad else eos[0])
+
+
+def special_ids(model_path: str, cfg: Any = None) -> tuple[list[int], int]:
+    """The model's EOS ids and pad id (generation config first, then model config), read without loading
+    weights. ``cfg``: the model config when already loaded (else read here). An engine without a tokenizer
+    uses these to stop a row and pad a response."""
+    from transformers import AutoConfig, GenerationConfig
+
+    if cfg is None:
+        cfg = AutoConfig.from_pretrained(model_path)
+    try:
+        gen = GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        gen = None
+    return eos_and_pad(gen, cfg, model_path)
+
+
+# --- replicas -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Which ranks of a pool form one engine replica.
+
+    A pool of ``world_size`` ranks hosts ``world_size // tp`` replicas of ``tp`` consecutive ranks (one
+    tensor-parallel group each). The peers of one replica get the same prompts and sample the same tokens;
+    only the first rank of a replica (its *leader*) returns them."""
+
+    rank: int
+    world_size: int
+    tp: int
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tp}")
+        if self.world_size % self.tp:
+            raise ValueError(f"the rollout pool has {self.world_size} device(s), not a multiple of "
+                             f"tensor_parallel={self.tp}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside a pool of {self.world_size}")
+
+    @property
+    def replica(self) -> int:
+        """Index of this rank's engine replica (its data-parallel rank)."""
+        return self.rank // self.tp
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def leader(self) -> bool:
+        """Whether this rank is the first of its replica (the one that returns the replica's output)."""
+        return self.tp_rank == 0
+
+    @property
+    def peers(self) -> list[int]:
+        """Pool ranks of this replica, leader first."""
+        first = self.replica * self.tp
+        return list(range(first, first + self.tp))
+
+    def data_parallel(self) -> DataParallelInfo:
+        return DataParallelInfo(dp_rank=self.replica, dp_size=self.replicas, returns_output=self.leader)
+
+
+# --- seeds --------------------------------------------------------------------------------------------------
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def mix_seed(*parts: int) -> int:
+    """A well-spread non-negative 63-bit seed from integers (order matters; fits int64 seeds): nearby inputs
+    such as consecutive rows or replicas give unrelated seeds."""
+    h = 0
+    for p in parts:
+        h = _splitmix64(h ^ (int(p) & _MASK64))
+    return h >> 1
+
+
+def request_seeds(seed: int | None, replica: int, rows: int) -> list[int] | None:
+    """One seed per row, different for every (step seed, replica, row): identical prompts (a GRPO group)
+    draw different responses, and the peers of one tensor-parallel replica (same replica index) draw the
+    same ones. ``None`` when the caller gave no seed."""
+    if seed is None:
+        return None
+    return [mix_seed(seed, replica, row) for row in range(rows)]
+
+
+def engine_seed(base_seed: int, replica: int) -> int:
+    """The engine-level seed of a replica: the same for the tensor-parallel peers of a replica, different
+    between replicas, so replicas sampling from the engine's own stream draw distinct streams."""
+    return mix_seed(base_seed, replica) % (2**31 - 1)
+
+
+# --- padded tensors <-> per-request token lists -------------------------------------------------------------
+def unpad_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """The real tokens of each row (where the mask is 1), in order. A row with no token raises
+    ``ValueError`` naming it: an engine cannot generate from an empty prompt."""
+    if prompt_ids.shape != prompt_mask.shape:
+        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} differ")
+    ids = prompt_ids.to(torch.long).tolist()
+    keep = prompt_mask.to(torch.bool).tolist()
+    rows = []
+    for i, (row, m) in enumerate(zip(ids, keep)):
+        tokens = [t for t, k in zip(row, m) if k]
+        if not tokens:
+            raise ValueError(f"row {i}: empty prompt (its prompt_mask has no token)")
+        rows.append(tokens)
+    return rows
+
+
+def check_context(prompts: Sequence[Sequence[int]], max_new_tokens: int, context_length: int | None) -> None:
+    """Refuse a row whose prompt plus ``max_new_tokens`` exceeds the engine's context, before any row starts
+    (an engine would reject it with a less specific message, after the other rows started)."""
+    if context_length is None:
+        return
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens > context_length:
+            raise ValueError(f"row {i}: prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                             f"engine's context length {context_length}")
+
+
+def pack_responses(token_lists: Sequence[Sequence[int]], logprob_lists: Sequence[Sequence[float]] | None, width: int,
+                   pad_id: int) -> Batch:
+    """``response_ids`` (pad after the last token), ``response_mask`` (1 on every returned token, the stop
+    token included) and ``rollout_log_probs`` (float32, 0 where masked; left out when ``logprob_lists`` is
+    None), each ``(B, width)`` on CPU. A response longer than ``width`` raises (the engine was asked for at
+    most ``width`` tokens)."""
+    n = len(token_lists)
+    with_logprobs = logprob_lists is not None
+    logprob_lists = logprob_lists if with_logprobs else [[0.0] * len(t) for t in token_lists]
+    if len(logprob_lists) != n:
+        raise ValueError(f"{n} responses but {len(logprob_lists)} log-prob lists")
+    ids = torch.full((n, width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    logps = torch.zeros((n, width), dtype=torch.float32)
+    for i, (toks, lps) in enumerate(zip(token_lists, logprob_lists)):
+        k = len(toks)
+        if k > width:
+            raise ValueError(f"row {i}: {k} tokens returned, at most {width} asked for")
+        if len(lps) != k:
+            raise ValueError(f"row {i}: {k} tokens but {len(lps)} log-probs")
+        if k:
+            ids[i, :k] = torch.as_tensor(list(toks), dtype=torch.long)
+            mask[i, :k] = 1
+            logps[i, :k] = torch.as_tensor(list(lps), dtype=torch.float32)
+    tensors = {RESPONSE_IDS: ids, RESPONSE_MASK: mask}
+    if with_logprobs:
+        tensors[ROLLOUT_LOG_PROBS] = logps
+    return Batch.from_tensors(tensors)
+
+
+# --- options ------------------------------------------------------------------------------------------------
+#: how the options that mean the same to every engine backend are read (each backend adds its own).
+ENGINE_OPTION_CASTS: dict[str, Callable[[Any], Any]] = {
+    "tensor_parallel": int,
+    "gpu_memory_utilization": float,
+    "max_model_len": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "enforce_eager": bool,
+    "enable_prefix_caching": bool,
+    "sleep_mode": bool,
+}
+
+
+def read_options(options: Mapping[str, Any], casts: Mapping[str, Callable[[Any], Any]]) -> dict[str, Any]:
+    """``{key: cast(value)}`` for each key of ``casts`` that ``options`` sets to something other than ``None``;
+    an unset key is left out (the options dataclass's default applies)."""
+    return {key: cast(options[key]) for key, cast in casts.items() if options.get(key) is not None}
+
+
+def read_choices(options: Mapping[str, Any], keys: Iterable[str]) -> dict[str, str]:
+    """``{key: str(value)}`` for each of ``keys`` that ``options`` sets to a true value (``None``, ``""`` ...:
+    left out, the default applies); checked later against the allowed values (``check_choice``)."""
+    return {key: str(options[key]) for key in keys if options.get(key)}
+
+
+def check_engine_options(tensor_parallel: int, gpu_memory_utilization: float) -> None:
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+
+
+def check_choice(key: str, value: Any, allowed: Sequence[Any]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key} must be one of {tuple(allowed)}, got '{value}'")
