@@ -101,6 +101,11 @@ class AlgorithmConfig(Strict):
     gamma: float = Field(1.0, ge=0, le=1, description="discount (GAE, REINFORCE++)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE's lambda")
     critic_warmup: int = Field(0, ge=0, description="first steps in which only the critic is trained")
+    tis_cap: float | None = Field(
+        None, gt=0, description="truncated importance sampling: the policy loss of each token is weighted by "
+                                "min(pi_old / pi_rollout, tis_cap), correcting for rollout weights that lag the "
+                                "trainer (trainer.pipelined) or an engine that computes differently; null: off "
+                                "(a pipelined run defaults to 2.0)")
     kl: KLConfig | None = Field(default_factory=KLConfig)
     options: dict[str, Any] = Field(default_factory=dict)
 

@@ -14,8 +14,9 @@ import torch
 from pydantic import ValidationError
 
 from hybridrl.algorithms.advantages import estimator_needs
-from hybridrl.algorithms.losses import PolicyLossSettings, clipped_value_loss, masked_mean
-from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, RETURNS, Batch
+from hybridrl.algorithms.losses import PolicyLossSettings, clipped_value_loss, masked_mean, truncated_is_weights
+from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS,
+                            Batch)
 from hybridrl.config import AlgorithmConfig
 from hybridrl.engines import VALUES, LossScale
 from hybridrl.registry import Registry, RegistryError
@@ -97,6 +98,11 @@ class PolicyObjective:
         mask = micro_batch[RESPONSE_MASK].to(log_probs.dtype)
         token_loss, metrics = self.policy_loss(log_probs, micro_batch[OLD_LOG_PROBS], micro_batch[ADVANTAGES],
                                                mask, self.settings)
+        if self.cfg.tis_cap is not None:  # the batch was sampled by the rollout's policy, not pi_old
+            weights, tis = truncated_is_weights(micro_batch[OLD_LOG_PROBS], micro_batch[ROLLOUT_LOG_PROBS].to(
+                log_probs.dtype), mask, self.cfg.tis_cap)
+            token_loss = token_loss * weights
+            metrics = {**metrics, **tis}
         report = {"actor/pg_loss": masked_mean(token_loss, mask)}
         if self.kl_as_loss:
             kl = self.kl_estimator(log_probs, micro_batch[REF_LOG_PROBS])
