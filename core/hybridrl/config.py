@@ -234,6 +234,10 @@ class TrainerConfig(Strict):
     log_every: int = Field(1, gt=0)
     log_samples: int = Field(4, ge=0, description="sample responses written to <out>/samples.jsonl per logged step")
     progress: bool = True
+    pipelined: bool = Field(False, description="generate the next step's batch while this step trains (actor and "
+                                               "rollout on different pools)")
+    max_staleness: int = Field(1, ge=1, description="pipelined: at most this many actor updates between the weights "
+                                                    "that generated a batch and the weights it trains")
 
     @field_validator("trackers")
     @classmethod
