@@ -49,9 +49,9 @@ def resolve_reward(spec: str, registry: Registry) -> Callable[..., float]:
 
 
 def with_algorithm_roles(cfg: RunConfig, registry: Registry) -> tuple[RunConfig, list[str]]:
-    """The config the run uses: ``algorithm`` with its preset's defaults filled in, a critic role added
-    (with the actor, default settings) when the advantage estimator needs values, and an unused critic
-    dropped. Returns it with notes on what changed. Unknown presets are left for ``check_config`` to report."""
+    """The config the run uses: ``algorithm`` with its preset's defaults filled in (and, for a pipelined run,
+    ``tis_cap``), a critic role added (with the actor, default settings) when the advantage estimator needs
+    values, and an unused critic dropped. Returns it with notes on what changed. Unknown presets are left for ``check_config`` to report."""
     from hybridrl.algorithms.objective import resolve_algorithm
 
     try:
