@@ -163,8 +163,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Like ``parse_args``, but ``key=value`` overrides may also follow options (``plan CFG --cluster 2x8
+    a.b=1``): argparse stops filling a ``nargs='*'`` positional at the first option, and its intermixed
+    parser does not work with sub-commands, so the leftovers that look like overrides are appended in order."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        stray = [e for e in extra if e.startswith("-") or "=" not in e]
+        if stray or not hasattr(args, "overrides"):
+            parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         return args.func(args)
     except (ConfigError, RegistryError) as exc:

@@ -101,6 +101,11 @@ class AlgorithmConfig(Strict):
     gamma: float = Field(1.0, ge=0, le=1, description="discount (GAE, REINFORCE++)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE's lambda")
     critic_warmup: int = Field(0, ge=0, description="first steps in which only the critic is trained")
+    tis_cap: float | None = Field(
+        None, gt=0, description="truncated importance sampling: the policy loss of each token is weighted by "
+                                "min(pi_old / pi_rollout, tis_cap), correcting for rollout weights that lag the "
+                                "trainer (trainer.pipelined) or an engine that computes differently; null: off "
+                                "(a pipelined run defaults to 2.0)")
     kl: KLConfig | None = Field(default_factory=KLConfig)
     old_log_probs: Literal["auto", "recompute"] = Field(
         "auto", description="auto: skip the actor's old-log-prob pass where it provably equals the update's own "
@@ -241,6 +246,10 @@ class TrainerConfig(Strict):
                                                           "never; or a checkpoint / run folder")
     max_bad_steps: int = Field(3, ge=0, description="stop after this many steps in a row whose update was skipped "
                                                     "(non-finite loss or gradient); 0: never stop")
+    pipelined: bool = Field(False, description="generate the next step's batch while this step trains (actor and "
+                                               "rollout on different pools)")
+    max_staleness: int = Field(1, ge=1, description="pipelined: at most this many actor updates between the weights "
+                                                    "that generated a batch and the weights it trains")
 
     @field_validator("trackers")
     @classmethod

@@ -38,6 +38,14 @@ class WorkerGroup:
 
         Batches come back concatenated (padding removed); dicts of metrics come back averaged.
         ``zero_pad_keys`` are zeroed in padding rows (masks, so that padding does not train)."""
+        return self.gather(self.submit(role, method, batch, *args, worker_method=worker_method,
+                                       zero_pad_keys=zero_pad_keys, **kwargs))
+
+    def submit(self, role: str, method: str, batch: Batch, *args: Any, worker_method: str = "call",
+               zero_pad_keys: tuple[str, ...] = (), **kwargs: Any) -> "PendingRun":
+        """``run`` without waiting: the calls are dispatched and their futures returned, so the driver can
+        drive another pool meanwhile (the pipelined loop generates while the actor trains). Calls to one
+        worker still execute in submission order."""
         import ray
 
         infos = self.dp[role]
@@ -49,17 +57,33 @@ class WorkerGroup:
         lead = (role, method) if worker_method == "call" else (role,)
         futures = [w.timed.remote(worker_method, *lead, payload[info.dp_rank], *args, **kwargs)
                    for w, info in zip(self.workers, infos)]
-        timed = ray.get(futures)
+        return PendingRun(role, futures, pad)
+
+    def gather(self, pending: "PendingRun") -> Any:
+        """Wait for a submitted run and assemble its results (see ``run``); sets ``last_compute_s``."""
+        import ray
+
+        infos = self.dp[pending.role]
+        timed = ray.get(pending.futures)
         results = [r for r, _ in timed]
         self.last_compute_s = max(t for _, t in timed)
         outputs = sorted(((info.dp_rank, r) for info, r in zip(infos, results) if info.returns_output),
                          key=lambda x: x[0])
         values = [r for _, r in outputs]
         if isinstance(values[0], Batch):
-            return Batch.concat(values).unpad(pad)
+            return Batch.concat(values).unpad(pending.pad)
         if isinstance(values[0], dict):
             return average_metrics(values)
         return values
+
+
+@dataclass
+class PendingRun:
+    """A dispatched ``WorkerGroup.submit``: the per-rank futures (Ray ObjectRefs) and the padding to strip."""
+
+    role: str
+    futures: list[Any]
+    pad: int
 
 
 def average_metrics(rows: list[dict[str, float]]) -> dict[str, float]:

@@ -15,6 +15,10 @@ from hybridrl.registry import BackendEntry, Registry, RegistryError
 # Which registry kind each role's backend comes from; the reward role runs in the driver unless pooled.
 ROLE_KIND = {"actor": "train", "ref": "train", "critic": "train", "rollout": "rollout", "reward": "train"}
 
+#: the phases of a step (``timing/<phase>``) in which each role works, for the plan's per-device view.
+ROLE_PHASES = {"actor": ("old_log_prob", "update_actor", "reshard-send"), "ref": ("ref",),
+               "critic": ("values", "update_critic"), "rollout": ("gen", "reshard-recv"), "reward": ("reward",)}
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -66,6 +70,7 @@ class PlacementPlan:
     pools: dict[str, list[Device]]
     groups: list[ProcessGroupPlan]
     role_pool: dict[str, str] = field(default_factory=dict)
+    pipelined_staleness: int | None = None  # trainer.max_staleness when trainer.pipelined, else None
 
     def group_of(self, role: str) -> ProcessGroupPlan:
         for group in self.groups:
@@ -95,6 +100,18 @@ class PlacementPlan:
                         out.append((str(device), pool, f"proc {group.slot} ({group.family})", roles))
         return out
 
+    def phase_rows(self) -> list[tuple[str, str]]:
+        """(device, the phases each role on it runs) for printing; roles a plugin adds show no phases."""
+        out = []
+        for pool, devices in self.pools.items():
+            for device in devices:
+                cells = []
+                for group in self.groups:
+                    if group.pool == pool:
+                        cells += [f"{r}[{', '.join(ROLE_PHASES.get(r, ('?',)))}]" for r in group.roles]
+                out.append((str(device), ", ".join(cells)))
+        return out
+
     def render(self) -> str:
         header = ("device", "pool", "process", "roles")
         rows = [header, *self.rows()]
@@ -113,6 +130,13 @@ class PlacementPlan:
             how = "in-process" if self.same_process("actor", "rollout") else (
                 "colocated, separate processes" if self.colocated("actor", "rollout") else "split pools (broadcast)")
             lines.append(f"reshard actor -> rollout: {how}")
+        phase_rows = self.phase_rows()
+        width = max((len(d) for d, _ in phase_rows), default=0)
+        lines.append("phases per device:")
+        lines += [f"  {device.ljust(width)}  {phases}" for device, phases in phase_rows]
+        if self.pipelined_staleness is not None and "rollout" in self.role_pool:
+            lines.append(f"pipelined: pool '{self.role_pool['rollout']}' generates step k+1 while step k trains "
+                         f"(batches at most {self.pipelined_staleness} update(s) stale)")
         return "\n".join(lines)
 
 
@@ -191,7 +215,8 @@ def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, Bac
             groups.append(ProcessGroupPlan(pool, family, roles, pools[pool], slot))
     if problems:
         raise ConfigError(problems)
-    return PlacementPlan(cluster, pools, groups, role_pool)
+    return PlacementPlan(cluster, pools, groups, role_pool,
+                         cfg.trainer.max_staleness if cfg.trainer.pipelined else None)
 
 
 def _allocate(cfg: RunConfig, used: list[str], cluster: ClusterSpec) -> dict[str, list[Device]]:

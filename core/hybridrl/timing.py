@@ -19,5 +19,9 @@ class PhaseTimer:
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
+    def record(self, name: str, seconds: float) -> None:
+        """A phase timed elsewhere (a generation that ran on the rollout's clock, overlapping the driver)."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
     def metrics(self) -> dict[str, float]:
         return {f"timing/{k}": v for k, v in self.seconds.items()}

@@ -1,14 +1,16 @@
 """The RL training loop (driver side): one GRPO/PPO-style step is a fixed sequence of timed phases.
 
 gen [-> gen_baseline (ReMax)] -> reward -> ref -> old_log_prob [-> values (critic)] -> adv
-[-> update_critic] -> update_actor -> reshard. Scoring lives in ``hybridrl.rewarding``, the algorithm pieces in
-``hybridrl.algorithms``.
+[-> update_critic] -> update_actor -> reshard. ``generate_batch`` and ``train_on`` are the two halves that both
+the synchronous step and the pipelined one (``hybridrl.pipeline``) are made of. Scoring lives in
+``hybridrl.rewarding``, the algorithm pieces in ``hybridrl.algorithms``.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +26,7 @@ from hybridrl.controller import WorkerGroup, average_metrics
 from hybridrl.engines import VALUES, SamplingParams
 from hybridrl.flops import step_perf_metrics
 from hybridrl.launch import build_engines, start_worker_groups
+from hybridrl.pipeline import GenerationJob, needs_sync, staleness_of
 from hybridrl.preflight import RunSetup
 from hybridrl.run_state import RunState
 from hybridrl.rewarding import RewardScorer, on_last_token
@@ -52,6 +55,15 @@ def old_log_probs_needed(cfg: Any, kl_in_reward: bool) -> bool:
     mini = cfg.roles.actor.mini_batch
     one_step = algo.epochs == 1 and (mini is None or mini >= cfg.data.prompts_per_step * algo.n_samples)
     return algo.old_log_probs == "recompute" or not one_step or kl_in_reward
+
+
+@dataclass
+class StepLog:
+    """What one step records as it goes: wall time per phase, model compute time per phase, metrics."""
+
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    compute: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Trainer:
@@ -84,6 +96,9 @@ class Trainer:
         self.trackers: list[Any] = []
         self.step = 0
         self.run_state = RunState(self)  # checkpoints, resume, faults (hybridrl.run_state)
+        self.actor_version = 0  # actor updates so far
+        self.rollout_version = 0  # the actor version whose weights the rollout holds
+        self.next_generation: GenerationJob | None = None  # pipelined: the batch being generated ahead
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_id = self.tokenizer.eos_token_id
 
@@ -153,10 +168,71 @@ class Trainer:
                                     "response": batch["response_text"][i], "score": float(batch[SCORES][i])}) + "\n")
 
     def train_step(self) -> dict[str, float]:
-        timer = PhaseTimer()
-        compute: dict[str, float] = {}
-        metrics: dict[str, float] = {}
-        step_start = time.perf_counter()
+        """One step: synchronous (generate, then train, then reshard), or pipelined (``trainer.pipelined``:
+        the next batch is generated while this one trains, see ``hybridrl.pipeline``)."""
+        if self.cfg.trainer.pipelined:
+            return self.pipelined_step()
+        log, step_start = StepLog(), time.perf_counter()
+        batch = self.generate_batch(log)
+        stats = {"bytes": 0.0}
+        if self.train_on(batch, log):
+            with log.timer.phase("reshard"):
+                stats = self.sync_weights()
+            self.rollout_version = self.actor_version
+        return self.finish_step(batch, log, time.perf_counter() - step_start, stats)
+
+    def pipelined_step(self) -> dict[str, float]:
+        """Train on the batch generated during the previous step while the rollout generates the next one.
+        The order (collect, sync if needed, submit next, train) is explained in ``hybridrl.pipeline``."""
+        assert not self.rollout_colocated, "pre-flight refuses trainer.pipelined with a colocated rollout"
+        log, step_start = StepLog(), time.perf_counter()
+        bound = self.cfg.trainer.max_staleness
+        job, self.next_generation = self.next_generation, None
+        if job is None:  # the first step (or one past trainer.steps): nothing was generated ahead
+            with log.timer.phase("data"):
+                job = self.submit_generation(self.prompt_batch(), self.step)
+        with log.timer.phase("gen_wait"):
+            batch = self.collect_generation(job, log)
+        log.timer.record("gen", log.compute["gen"])  # the rollout's own time; it overlapped the previous step
+        staleness = staleness_of(job, self.actor_version, bound)
+        stats = {"bytes": 0.0}
+        if self.step + 1 < self.cfg.trainer.steps:
+            if needs_sync(self.actor_version, self.rollout_version, bound):
+                with log.timer.phase("reshard"):
+                    stats = self.sync_weights()
+                self.rollout_version = self.actor_version
+            with log.timer.phase("data"):
+                self.next_generation = self.submit_generation(self.prompt_batch(), self.step + 1)
+        with log.timer.phase("reward"):
+            log.metrics.update(self.score(batch))
+            if "reward" in self.groups:
+                log.compute["reward"] = self.scorer.compute_s
+        self.train_on(batch, log)
+        step_seconds = time.perf_counter() - step_start
+        metrics = self.finish_step(batch, log, step_seconds, stats)
+        serial = sum(v for k, v in log.timer.seconds.items() if k != "gen_wait")
+        metrics["timing/overlap_saved"] = serial - step_seconds
+        metrics["async/staleness"] = float(staleness)
+        metrics["async/weights_version"] = float(job.version)
+        return metrics
+
+    # --- the pieces of a step -------------------------------------------------------------------------
+    def submit_generation(self, batch: Batch, step: int) -> GenerationJob:
+        """Dispatch the generation of ``batch`` (the prompts of ``step``) without waiting for it."""
+        params = SamplingParams(**{**self.sampling.__dict__, "seed": self.cfg.trainer.seed * 100_003 + step})
+        pending = self.groups["rollout"].submit("rollout", "generate", batch.select(PROMPT_IDS, PROMPT_MASK), params)
+        return GenerationJob(batch, step, self.rollout_version, pending)
+
+    def collect_generation(self, job: GenerationJob, log: StepLog) -> Batch:
+        """Wait for a submitted generation; its responses join the prompt batch."""
+        rollout = self.groups["rollout"]
+        job.batch.update(rollout.gather(job.pending))
+        log.compute["gen"] = rollout.last_compute_s
+        return job.batch
+
+    def generate_batch(self, log: StepLog) -> Batch:
+        """Prompts -> responses (-> greedy baseline) -> scores, waiting for each phase (the synchronous step)."""
+        timer, compute, metrics = log.timer, log.compute, log.metrics
         with timer.phase("data"):
             batch = self.prompt_batch()
         rollout = self.groups["rollout"]
@@ -164,9 +240,7 @@ class Trainer:
             with timer.phase("wake"):
                 rollout.call_all("call", "rollout", "wake")
         with timer.phase("gen"):
-            params = SamplingParams(**{**self.sampling.__dict__, "seed": self.cfg.trainer.seed * 100_003 + self.step})
-            batch.update(rollout.run("rollout", "generate", batch.select(PROMPT_IDS, PROMPT_MASK), params))
-            compute["gen"] = rollout.last_compute_s
+            batch = self.collect_generation(self.submit_generation(batch, self.step), log)
         if self.algo.greedy_baseline:
             with timer.phase("gen_baseline"):
                 metrics.update(self.greedy_baseline(batch))
@@ -178,6 +252,12 @@ class Trainer:
             metrics.update(self.score(batch))
             if "reward" in self.groups:
                 compute["reward"] = self.scorer.compute_s
+        return batch
+
+    def train_on(self, batch: Batch, log: StepLog) -> bool:
+        """Reference and old log-probs (values), advantages, critic and actor updates on a scored batch.
+        Returns whether the actor was updated (not during the critic's warm-up); the reshard is the caller's."""
+        timer, compute, metrics = log.timer, log.compute, log.metrics
         if "ref" in self.groups and self.algo.uses_ref:
             with timer.phase("ref"):
                 ref = self.groups["ref"].run("ref", "compute_log_probs", batch.select(*SEQUENCE_KEYS))
@@ -200,21 +280,24 @@ class Trainer:
             with timer.phase("update_critic"):
                 metrics.update(self.update_critic(batch))
                 compute["update_critic"] = self.update_compute_s
-        stats = {"bytes": 0.0}
-        if critic is None or self.step >= self.cfg.algorithm.critic_warmup:  # the critic may learn alone at first
-            with timer.phase("update_actor"):
-                metrics.update(self.update_actor(batch))
-                compute["update_actor"] = self.update_compute_s
-            with timer.phase("reshard"):
-                stats = self.sync_weights()
+        if critic is not None and self.step < self.cfg.algorithm.critic_warmup:  # the critic may learn alone at first
+            return False
+        with timer.phase("update_actor"):
+            metrics.update(self.update_actor(batch))
+            compute["update_actor"] = self.update_compute_s
+        self.actor_version += 1
+        return True
+
+    def finish_step(self, batch: Batch, log: StepLog, step_seconds: float, reshard: dict[str, float]) -> dict[str, float]:
+        """Close the step (counter, last batch) and derive its timing, throughput and performance metrics."""
+        timer, compute, metrics = log.timer, log.compute, log.metrics
         self.step += 1
         self.last_batch = batch
-        step_seconds = time.perf_counter() - step_start
         metrics.update(timer.metrics())
         metrics["timing/step"] = step_seconds
         metrics.update({f"compute/{k}": v for k, v in compute.items()})
         metrics["perf/overhead_fraction"] = max(0.0, 1.0 - sum(compute.values()) / step_seconds)
-        metrics["reshard/bytes"] = stats["bytes"]
+        metrics["reshard/bytes"] = reshard["bytes"]
         resp_tokens = float(batch[RESPONSE_MASK].sum())
         all_tokens = resp_tokens + float(batch[PROMPT_MASK].sum())
         metrics["perf/gen_tokens_per_s"] = resp_tokens / max(timer.seconds["gen"], 1e-9)

@@ -64,6 +64,22 @@ def gspo(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch
     return loss, metrics
 
 
+def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance sampling (TIS, Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"): the tokens were sampled by the rollout's policy (stale weights when pipelined,
+    or an engine whose numerics differ from the trainer's), while the PPO ratio is taken against ``pi_old``,
+    the trainer's log-probs at train time. Each token's policy loss is weighted by
+    ``min(pi_old / pi_rollout, cap)`` (no gradient through it), which corrects the sampling distribution while
+    the truncation bounds the variance. Returns the weights and ``tis_ratio`` (mean untruncated ratio),
+    ``tis_weight`` (mean weight applied) and ``tis_clipfrac`` (share of tokens truncated)."""
+    ratio = (old_log_probs.detach() - rollout_log_probs.detach()).clamp(-20.0, 20.0).exp()
+    weights = ratio.clamp(max=cap)
+    metrics = {"tis_ratio": masked_mean(ratio, mask), "tis_weight": masked_mean(weights, mask),
+               "tis_clipfrac": masked_mean((ratio > cap).to(ratio.dtype), mask)}
+    return weights, metrics
+
+
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                        cliprange: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's value loss per token, ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-c) - R)^2)``: the new

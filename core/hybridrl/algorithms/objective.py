@@ -14,8 +14,9 @@ import torch
 from pydantic import ValidationError
 
 from hybridrl.algorithms.advantages import estimator_needs
-from hybridrl.algorithms.losses import PolicyLossSettings, clipped_value_loss, masked_mean
-from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, Batch
+from hybridrl.algorithms.losses import PolicyLossSettings, clipped_value_loss, masked_mean, truncated_is_weights
+from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS,
+                            Batch)
 from hybridrl.config import AlgorithmConfig
 from hybridrl.engines import VALUES, LossScale
 from hybridrl.registry import Registry, RegistryError
@@ -99,6 +100,11 @@ class PolicyObjective:
         # the right gradient: pi / stopgrad(pi).
         old = micro_batch[OLD_LOG_PROBS] if OLD_LOG_PROBS in micro_batch else log_probs.detach()
         token_loss, metrics = self.policy_loss(log_probs, old, micro_batch[ADVANTAGES], mask, self.settings)
+        if self.cfg.tis_cap is not None:  # the batch was sampled by the rollout's policy, not pi_old
+            weights, tis = truncated_is_weights(old, micro_batch[ROLLOUT_LOG_PROBS].to(log_probs.dtype), mask,
+                                                self.cfg.tis_cap)
+            token_loss = token_loss * weights
+            metrics = {**metrics, **tis}
         report = {"actor/pg_loss": masked_mean(token_loss, mask)}
         if ROLLOUT_LOG_PROBS in micro_batch:  # how far the rollout engine's numbers are from the trainer's
             report["rollout/logp_diff"] = masked_mean((log_probs.detach() - micro_batch[ROLLOUT_LOG_PROBS]).abs(), mask)
