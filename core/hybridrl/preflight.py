@@ -119,6 +119,10 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
         if path is not None and not (Path(path) / "config.json").is_file():
             problems.append(("roles.critic.model_path", f"'{path}' is not an HF checkpoint folder (no config.json)"))
     problems += _reward_problems(cfg, registry)
+    if cfg.algorithm.tis_cap is not None and not cfg.roles.rollout.log_probs:
+        problems.append(("roles.rollout.log_probs", "algorithm.tis_cap (truncated importance sampling, on by default "
+                         "when trainer.pipelined) needs the rollout's log-probs: set roles.rollout.log_probs=true "
+                         "or algorithm.tis_cap=null"))
     for key in cfg.trainer.trackers:
         if ("tracker", key) not in registry.named:
             problems.append(("trainer.trackers", f"unknown tracker '{key}' (known: {', '.join(registry.names('tracker'))})"))

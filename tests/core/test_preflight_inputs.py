@@ -62,6 +62,12 @@ CASES = {
     "resume from nowhere": (lambda t: [f"trainer.resume={t}/gone"], "trainer.resume", "gone' does not exist"),
     "resume from a non-checkpoint": (lambda t: [f"trainer.resume={t}"], "trainer.resume",
                                      "neither a complete checkpoint"),
+    "TIS without rollout log-probs": (lambda t: ["algorithm.tis_cap=2.0", "roles.rollout.log_probs=false"],
+                                      "roles.rollout.log_probs", "needs the rollout's log-probs"),
+    "pipelined (TIS by default) without rollout log-probs": (
+        lambda t: ["pools.gen={nodes: 1, devices_per_node: 1}", "roles.rollout.pool=gen",
+                   "roles.ref.pool=main", "trainer.pipelined=true", "roles.rollout.log_probs=false"],
+        "roles.rollout.log_probs", "needs the rollout's log-probs"),
     "resume without a critic": (lambda t: [f"trainer.resume={grpo_checkpoint(t)}", "algorithm.name=ppo"],
                                 "trainer.resume", "holds no critic state"),
 }
