@@ -222,7 +222,8 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         t_wake, _ = timed(rollout.wake, device)
         mem.mark(f"awake_{k}")
         cycle[f"cycle{k}"] = {"sleep_level": getattr(rollout, "last_sleep_level", None), "sleep_s": t_sleep,
-                              "freed_gib": round(before - after, 3), "reshard_asleep_s": t_sync, "wake_s": t_wake}
+                              "freed_gib": round(before - after, 3), "reshard_asleep_s": t_sync, "wake_s": t_wake,
+                              "import_parts": rollout.import_stats()}  # where the reshard's time goes
     # the same bytes in one flat device-to-device copy (the floor any reshard is measured against)
     dev = torch.device(device)
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)

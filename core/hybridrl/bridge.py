@@ -29,7 +29,11 @@ def sync_in_process(trainer: "TrainEngine", rollout: "RolloutEngine", bucket_byt
         nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
         buckets += 1
     rollout.finish_weight_import()
-    return {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - start}
+    stats = {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - start}
+    import_stats = getattr(rollout, "import_stats", None)  # engines written before the hook lack it
+    if callable(import_stats):
+        stats.update({k: float(v) for k, v in import_stats().items()})
+    return stats
 
 
 class Bridge(Protocol):
@@ -43,7 +47,7 @@ class InProcessBridge:
     def sync(self, trainer: "WorkerGroup", trainer_role: str, rollout: "WorkerGroup", rollout_role: str,
              bucket_bytes: int) -> dict[str, float]:
         stats = trainer.call_all("sync_in_process", trainer_role, rollout_role, bucket_bytes)
-        return {"bytes": stats[0]["bytes"], "buckets": stats[0]["buckets"]}
+        return dict(stats[0])  # rank 0's figures (bytes, buckets, seconds and the engine's own import_stats)
 
 
 class ObjectStoreBridge:

@@ -180,6 +180,10 @@ class RolloutEngine(ABC):
     def finish_weight_import(self) -> None:
         """Called after the last bucket: reset prefix caches and the like."""
 
+    def import_stats(self) -> dict[str, float]:
+        """Optional figures of the last weight update (seconds per part ...), logged as ``reshard/<key>``."""
+        return {}
+
     def sleep(self) -> None:
         """Release device memory (KV cache, and weights where the engine can) while the trainer works."""
 

@@ -297,7 +297,7 @@ class Trainer:
         metrics["timing/step"] = step_seconds
         metrics.update({f"compute/{k}": v for k, v in compute.items()})
         metrics["perf/overhead_fraction"] = max(0.0, 1.0 - sum(compute.values()) / step_seconds)
-        metrics["reshard/bytes"] = reshard["bytes"]
+        metrics.update({f"reshard/{k}": float(v) for k, v in reshard.items()})
         resp_tokens = float(batch[RESPONSE_MASK].sum())
         all_tokens = resp_tokens + float(batch[PROMPT_MASK].sum())
         metrics["perf/gen_tokens_per_s"] = resp_tokens / max(timer.seconds["gen"], 1e-9)

@@ -186,9 +186,11 @@ class VLLMRollout(RolloutEngine):
 
     # --- weights ------------------------------------------------------------------------------------------
     def _begin_import(self) -> None:
+        self._import_marks = [time.perf_counter()]
         tags = self.state.on_import_begin() if self.can_sleep else []
         if tags:
             compat.wake_up(self.llm, tags)
+        self._import_marks.append(time.perf_counter())
         if self.weight_load == "layerwise":
             compat.run_on_workers(self.llm, _reload_begin)
         self.importing = True
@@ -225,11 +227,22 @@ class VLLMRollout(RolloutEngine):
             log.info("vLLM direct-copy plan: %s (%s)", self.copy_plan, self.copy_plan_report)
         if self.device == "cuda":
             torch.cuda.synchronize()
+        self._import_marks.append(time.perf_counter())
         compat.reset_prefix_cache(self.llm)
+        self._import_marks.append(time.perf_counter())
         self.importing = False
         if self.can_sleep:
             self.state.on_import_end()
         self.weight_version += 1
+
+    def import_stats(self) -> dict[str, float]:
+        """Where the last update's time went: waking the weights, loading (copies included, up to the device
+        sync), and closing (prefix-cache reset)."""
+        marks = getattr(self, "_import_marks", [])
+        if len(marks) != 4:
+            return {}
+        return {"wake_weights_s": marks[1] - marks[0], "load_s": marks[2] - marks[1], "close_s": marks[3] - marks[2],
+                "copy_plan": 1.0 if self.copy_plan == "on" else 0.0}
 
     # --- memory -------------------------------------------------------------------------------------------
     def sleep(self) -> None:
