@@ -79,5 +79,6 @@ class WeightChannel:
         self._store = None  # type: ignore[assignment]
 
 
-def bucket_specs(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> list[BucketSpec]:
-    return [describe_bucket(b) for b in buckets]
+def bucket_specs(buckets: Iterable[list[tuple[str, torch.Tensor]]], wire_dtype: torch.dtype | None = None
+                 ) -> list[BucketSpec]:
+    return [describe_bucket(b, wire_dtype) for b in buckets]

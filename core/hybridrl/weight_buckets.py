@@ -34,23 +34,30 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def describe_bucket(bucket: list[tuple[str, torch.Tensor]]) -> BucketSpec:
+def describe_bucket(bucket: list[tuple[str, torch.Tensor]], wire_dtype: torch.dtype | None = None) -> BucketSpec:
+    """The bucket's layout in one flat buffer. ``wire_dtype``: floating tensors travel in that dtype (e.g. the
+    rollout's bf16 instead of the trainer's fp32 master weights: half the bytes, cast while packing)."""
     specs, offset = [], 0
     for name, tensor in bucket:
-        nbytes = tensor.numel() * tensor.element_size()
-        specs.append(TensorSpec(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), offset, nbytes))
+        dtype = wire_dtype if wire_dtype is not None and tensor.is_floating_point() else tensor.dtype
+        nbytes = tensor.numel() * torch.empty((), dtype=dtype).element_size()
+        specs.append(TensorSpec(name, tuple(tensor.shape), str(dtype).removeprefix("torch."), offset, nbytes))
         offset = _aligned(offset + nbytes)
     return BucketSpec(tuple(specs), offset)
 
 
 def pack_bucket(bucket: list[tuple[str, torch.Tensor]], spec: BucketSpec, device: str | torch.device) -> torch.Tensor:
-    """One uint8 buffer holding every tensor of the bucket at its spec offset."""
+    """One uint8 buffer holding every tensor of the bucket at its spec offset (cast to the spec's dtype where it
+    differs: the copy into the buffer does the cast, no extra tensor is made)."""
     buffer = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
     for (name, tensor), ts in zip(bucket, spec.tensors):
         if name != ts.name:
             raise ValueError(f"bucket order changed: got '{name}', expected '{ts.name}'")
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[ts.offset: ts.offset + ts.nbytes].copy_(flat, non_blocking=True)
+        target = buffer[ts.offset: ts.offset + ts.nbytes]
+        if tensor.dtype == ts.torch_dtype:
+            target.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+        else:
+            target.view(ts.torch_dtype).view(ts.shape).copy_(tensor.detach(), non_blocking=True)
     return buffer
 
 

@@ -111,8 +111,13 @@ class RoleWorker:
     def weight_manifest(self, trainer_role: str, bucket_bytes: int) -> list | None:
         """Bucket layout of the export (collective over the trainer's ranks; the exporting rank answers)."""
         engine = self.engines[trainer_role]
-        specs = bucket_specs(engine.export_weights(bucket_bytes))
+        specs = bucket_specs(engine.export_weights_transient(bucket_bytes), self._wire_dtype(engine))
         return specs if engine.exports_on_rank() else None
+
+    def _wire_dtype(self, engine: TrainEngine) -> torch.dtype | None:
+        """Weights cross pools in the run's compute dtype on GPUs (the rollout computes in it: half the bytes of
+        fp32 master weights); on CPU in the master dtype, bit for bit."""
+        return engine.ctx.torch_dtype if self.device == "cuda" else None
 
     def open_weight_channel(self, host: str, port: int, rank: int, world_size: int) -> None:
         self.weight_channel = WeightChannel(host, port, rank, world_size, self.device)
@@ -120,7 +125,7 @@ class RoleWorker:
     def send_weights(self, trainer_role: str, bucket_bytes: int, specs: list | None) -> float:
         """Export (every trainer rank takes part) and, on the exporting rank, broadcast the buckets."""
         engine = self.engines[trainer_role]
-        buckets = engine.export_weights(bucket_bytes)
+        buckets = engine.export_weights_transient(bucket_bytes)  # each bucket is packed before the next is made
         if not engine.exports_on_rank():
             for _ in buckets:
                 pass

@@ -31,6 +31,17 @@ def test_pack_unpack_round_trip_is_bit_exact_across_dtypes():
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
+def test_a_wire_dtype_casts_floating_tensors_while_packing_and_keeps_integers():
+    bucket = sample_bucket(1)
+    spec = describe_bucket(bucket, torch.bfloat16)
+    assert [t.dtype for t in spec.tensors] == ["bfloat16", "bfloat16", "int64", "bfloat16"]
+    assert [t.nbytes for t in spec.tensors] == [15 * 2, 7 * 2, 3 * 8, 8 * 2]
+    out = dict(unpack_bucket(pack_bucket(bucket, spec, "cpu"), spec))
+    for name, tensor in bucket:
+        want = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert out[name].dtype == want.dtype and torch.equal(out[name], want), name
+
+
 def test_pack_refuses_a_bucket_in_another_order():
     bucket = sample_bucket()
     with pytest.raises(ValueError, match="bucket order changed"):
