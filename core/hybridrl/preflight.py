@@ -51,7 +51,7 @@ def resolve_reward(spec: str, registry: Registry) -> Callable[..., float]:
 def with_algorithm_roles(cfg: RunConfig, registry: Registry) -> tuple[RunConfig, list[str]]:
     """The config the run uses: ``algorithm`` with its preset's defaults filled in (and, for a pipelined run,
     ``tis_cap``), a critic role added (with the actor, default settings) when the advantage estimator needs
-    values, and an unused critic dropped. Returns it with notes on what changed. Unknown presets are left for ``check_config`` to report."""
+    values, and an unused critic or reference dropped. Returns it with notes on what changed. Unknown presets are left for ``check_config`` to report."""
     from hybridrl.algorithms.objective import resolve_algorithm
 
     try:
@@ -72,6 +72,9 @@ def with_algorithm_roles(cfg: RunConfig, registry: Registry) -> tuple[RunConfig,
     elif not algo.uses_critic and roles.critic is not None:
         roles = roles.model_copy(update={"critic": None})
         notes.append(f"roles.critic is not used by advantage '{algo.advantage}': no critic is started")
+    if not algo.uses_ref and roles.ref is not None:  # nothing reads a reference without a KL term
+        roles = roles.model_copy(update={"ref": None})
+        notes.append("no KL to a reference (algorithm.kl unset or coef 0): no reference policy is started")
     return cfg.model_copy(update={"algorithm": algo.config, "roles": roles}), notes
 
 

@@ -80,6 +80,19 @@ def test_ppo_adds_a_critic_with_the_actor_and_grpo_drops_an_unused_one():
     assert grpo.roles.critic is None and "not used" in notes[0]
 
 
+@pytest.mark.parametrize("kl", ["algorithm.kl=null", "algorithm.kl.coef=0"])
+def test_no_reference_is_started_without_a_kl_term(kl):
+    registry = get_registry()
+    cfg = load_config(QUICKSTART, [kl])
+    assert cfg.roles.ref is not None  # the quick start configures one
+    run_cfg, notes = with_algorithm_roles(cfg, registry)
+    assert run_cfg.roles.ref is None and any("no reference policy" in n for n in notes)
+    _, plan, problems = check_config(cfg, registry, CPU2)
+    assert not problems and "ref" not in plan.role_pool
+    kept, _ = with_algorithm_roles(load_config(QUICKSTART), registry)
+    assert kept.roles.ref is not None
+
+
 def test_critic_on_its_own_pool_and_gae_picked_by_key():
     cfg = load_config(QUICKSTART, ["algorithm.advantage=gae", "pools.value={devices_per_node: 1}",
                                    "roles.critic.pool=value"])
