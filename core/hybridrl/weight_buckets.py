@@ -5,6 +5,7 @@ bucket-sized buffer, never a second copy of the model."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -68,3 +69,29 @@ def unpack_bucket(buffer: torch.Tensor, spec: BucketSpec) -> list[tuple[str, tor
         view = buffer[ts.offset: ts.offset + ts.nbytes].view(ts.torch_dtype).view(ts.shape)
         out.append((ts.name, view))
     return out
+
+
+def group_into_buckets(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int
+                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The train engines' export rule: a bucket closes once it holds ``bucket_bytes``, and a tensor of at least
+    ``bucket_bytes`` travels alone. Lazy: a tensor is asked for only when its bucket is being filled."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    return _group(items, bucket_bytes)
+
+
+def _group(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket: list[tuple[str, torch.Tensor]] = []
+    filled = 0
+    for name, tensor in items:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes >= bucket_bytes and bucket:
+            yield bucket
+            bucket, filled = [], 0
+        bucket.append((name, tensor))
+        filled += nbytes
+        if filled >= bucket_bytes:
+            yield bucket
+            bucket, filled = [], 0
+    if bucket:
+        yield bucket

@@ -10,6 +10,7 @@ import torch
 import hybridrl_fsdp.engine as engine_module
 from _fsdp_helpers import NaNObjective, PolicyGradient, context, make_batch
 from hybridrl.batch import ADVANTAGES, LOG_PROBS, RESPONSE_MASK
+from hybridrl.engine_support import raise_if_counts_differ
 from hybridrl_fsdp.engine import FSDPEngine
 
 
@@ -107,9 +108,9 @@ def test_needs_a_process_group(monkeypatch, tiny_model: Path) -> None:
 
 
 def test_unequal_micro_batch_counts_raise() -> None:
-    engine_module._raise_if_counts_differ(n_sum=6.0, n_sq_sum=18.0, world_size=2)  # 3 and 3
+    raise_if_counts_differ(n_sum=6.0, n_sq_sum=18.0, world_size=2)  # 3 and 3
     with pytest.raises(RuntimeError, match="micro-batches"):
-        engine_module._raise_if_counts_differ(n_sum=6.0, n_sq_sum=20.0, world_size=2)  # 2 and 4
+        raise_if_counts_differ(n_sum=6.0, n_sq_sum=20.0, world_size=2)  # 2 and 4
 
 
 def test_offload_is_a_noop_on_cpu(process_group, tiny_model: Path) -> None:

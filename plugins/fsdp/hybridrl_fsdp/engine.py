@@ -32,7 +32,10 @@ from torch.distributed.tensor import DTensor
 
 from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, SCORES, Batch, sequence_tensors
 from hybridrl.distributed import all_reduce_sum
+from hybridrl.engine_support import (WeightedMean, check_same_count, engine_device, raise_if_counts_differ,
+                                     require_process_group, sampling_temperature)
 from hybridrl.engines import VALUES, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
+from hybridrl.weight_buckets import group_into_buckets
 
 from hybridrl_fsdp.logprobs import chunked_log_probs
 from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter_rows
@@ -96,10 +99,10 @@ class FSDPEngine(TrainEngine):
 
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
-        _require_process_group(ctx)
+        require_process_group(ctx, "FSDPEngine")
         self.settings = FSDPSettings.from_options(ctx.options, ctx.role)
         self.head = self.settings.head
-        self.device = _engine_device(ctx)
+        self.device = engine_device(ctx)
         self.master_dtype = torch.float32
         torch.manual_seed(ctx.seed)  # before anything random (seeds CUDA too)
         self.model = _load_model(ctx, self.settings)
@@ -118,7 +121,7 @@ class FSDPEngine(TrainEngine):
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
         """Log-probs (and entropies) of the response tokens; 0 at padded response positions."""
         self._require_head("lm", "compute_log_probs")
-        temperature = _temperature(batch)
+        temperature = sampling_temperature(batch)
         keys = [LOG_PROBS, ENTROPY] if with_entropy else [LOG_PROBS]
         return self._forward_rows(batch, keys, lambda micro: self._response_outputs(micro, temperature, with_entropy))
 
@@ -207,12 +210,12 @@ class FSDPEngine(TrainEngine):
                              f"it provides {sorted(provided) or 'nothing to train on'}")
         micro_batches = [m.batch for m in self._plan(batch, check_counts=False)]
         scale = self._loss_scale(batch, len(micro_batches))
-        temperature = _temperature(batch)
+        temperature = sampling_temperature(batch)
         lr = float(self.optimizer.param_groups[0]["lr"])
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = _WeightedMean()
+        metrics = WeightedMean()
         local_loss = 0.0
         for micro in micro_batches:
             micro = micro.to(self.device)  # the objective's tensors meet the outputs on one device
@@ -242,7 +245,7 @@ class FSDPEngine(TrainEngine):
         tokens = float(batch[RESPONSE_MASK].sum())
         total_tokens, total_sequences, n_sum, n_sq_sum = all_reduce_sum(
             [tokens, float(len(batch)), float(n_micro), float(n_micro * n_micro)], self.ctx.device)
-        _raise_if_counts_differ(n_sum, n_sq_sum, self.ctx.world_size)
+        raise_if_counts_differ(n_sum, n_sq_sum, self.ctx.world_size)
         return LossScale(total_tokens=total_tokens, total_sequences=total_sequences, dp_size=self.ctx.world_size)
 
     def _clip_gradients(self) -> float:
@@ -265,7 +268,7 @@ class FSDPEngine(TrainEngine):
         plan = plan_micro_batches(batch, self.settings.micro_batch, budget,
                                   count_for_all_ranks=lambda n: _all_reduce_max(n, self.ctx.device))
         if check_counts:
-            _check_same_count(len(plan), self.ctx.device)
+            check_same_count(len(plan), self.ctx.device)
         return plan
 
     # --- weights ------------------------------------------------------------------------------------------
@@ -274,36 +277,13 @@ class FSDPEngine(TrainEngine):
 
         A bucket closes once it holds ``bucket_bytes``; a tensor of at least ``bucket_bytes`` travels alone.
         Tensors stay on the engine's device (the bridge decides where they go)."""
-        return self._bucketed(self._full_named_tensors(), bucket_bytes)
-
-    @staticmethod
-    def _bucketed(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        return FSDPEngine._buckets(named, bucket_bytes)
-
-    @staticmethod
-    def _buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
-        bucket: WeightBucket = []
-        filled = 0
-        for name, tensor in named:
-            nbytes = tensor.numel() * tensor.element_size()
-            if nbytes >= bucket_bytes and bucket:
-                yield bucket
-                bucket, filled = [], 0
-            bucket.append((name, tensor))
-            filled += nbytes
-            if filled >= bucket_bytes:
-                yield bucket
-                bucket, filled = [], 0
-        if bucket:
-            yield bucket
+        return group_into_buckets(self._full_named_tensors(), bucket_bytes)
 
     def export_weights_transient(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """``export_weights`` for an importer that copies at once (colocated, same process): with one rank the
         live fp32 shards themselves (the importer's copy casts them), with several the all-gather runs in the
         compute dtype (half the bytes on the wire). No copy of the model is made."""
-        return self._bucketed(self._transient_named_tensors(), bucket_bytes)
+        return group_into_buckets(self._transient_named_tensors(), bucket_bytes)
 
     @torch.no_grad()
     def _transient_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -401,26 +381,6 @@ class FSDPEngine(TrainEngine):
 
 
 # --- construction helpers ---------------------------------------------------------------------------------
-def _require_process_group(ctx: EngineContext) -> None:
-    """The host owns the process group; an engine that created its own would hide a launch bug."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("FSDPEngine needs the default torch.distributed process group: call "
-                           "hybridrl.distributed.init_process_group(rank, world_size, ...) before building it")
-    if dist.get_world_size() != ctx.world_size or dist.get_rank() != ctx.rank:
-        raise RuntimeError(f"process group is rank {dist.get_rank()} of {dist.get_world_size()} but the engine "
-                           f"context says rank {ctx.rank} of {ctx.world_size}")
-
-
-def _engine_device(ctx: EngineContext) -> torch.device:
-    if ctx.device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("EngineContext.device is 'cuda' but CUDA is not available")
-        return torch.device("cuda", torch.cuda.current_device())
-    if ctx.device != "cpu":
-        raise ValueError(f"unknown device '{ctx.device}' (expected 'cpu' or 'cuda')")
-    return torch.device("cpu")
-
-
 def _load_model(ctx: EngineContext, settings: FSDPSettings) -> nn.Module:
     """fp32 master weights on CPU (``fully_shard`` moves each rank's shard to the mesh device)."""
     from transformers import AutoModelForCausalLM  # heavy import: only when an engine is built
@@ -485,12 +445,6 @@ def _build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> tor
 
 
 # --- small helpers ----------------------------------------------------------------------------------------
-def _temperature(batch: Batch) -> float | None:
-    """The rollout's sampling temperature, if it rescaled the logits (None/0 = greedy or unscaled)."""
-    value = batch.info.get("temperature")
-    return float(value) if value is not None and float(value) > 0 and float(value) != 1.0 else None
-
-
 def _all_reduce_max(value: int, device: str) -> int:
     """The largest ``value`` over the ranks (identity without a process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -498,19 +452,6 @@ def _all_reduce_max(value: int, device: str) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
-
-
-def _check_same_count(n_micro: int, device: str) -> None:
-    n_sum, n_sq_sum = all_reduce_sum([float(n_micro), float(n_micro * n_micro)], device)
-    _raise_if_counts_differ(n_sum, n_sq_sum, dist.get_world_size())
-
-
-def _raise_if_counts_differ(n_sum: float, n_sq_sum: float, world_size: int) -> None:
-    """Every forward is a collective (FSDP all-gathers), so unequal micro-batch counts would deadlock.
-    ``world * sum(n^2) == sum(n)^2`` holds exactly when all ``n`` are equal (Cauchy-Schwarz)."""
-    if world_size * n_sq_sum != n_sum * n_sum:
-        raise RuntimeError("data-parallel ranks got local batches with different numbers of micro-batches; "
-                           "give every rank the same batch size (see Batch.pad_to_multiple)")
 
 
 def _full_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -561,19 +502,3 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer | None, device: torch
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step":  # AdamW keeps ``step`` on CPU
                 state[key] = value.to(device, non_blocking=True)
-
-
-class _WeightedMean:
-    """Per-key mean of the objective's metrics, each micro-batch weighted by its number of sequences."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
-        self.weights: dict[str, float] = defaultdict(float)
-
-    def add(self, metrics: Mapping[str, Any], weight: float) -> None:
-        for key, value in metrics.items():
-            self.sums[key] += float(value) * weight
-            self.weights[key] += weight
-
-    def result(self) -> dict[str, float]:
-        return {key: self.sums[key] / self.weights[key] for key in self.sums if self.weights[key] > 0}

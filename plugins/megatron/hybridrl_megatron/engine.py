@@ -22,16 +22,18 @@ from __future__ import annotations
 import functools
 import json
 import warnings
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, Batch, sequence_tensors
+from hybridrl.engine_support import (WeightedMean, check_same_count, engine_device, require_process_group,
+                                     sampling_temperature)
 from hybridrl.engines import VALUES, DataParallelInfo, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
+from hybridrl.weight_buckets import group_into_buckets
 
 from hybridrl_megatron.convert import VALUE_HEAD_NAMES, HFCheckpoint, padded_vocab_size, write_hf_checkpoint
 from hybridrl_megatron.cpu_compat import install_rng_tracker, maybe_cpu
@@ -40,7 +42,7 @@ from hybridrl_megatron.model import VALUE_HEAD_FILE, build_gpt, load_hf_weights,
 from hybridrl_megatron.optim import MegatronStepper, TorchStepper
 from hybridrl_megatron.parallel import init_parallel
 from hybridrl_megatron.settings import MegatronSettings
-from hybridrl_megatron.weights import buckets, iter_full_hf
+from hybridrl_megatron.weights import iter_full_hf
 
 # megatron-core announces its fallbacks (no Apex / Transformer Engine: the local spec wants none) and a
 # CUDA launch tip on every import; they say nothing about this engine's runs.
@@ -72,10 +74,10 @@ class MegatronEngine(TrainEngine):
 
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
-        _require_process_group(ctx)
+        require_process_group(ctx, "MegatronEngine")
         self.settings = MegatronSettings.from_options(ctx.options, ctx.role)
         self.head = self.settings.head
-        self.device = _engine_device(ctx)
+        self.device = engine_device(ctx)
         self._compat = functools.partial(maybe_cpu, self.device.type)
         with self._compat():
             self.layout = init_parallel(ctx.world_size, self.settings.tensor_parallel, self.settings.pipeline_parallel)
@@ -125,7 +127,7 @@ class MegatronEngine(TrainEngine):
         """Log-probs (and entropies) of the response tokens; 0 at padded response positions. Ranks that do
         not return output (``data_parallel``) give zeros of the right shape."""
         self._require_head("lm", "compute_log_probs")
-        temperature = _temperature(batch)
+        temperature = sampling_temperature(batch)
         keys = [LOG_PROBS, ENTROPY] if with_entropy else [LOG_PROBS]
         return self._forward_rows(batch, keys, lambda micro, out: self._response_outputs(micro, out, temperature,
                                                                                          with_entropy))
@@ -142,7 +144,7 @@ class MegatronEngine(TrainEngine):
         tensors, reassembled in row order (padding rows dropped). Ranks that return no output give zeros."""
         width = batch[RESPONSE_IDS].shape[1]
         micro_batches = self._micro_batches(batch)
-        _check_same_count(len(micro_batches), self.ctx.device)
+        check_same_count(len(micro_batches), self.ctx.device)
         with self._compat():
             self.model.eval()
 
@@ -219,10 +221,10 @@ class MegatronEngine(TrainEngine):
                              f"it provides {sorted(provided)}")
         micro_batches = self._micro_batches(batch)
         scale = self._loss_scale(batch, len(micro_batches))
-        temperature = _temperature(batch)
+        temperature = sampling_temperature(batch)
         lr = self.stepper.lr()
         n_micro = len(micro_batches)
-        metrics = _WeightedMean()
+        metrics = WeightedMean()
         losses: list[float] = []
 
         def loss_fn(micro: _MicroBatch, output: torch.Tensor, non_loss_data: bool = False):
@@ -264,7 +266,7 @@ class MegatronEngine(TrainEngine):
         dp_sum = torch.tensor([tokens, float(len(batch))], dtype=torch.float64, device=self.device)
         if self.layout.dp > 1:
             dist.all_reduce(dp_sum, group=self.layout.dp_group)
-        _check_same_count(n_micro, self.ctx.device)
+        check_same_count(n_micro, self.ctx.device)
         return LossScale(total_tokens=float(dp_sum[0]), total_sequences=float(dp_sum[1]), dp_size=self.layout.dp)
 
     # --- schedules ----------------------------------------------------------------------------------------
@@ -326,8 +328,8 @@ class MegatronEngine(TrainEngine):
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         with self._compat():
             dtype = self.table[0].param.dtype
-            yield from buckets(iter_full_hf(self.table, self.spec, self.layout, dtype, self.device, self.head),
-                               bucket_bytes)
+            full = iter_full_hf(self.table, self.spec, self.layout, dtype, self.device, self.head)
+            yield from group_into_buckets(full, bucket_bytes)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full HF-named weights on CPU (collective)."""
@@ -410,26 +412,6 @@ def _rank_file(rank: int) -> str:
     return f"megatron_rank{rank:05d}.pt"
 
 
-def _require_process_group(ctx: EngineContext) -> None:
-    """The host owns the process group; an engine that created its own would hide a launch bug."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("MegatronEngine needs the default torch.distributed process group: call "
-                           "hybridrl.distributed.init_process_group(rank, world_size, ...) before building it")
-    if dist.get_world_size() != ctx.world_size or dist.get_rank() != ctx.rank:
-        raise RuntimeError(f"process group is rank {dist.get_rank()} of {dist.get_world_size()} but the engine "
-                           f"context says rank {ctx.rank} of {ctx.world_size}")
-
-
-def _engine_device(ctx: EngineContext) -> torch.device:
-    if ctx.device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("EngineContext.device is 'cuda' but CUDA is not available")
-        return torch.device("cuda", torch.cuda.current_device())
-    if ctx.device != "cpu":
-        raise ValueError(f"unknown device '{ctx.device}' (expected 'cpu' or 'cuda')")
-    return torch.device("cpu")
-
-
 def _response_positions(micro: _MicroBatch, output: torch.Tensor) -> torch.Tensor:
     """Rows ``P-1 .. P+R-2`` of a last-stage output ``(b, P+R, ...)``: those that predict (or value the state
     before) each response token."""
@@ -438,38 +420,3 @@ def _response_positions(micro: _MicroBatch, output: torch.Tensor) -> torch.Tenso
     if prompt_len < 1:
         raise ValueError("every batch needs at least one prompt column (the first response token's context)")
     return output[:, prompt_len - 1: prompt_len - 1 + response_len]
-
-
-def _temperature(batch: Batch) -> float | None:
-    """The rollout's sampling temperature, if it rescaled the logits (None/0 = greedy or unscaled)."""
-    value = batch.info.get("temperature")
-    return float(value) if value is not None and float(value) > 0 and float(value) != 1.0 else None
-
-
-def _check_same_count(n_micro: int, device: str) -> None:
-    """Every micro-batch is a collective (tensor all-reduces, pipeline sends), so unequal counts would hang.
-    ``world * sum(n^2) == sum(n)^2`` holds exactly when all ``n`` are equal (Cauchy-Schwarz)."""
-    world = dist.get_world_size()
-    if world == 1:
-        return
-    t = torch.tensor([float(n_micro), float(n_micro * n_micro)], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    if world * float(t[1]) != float(t[0]) ** 2:
-        raise RuntimeError("ranks got local batches with different numbers of micro-batches; give every "
-                           "data-parallel rank the same batch size (see Batch.pad_to_multiple)")
-
-
-class _WeightedMean:
-    """Per-key mean of the objective's metrics, each micro-batch weighted by its number of real rows."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
-        self.weights: dict[str, float] = defaultdict(float)
-
-    def add(self, metrics: Mapping[str, Any], weight: float) -> None:
-        for key, value in metrics.items():
-            self.sums[key] += float(value) * weight
-            self.weights[key] += weight
-
-    def result(self) -> dict[str, float]:
-        return {key: self.sums[key] / self.weights[key] for key in self.sums if self.weights[key] > 0}

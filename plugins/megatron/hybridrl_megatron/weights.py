@@ -14,7 +14,6 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from hybridrl.engines import WeightBucket
 from hybridrl_megatron.convert import ModelSpec, from_mcore, hf_shapes, is_vocab_parallel, merge_tp
 from hybridrl_megatron.model import ParamEntry, stage_names
 from hybridrl_megatron.parallel import Layout
@@ -48,24 +47,3 @@ def iter_full_hf(table: list[ParamEntry], spec: ModelSpec, layout: Layout, dtype
                 if layout.pp > 1:
                     dist.broadcast(tensor, src=src, group=layout.pp_group)
                 yield hf_name, tensor
-
-
-def buckets(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
-    """Group tensors into buckets of about ``bucket_bytes``: a bucket closes once it holds that much, and a
-    tensor of at least ``bucket_bytes`` travels alone (the FSDP engine's rule)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket: WeightBucket = []
-    filled = 0
-    for name, tensor in items:
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes >= bucket_bytes and bucket:
-            yield bucket
-            bucket, filled = [], 0
-        bucket.append((name, tensor))
-        filled += nbytes
-        if filled >= bucket_bytes:
-            yield bucket
-            bucket, filled = [], 0
-    if bucket:
-        yield bucket
