@@ -1,13 +1,17 @@
-"""The vLLM rollout backend against vLLM alone: generation speed, resharding, sleep/wake, memory, and a GRPO run.
+"""A rollout backend (vLLM, or SGLang with ``--backend sglang``) against the same engine alone: generation
+speed, resharding, sleep/wake, memory, and a GRPO run.
 
 Two parts, each in its own process (each starts its own engine), results merged into one JSON:
 
-* ``micro``: an FSDP actor and ``VLLMRollout`` colocated in this process, as one worker hosts them. Generation
-  tokens/s through ``VLLMRollout.generate`` against the same engine's ``LLM.generate`` on the same prompts
-  (what a user calling vLLM directly gets); the in-process reshard (``sync_in_process``: export, import,
-  finish) awake and asleep against one flat device copy of the same bytes; ``sleep``/``wake`` seconds and the
-  memory they free; peak device memory.
-* ``grpo``: ``hybridrl train`` (Ray, FSDP actor + reference + vLLM rollout colocated on one device) for a few
+* ``micro``: an FSDP actor and the rollout engine (``VLLMRollout`` / ``SGLangRollout``) colocated in this
+  process, as one worker hosts them. Generation tokens/s through the engine's ``generate`` against the same
+  engine called directly (``LLM.generate`` / ``Engine.generate``) on the same prompts, interleaved repeats,
+  with per-repeat paired ratios; the in-process reshard (``sync_in_process``: export, import, finish) awake and
+  asleep, cycle by cycle with where its time went (``import_stats``), against one flat device copy of the same
+  bytes; for vLLM the same with the weights kept resident (``sleep_level: kv_cache``); ``sleep``/``wake``
+  seconds and the memory they free; peak device memory; the rollout's log-probs against the actor's after
+  the syncs.
+* ``grpo``: ``hybridrl train`` (Ray, FSDP actor + reference + the rollout colocated on one device) for a few
   steps; per-step phase times from its ``metrics.jsonl``.
 
 The model is built from a config on the spot (random weights): ``--shape qwen0.5b`` is Qwen2.5-0.5B's shape
@@ -15,7 +19,7 @@ The model is built from a config on the spot (random weights): ``--shape qwen0.5
 the bundled character tokenizer (the vocab is padded; the tokenizer only decodes rewards); ``--shape tiny`` is
 a smoke test for CPU.
 
-    python benchmarks/vllm_rollout.py [--shape qwen0.5b] [--parts micro,grpo] [--out FILE]
+    python benchmarks/vllm_rollout.py [--backend vllm|sglang] [--shape qwen0.5b] [--parts micro,grpo] [--out FILE]
 """
 
 from __future__ import annotations
@@ -105,6 +109,83 @@ class Memory:
         return used
 
 
+def _make_rollout(backend: str, options: dict[str, Any], common: dict[str, Any]) -> Any:
+    from hybridrl.engines import EngineContext
+
+    ctx = EngineContext(role="rollout", backend=backend, trainable=False, options=options, **common)
+    if backend == "sglang":
+        from hybridrl_sglang.engine import SGLangRollout
+
+        return SGLangRollout(ctx)
+    from hybridrl_vllm.engine import VLLMRollout
+
+    return VLLMRollout(ctx)
+
+
+def _engine_alone(backend: str, rollout: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Callable[[], int]]:
+    """The engine called directly, as a user of it would, on the same prompts: tokens generated per call."""
+    if backend == "sglang":
+        engine = rollout.engine
+
+        def sglang(logprobs: bool) -> Callable[[], int]:
+            def run() -> int:
+                sp = {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+                outs = engine.generate(input_ids=prompts, sampling_params=[dict(sp) for _ in prompts],
+                                       return_logprob=logprobs)
+                return sum(len(o["output_ids"]) for o in outs)
+            return run
+        return {"engine_alone": sglang(False), "engine_alone_logprobs": sglang(True)}
+
+    from vllm import SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+
+    vprompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    llm = rollout.llm
+
+    def vllm(logprobs: int | None, seeded: bool) -> Callable[[], int]:
+        def run() -> int:
+            if seeded:
+                sp: Any = [VSP(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, logprobs=logprobs,
+                               detokenize=False, seed=1000 + i) for i in range(len(vprompts))]
+            else:
+                sp = VSP(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, logprobs=logprobs, detokenize=False)
+            outs = llm.generate(vprompts, sp, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in outs)
+        return run
+    return {"engine_alone": vllm(None, False), "engine_alone_logprobs": vllm(0, False),
+            "engine_alone_logprobs_seeded": vllm(0, True)}
+
+
+def _paired_ratio(samples: dict[str, list[float]], num: str, den: str) -> dict[str, float]:
+    """``num``/``den`` tokens/s: the ratio of medians, and the median of the per-repeat ratios (each repeat
+    runs both back to back, so a drift of the host hits both alike)."""
+    pairs = [a / b for a, b in zip(samples[num], samples[den])]
+    return {"ratio_of_medians": statistics.median(samples[num]) / statistics.median(samples[den]),
+            "median_of_paired_ratios": statistics.median(pairs), "paired_ratios": pairs}
+
+
+def _cycles(rollout: Any, actor: Any, mem: "Memory", device: str, bucket: int, small: Any, short: Any, count: int,
+            label: str) -> dict[str, Any]:
+    """``count`` trainer-order cycles: wake, generate a little, sleep, reshard while asleep, wake."""
+    from hybridrl.bridge import sync_in_process
+
+    out: dict[str, Any] = {}
+    for k in range(count):
+        rollout.wake()
+        rollout.generate(small, short)
+        before = mem.mark(f"{label}_before_sleep_{k}")
+        t_sleep, _ = timed(rollout.sleep, device)
+        after = mem.mark(f"{label}_asleep_{k}")
+        t_sync, stats = timed(lambda: sync_in_process(actor, rollout, bucket), device)
+        mem.mark(f"{label}_synced_{k}")
+        t_wake, _ = timed(rollout.wake, device)
+        mem.mark(f"{label}_awake_{k}")
+        out[f"cycle{k}"] = {"sleep_level": getattr(rollout, "last_sleep_level", None), "sleep_s": t_sleep,
+                            "freed_gib": round(before - after, 3), "reshard_asleep_s": t_sync, "wake_s": t_wake,
+                            "import_parts": {k2: v for k2, v in stats.items() if k2 not in ("bytes", "buckets")}}
+    return out
+
+
 def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     import torch
 
@@ -113,9 +194,8 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     from hybridrl.distributed import free_port, init_process_group
     from hybridrl.engines import EngineContext, SamplingParams
     from hybridrl_fsdp.engine import FSDPEngine
-    from hybridrl_vllm import compat
-    from hybridrl_vllm.engine import VLLMRollout
 
+    backend = args.backend
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if device == "cuda" else "float32"
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -126,73 +206,70 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     t_actor, actor = timed(lambda: FSDPEngine(EngineContext(role="actor", backend="fsdp", trainable=True,
                                                             options={"micro_batch": 8, "lr": 1e-6}, **common)), device)
     mem.mark("actor_built")
-    options = {"gpu_memory_utilization": args.gpu_memory_utilization, "seed_mode": "request"}
-    t_engine, rollout = timed(lambda: VLLMRollout(EngineContext(role="rollout", backend="vllm", trainable=False,
-                                                                options=options, **common)), device)
+    options: dict[str, Any] = {"gpu_memory_utilization": args.gpu_memory_utilization}
+    if backend == "vllm":  # the variants below switch it; SGLang keeps its default (engine: request seeds turn
+        options["seed_mode"] = "request"  # on its slower deterministic inference)
+    t_engine, rollout = timed(lambda: _make_rollout(backend, options, common), device)
     mem.mark("engine_built")
-    out: dict[str, Any] = {"device": device, "dtype": dtype, "vllm_version": str(compat.version()),
-                           "actor_build_s": t_actor, "engine_build_s": t_engine}
+    out: dict[str, Any] = {"backend": backend, "device": device, "dtype": dtype, "actor_build_s": t_actor,
+                           "engine_build_s": t_engine}
+    if backend == "vllm":
+        from hybridrl_vllm import compat
+
+        out["vllm_version"] = str(compat.version())
+    else:
+        import sglang
+
+        out["sglang_version"] = sglang.__version__
     if device == "cuda":
         out["gpu"] = torch.cuda.get_device_name()
 
-    # --- generation: through VLLMRollout against LLM.generate on the same prompts ---------------------------
+    # --- generation: through the rollout engine against the engine alone on the same prompts -----------------
     prompts, _ = prompt_rows(args.prompts_per_step, args.n_samples)
     ids, mask = left_pad(prompts, 0)
     batch = Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask})
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=1)
-    from vllm import SamplingParams as VSP
-    from vllm.inputs import TokensPrompt
 
-    vprompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    llm = rollout.llm
-
-    def alone(logprobs: int | None, seeded: bool) -> Callable[[], int]:
-        def run() -> int:
-            if seeded:
-                sp: Any = [VSP(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, logprobs=logprobs,
-                               detokenize=False, seed=1000 + i) for i in range(len(vprompts))]
-            else:
-                sp = VSP(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, logprobs=logprobs,
-                         detokenize=False)
-            outs = llm.generate(vprompts, sp, use_tqdm=False)
-            return sum(len(o.outputs[0].token_ids) for o in outs)
-        return run
-
-    def hybrid(seed_mode: str, logprobs: bool = True) -> Callable[[], int]:
+    def hybrid(seed_mode: str | None, logprobs: bool = True) -> Callable[[], int]:
         def run() -> int:
             from dataclasses import replace
 
-            rollout.seed_mode = seed_mode
+            if seed_mode is not None:
+                rollout.seed_mode = seed_mode
             return int(rollout.generate(batch, replace(params, logprobs=logprobs))[RESPONSE_MASK].sum())
         return run
 
-    variants = {"vllm_alone": alone(None, False), "vllm_alone_logprobs": alone(0, False),
-                "vllm_alone_logprobs_seeded": alone(0, True), "hybridrl_seed_engine": hybrid("engine"),
-                "hybridrl_seed_request": hybrid("request"),
-                "hybridrl_no_logprobs": hybrid("engine", logprobs=False)}
+    variants = _engine_alone(backend, rollout, prompts, args.new_tokens)
+    if backend == "vllm":
+        variants.update({"hybridrl_seed_engine": hybrid("engine"), "hybridrl_seed_request": hybrid("request"),
+                         "hybridrl_no_logprobs": hybrid("engine", logprobs=False)})
+    else:
+        variants.update({"hybridrl": hybrid(None), "hybridrl_no_logprobs": hybrid(None, logprobs=False)})
     for fn in variants.values():  # warm-up (first-use kernels, sampler paths)
         fn()
     samples: dict[str, list[float]] = {k: [] for k in variants}
     tokens: dict[str, int] = {}
+    import gc
+
     for _ in range(args.repeats):  # interleaved, so drifts hit every variant alike
         for name, fn in variants.items():
+            gc.collect()  # no variant pays for the garbage of the one before
             seconds, n = timed(fn, device)
             samples[name].append(n / seconds)
             tokens[name] = n
     mem.mark("after_generation")
     gen = {name: {"tokens": tokens[name], "tokens_per_s_median": statistics.median(v), "tokens_per_s": v}
            for name, v in samples.items()}
-    base = gen["vllm_alone_logprobs"]["tokens_per_s_median"]
+    with_lp = "hybridrl_seed_engine" if backend == "vllm" else "hybridrl"
     out["generation"] = {
-        "rows": len(prompts), "new_tokens": args.new_tokens, "variants": gen,
-        "ratio_hybridrl_default_vs_vllm_alone": gen["hybridrl_seed_request"]["tokens_per_s_median"]
-        / gen["vllm_alone"]["tokens_per_s_median"],
-        "ratio_hybridrl_default_vs_vllm_alone_logprobs": gen["hybridrl_seed_request"]["tokens_per_s_median"] / base,
-        "ratio_hybridrl_engine_seed_vs_vllm_alone_logprobs": gen["hybridrl_seed_engine"]["tokens_per_s_median"] / base,
-        # the GPU default (seed_mode auto = engine) with log-probs off, as the step benchmark runs it
-        "ratio_hybridrl_no_logprobs_vs_vllm_alone": gen["hybridrl_no_logprobs"]["tokens_per_s_median"]
-        / gen["vllm_alone"]["tokens_per_s_median"],
+        "rows": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats, "variants": gen,
+        # the step benchmark's setting (rollout log-probs off) against the engine alone
+        "hybridrl_no_logprobs_vs_engine_alone": _paired_ratio(samples, "hybridrl_no_logprobs", "engine_alone"),
+        "hybridrl_logprobs_vs_engine_alone_logprobs": _paired_ratio(samples, with_lp, "engine_alone_logprobs"),
     }
+    if backend == "vllm":
+        out["generation"]["hybridrl_seed_request_vs_engine_alone_logprobs_seeded"] = _paired_ratio(
+            samples, "hybridrl_seed_request", "engine_alone_logprobs_seeded")
     # Move the actor away from the checkpoint both engines started from, so the agreement check at the end
     # fails if a reshard leaves any tensor behind.
     with torch.no_grad():
@@ -211,19 +288,9 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     # the bytes the engine holds (its dtype), whatever dtype the export travelled in
     nbytes = sum(p.numel() for p in actor.model.parameters()) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
     cycle["exported_bytes"] = int(stats["bytes"])
-    for k in range(3):  # k=0: level 1 (fresh weights); then level 2 once imports arrive while asleep
-        rollout.wake()
-        rollout.generate(small, short)
-        before = mem.mark(f"before_sleep_{k}")
-        t_sleep, _ = timed(rollout.sleep, device)
-        after = mem.mark(f"asleep_{k}")
-        t_sync, _ = timed(lambda: sync_in_process(actor, rollout, bucket), device)
-        mem.mark(f"synced_{k}")
-        t_wake, _ = timed(rollout.wake, device)
-        mem.mark(f"awake_{k}")
-        cycle[f"cycle{k}"] = {"sleep_level": getattr(rollout, "last_sleep_level", None), "sleep_s": t_sleep,
-                              "freed_gib": round(before - after, 3), "reshard_asleep_s": t_sync, "wake_s": t_wake,
-                              "import_parts": rollout.import_stats()}  # where the reshard's time goes
+    # the default level (auto: 1 while fresh, then 2); steady state from the third cycle on (the second
+    # records the copies' CUDA graphs)
+    cycle.update(_cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "default"))
     # the same bytes in one flat device-to-device copy (the floor any reshard is measured against)
     dev = torch.device(device)
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -231,10 +298,22 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     copies = [timed(lambda: dst.copy_(src), device)[0] for _ in range(5)]
     del src, dst
     flat = min(copies)
-    steady = [cycle[f"cycle{k}"]["reshard_asleep_s"] for k in (1, 2)]
+    steady = [cycle[f"cycle{k}"]["reshard_asleep_s"] for k in range(2, args.cycles)] or [cycle["cycle0"]["reshard_asleep_s"]]
     cycle.update({"bytes": nbytes, "buckets": stats["buckets"], "flat_copy_s": flat,
                   "reshard_steady_s": statistics.median(steady),
                   "reshard_vs_flat_copy": statistics.median(steady) / flat})
+    # vLLM only: the KV cache alone released, weights resident (``sleep_level: kv_cache``)
+    if backend == "vllm" and device == "cuda":
+        try:
+            rollout.wake()
+            rollout.state.level = "kv_cache"
+            kv = _cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "kv_only")
+            kv_steady = [kv[f"cycle{k}"]["reshard_asleep_s"] for k in range(1, args.cycles)]
+            kv.update({"reshard_steady_s": statistics.median(kv_steady),
+                       "reshard_vs_flat_copy": statistics.median(kv_steady) / flat})
+            cycle["kv_only"] = kv
+        except Exception as exc:  # noqa: BLE001 - keep the rest of the figures
+            cycle["kv_only"] = {"error": repr(exc)[:2000]}
     out["reshard_sleep_wake"] = cycle
     # agreement: rollout log-probs against the actor's on the same tokens (same weights after the sync)
     rollout.wake()
@@ -243,9 +322,10 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     lp = actor.compute_log_probs(check.select("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
     m = check["response_mask"].bool()
     out["logprob_abs_diff_mean"] = float((lp["log_probs"] - check["rollout_log_probs"]).abs()[m].mean())
-    out["copy_plan"] = {"state": getattr(rollout, "copy_plan", None),
-                        "placed": rollout.copy_plan_report.get("placed") if hasattr(rollout, "copy_plan_report") else None,
-                        "unplaced": len(rollout.copy_plan_report.get("unplaced", [])) if hasattr(rollout, "copy_plan_report") else None}
+    if backend == "vllm":
+        out["copy_plan"] = {"state": getattr(rollout, "copy_plan", None),
+                            "placed": rollout.copy_plan_report.get("placed"),
+                            "unplaced": len(rollout.copy_plan_report.get("unplaced", []))}
     if args.inprocess_steps:
         out["grpo_in_process"] = grpo_in_process(args, actor, rollout, mem, device)
     mem.mark("end")
@@ -324,7 +404,7 @@ def grpo_in_process(args: argparse.Namespace, actor: Any, rollout: Any, mem: Mem
 
 
 def grpo(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[str, Any]:
-    """``hybridrl train`` with the vLLM rollout colocated with the FSDP actor and reference."""
+    """``hybridrl train`` with the rollout (``--backend``) colocated with the FSDP actor and reference."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -337,7 +417,7 @@ def grpo(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[str, 
         "pools": {"main": {"nodes": 1, "devices_per_node": 1}},
         "roles": {"actor": {"pool": "main", "backend": "fsdp", "lr": 1e-6, "micro_batch": args.micro_batch},
                   "ref": {"pool": "main", "backend": "fsdp"},
-                  "rollout": {"pool": "main", "backend": "vllm", "max_new_tokens": args.new_tokens,
+                  "rollout": {"pool": "main", "backend": args.backend, "max_new_tokens": args.new_tokens,
                               "temperature": 1.0, "ignore_eos": True,
                               "options": {"gpu_memory_utilization": args.gpu_memory_utilization}},
                   "reward": {"fn": "reverse"}},
@@ -369,12 +449,14 @@ def grpo(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["vllm", "sglang"], default="vllm")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen0.5b")
     parser.add_argument("--parts", default="micro,grpo")
+    parser.add_argument("--cycles", type=int, default=5, help="sleep/reshard/wake cycles per sleep level")
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--n-samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=5, help="steps of the hybridrl train run (part grpo)")
@@ -384,9 +466,10 @@ def main() -> None:
     parser.add_argument("--part-timeout", type=float, default=480.0)
     parser.add_argument("--log-dir", default=None, help="write each part's log there")
     parser.add_argument("--workdir", default=None, help="where the model and the run go (default: a temp dir)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm_rollout.json"))
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/<backend>_rollout.json")
     parser.add_argument("--part-out", default=None, help=argparse.SUPPRESS)  # one part, run in a child process
     args = parser.parse_args()
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / f"{args.backend}_rollout.json")
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vllm-bench-"))
     model_dir = workdir / f"model-{args.shape}"
@@ -417,6 +500,7 @@ def main() -> None:
         else:
             entry["log_tail"] = log[-4000:]
         if args.log_dir:
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
             Path(args.log_dir, f"{part}.log").write_text(log[-200_000:])
         result[part] = entry
         print(f"{part}: returncode {code} in {entry['wall_s']:.0f}s", flush=True)

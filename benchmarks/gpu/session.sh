@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One measurement on the GPU host, after the engine's wheels were unpacked into SITE (see benchmarks/gpu/README.md).
-#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | megatron | grpo | micro | sglang
+#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | install | megatron | grpo | micro | sglang-tests
 # Figures and logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 site=$1 step=$2; shift 2
@@ -19,6 +19,9 @@ case $step in
   grpo) backend=${1:-vllm}; shift
         python3 benchmarks/grpo_step.py --backend "$backend" --log "$OUT/grpo_$backend.log" \
           --out "$OUT/grpo_step_$backend${TAG:-}.json" "$@" ;;
-  micro) python3 benchmarks/vllm_rollout.py --parts micro --out "$OUT/vllm_rollout.json" --log-dir "$OUT" "$@" ;;
+  install) ;;  # only the editable installs above (do it once before running steps side by side)
+  micro) python3 benchmarks/vllm_rollout.py --parts micro --out "$OUT/${TAG:-vllm}_rollout.json" --log-dir "$OUT/${TAG:-vllm}" "$@" ;;
+  sglang-tests) python3 -m pytest -q -s -p no:cacheprovider tests/sglang/test_sglang_engine.py tests/sglang/test_sglang_kit.py \
+          "$@" 2>&1 | tee "$OUT/sglang_tests.log" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -250,6 +250,9 @@ class TrainerConfig(Strict):
                                                "rollout on different pools)")
     max_staleness: int = Field(1, ge=1, description="pipelined: at most this many actor updates between the weights "
                                                     "that generated a batch and the weights it trains")
+    sync_check_every: int = Field(0, ge=0, description="every N steps, check that the rollout's greedy tokens are the "
+                                                       "actor's argmax after the weight sync (hybridrl.sync_check; "
+                                                       "0: never; synchronous steps only)")
 
     @field_validator("trackers")
     @classmethod

@@ -111,6 +111,12 @@ class TrainEngine(ABC):
         critic role; optional, so engines without a value head need not implement it."""
         raise NotImplementedError(f"{type(self).__name__} has no value head (role '{self.ctx.role}')")
 
+    def compute_greedy_margins(self, batch: Batch) -> Batch:
+        """``greedy_margin`` ``(B, R)``: at each response position, the largest logit minus the response
+        token's (temperature 1; 0: the token is an argmax), float32 on CPU, 0 at padded positions. Read by the
+        trainer's sync check (``hybridrl.sync_check``, helper ``greedy_margins``); optional."""
+        raise NotImplementedError(f"{type(self).__name__} does not score greedy margins")
+
     def compute_scores(self, batch: Batch) -> Batch:
         """Reward-model engines: ``scores`` ``(B,)``, one scalar per prompt+response, float32 on CPU. Added
         for the reward-model role; optional, like ``compute_values``."""

@@ -30,6 +30,7 @@ from hybridrl.pipeline import GenerationJob, needs_sync, staleness_of
 from hybridrl.preflight import RunSetup
 from hybridrl.run_state import RunState
 from hybridrl.rewarding import RewardScorer, on_last_token
+from hybridrl.sync_check import GREEDY_MARGIN, SyncCheck
 from hybridrl.timing import PhaseTimer
 
 
@@ -99,6 +100,7 @@ class Trainer:
         self.actor_version = 0  # actor updates so far
         self.rollout_version = 0  # the actor version whose weights the rollout holds
         self.next_generation: GenerationJob | None = None  # pipelined: the batch being generated ahead
+        self.sync_check = SyncCheck(every=self.cfg.trainer.sync_check_every)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_id = self.tokenizer.eos_token_id
 
@@ -239,6 +241,9 @@ class Trainer:
         if self.rollout_colocated:
             with timer.phase("wake"):
                 rollout.call_all("call", "rollout", "wake")
+        if self.sync_check.due(self.step):
+            with timer.phase("sync_check"):
+                metrics.update(self.check_sync(batch))
         with timer.phase("gen"):
             batch = self.collect_generation(self.submit_generation(batch, self.step), log)
         if self.algo.greedy_baseline:
@@ -344,6 +349,29 @@ class Trainer:
             "critic", batch.select(*SEQUENCE_KEYS, VALUES, RETURNS), critic_cfg.mini_batch or self.cfg.roles.actor.mini_batch,
             lambda group, mini: group.run("critic", "update", mini, objective, zero_pad_keys=(RESPONSE_MASK,)))
         metrics.update(value_metrics(batch[VALUES], batch[RETURNS], batch[RESPONSE_MASK]))
+        return metrics
+
+    def check_sync(self, batch: Batch) -> dict[str, float]:
+        """The rollout's greedy tokens on a few of ``batch``'s prompts against the actor's argmax
+        (``hybridrl.sync_check``); warns when a token is off by more than a near-tie."""
+        prompts = self.sync_check.prompts(batch)
+        generated = self.groups["rollout"].run("rollout", "generate", prompts, self.sync_check.params(self.sampling))
+        prompts.update(generated)
+        prompts.info["temperature"] = 1.0
+        try:
+            margins = self.groups["actor"].run("actor", "compute_greedy_margins", prompts.select(*SEQUENCE_KEYS))
+        except Exception as exc:  # noqa: BLE001 - an engine without margins: say so once and stop checking
+            if "greedy margins" not in str(exc):
+                raise
+            print("note: trainer.sync_check_every is off: the actor's engine does not score greedy margins", flush=True)
+            self.sync_check.every = 0
+            return {}
+        metrics = self.sync_check.metrics(generated, margins[GREEDY_MARGIN])
+        if metrics["sync_check/off_argmax"] > 0:
+            print(f"warning: step {self.step + 1}: after the weight sync {int(metrics['sync_check/off_argmax'])} of "
+                  f"{int(metrics['sync_check/tokens'])} greedy rollout tokens are not the actor's argmax (largest "
+                  f"logit gap {metrics['sync_check/max_gap']:.3f}): the rollout may not hold the actor's weights",
+                  flush=True)
         return metrics
 
     def greedy_baseline(self, batch: Batch) -> dict[str, float]:

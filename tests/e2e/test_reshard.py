@@ -59,3 +59,25 @@ def test_rollout_weights_equal_actor_after_every_reshard(layout, tmp_path, ray_l
             assert type(trainer.bridge).__name__ == expected
     finally:
         trainer.shutdown()
+
+
+def test_sync_check_passes_after_real_syncs_and_catches_a_wrong_rollout(tmp_path, ray_local):
+    """``trainer.sync_check_every=1``: after every sync the rollout's greedy tokens are the actor's argmax; once
+    the rollout is given other weights (as a broken reshard would leave it), the check reports it."""
+    cfg = load_config(QUICKSTART, [*SMALL, "trainer.sync_check_every=1", f"trainer.out={tmp_path}"])
+    trainer = Trainer(prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster)))
+    try:
+        trainer.start()
+        for _ in range(2):
+            metrics = trainer.train_step()
+            assert metrics["sync_check/tokens"] > 0 and metrics["sync_check/off_argmax"] == 0, metrics
+            assert metrics["sync_check/argmax_fraction"] > 0.95
+        gen = torch.Generator().manual_seed(0)
+        noisy = [(name, t + torch.randn(t.shape, generator=gen)) for name, t in weights(trainer, "actor")[0].items()]
+        rollout = trainer.groups["rollout"]
+        rollout.call_all("call", "rollout", "import_weights", noisy)
+        rollout.call_all("call", "rollout", "finish_weight_import")
+        broken = trainer.check_sync(trainer.prompt_batch())
+        assert broken["sync_check/off_argmax"] > 0 and broken["sync_check/argmax_fraction"] < 0.9, broken
+    finally:
+        trainer.shutdown()

@@ -106,3 +106,38 @@ def test_chunked_log_probs_keep_bf16_gradients_in_bf16():
     lp, _ = chunked_log_probs(logits, torch.zeros(2, 3, dtype=torch.long))
     lp.sum().backward()
     assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
+
+
+def test_greedy_margins_match_the_full_logits(process_group, tiny_model: Path) -> None:
+    """``compute_greedy_margins``: max logit minus the token's, from the unsharded model's logits; 0 where the
+    response token is the argmax (here: the argmax itself is put in as the response), 0 at padding."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.sync_check import GREEDY_MARGIN
+
+    engine = FSDPEngine(context(tiny_model, trainable=False, micro_batch=3))
+    batch = make_batch(5, seed=4)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ids = torch.cat([batch[PROMPT_IDS], batch[RESPONSE_IDS]], 1)
+    mask = torch.cat([batch[PROMPT_MASK], batch[RESPONSE_MASK]], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    p, r = batch[PROMPT_IDS].shape[1], batch[RESPONSE_IDS].shape[1]
+    logits = logits[:, p - 1: p + r - 1]
+    expected = logits.max(-1).values - logits.gather(-1, batch[RESPONSE_IDS][..., None]).squeeze(-1)
+    resp = batch[RESPONSE_MASK].bool()
+    out = engine.compute_greedy_margins(batch)[GREEDY_MARGIN]
+    torch.testing.assert_close(out[resp], expected[resp], atol=1e-4, rtol=0)
+    assert (out[~resp] == 0).all() and (out[resp] > 0).any()
+    # a response that is the model's own greedy continuation: every token is the argmax of its position
+    width = 4
+    prompts = batch.select(PROMPT_IDS, PROMPT_MASK)
+    seq, seq_mask = prompts[PROMPT_IDS], prompts[PROMPT_MASK]
+    with torch.no_grad():
+        for _ in range(width):
+            step = model(input_ids=seq, attention_mask=seq_mask,
+                         position_ids=(seq_mask.cumsum(1) - 1).clamp(min=0)).logits[:, -1].argmax(-1, keepdim=True)
+            seq, seq_mask = torch.cat([seq, step], 1), torch.cat([seq_mask, torch.ones_like(step)], 1)
+    prompts.set(RESPONSE_IDS, seq[:, -width:])
+    prompts.set(RESPONSE_MASK, torch.ones(len(prompts), width, dtype=torch.long))
+    assert (engine.compute_greedy_margins(prompts)[GREEDY_MARGIN] < 1e-5).all()

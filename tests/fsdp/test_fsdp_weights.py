@@ -65,3 +65,28 @@ def test_bucket_bytes_must_be_positive(process_group, tiny_model: Path) -> None:
     engine = FSDPEngine(context(tiny_model, trainable=False))
     with pytest.raises(ValueError):
         next(engine.export_weights(0))
+
+
+def test_transient_export_follows_updates_and_swapped_shards(process_group, tiny_model: Path) -> None:
+    """The one-rank transient export hands the live shards (kept between calls, see ``LocalShards``): after an
+    optimiser step it shows the new values, and after the shards are swapped for new tensors (what
+    ``offload``/``onload`` do on a GPU) it hands the new tensors, never the old ones."""
+    engine = FSDPEngine(context(tiny_model, lr=1e-2))
+
+    def exported() -> dict[str, torch.Tensor]:
+        return {n: t for bucket in engine.export_weights_transient(1 << 30) for n, t in bucket}
+
+    first = {n: t.clone() for n, t in exported().items()}
+    engine.update(make_batch(4, seed=2), PolicyGradient())
+    second = exported()
+    live = {n: t.clone() for bucket in engine.export_weights(1 << 30) for n, t in bucket}
+    assert set(second) == set(live)
+    for name in live:
+        torch.testing.assert_close(second[name], live[name], atol=0, rtol=0)
+    assert any(not torch.equal(first[n], second[n]) for n in first), "the step changed nothing"
+
+    engine.model.to(torch.float64)  # every shard becomes a new tensor
+    swapped = exported()
+    assert all(t.dtype == torch.float64 for t in swapped.values())
+    for name in live:
+        torch.testing.assert_close(swapped[name], live[name].double(), atol=0, rtol=0)

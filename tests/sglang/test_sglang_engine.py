@@ -7,7 +7,9 @@ The comparison is the conformance kit's (``hybridrl.testing.checks.reference_pro
 float32 transformers forward over each row's tokens; a greedy token must be the reference argmax or within a
 near-tie of it, log-probs within a tolerance. The engine runs in bfloat16 (SGLang's own kernels; the weights are
 bfloat16 values, so both sides hold the same ones) unless ``HYBRIDRL_SGLANG_TEST_DTYPE=float32`` (Triton
-attention; tighter tolerances). Skipped without SGLang or CUDA (``conftest.py``)."""
+attention; tighter tolerances). The engines run without CUDA graphs (``enforce_eager``): they start in seconds instead of minutes, and the graphs
+are exercised by the GRPO run and the rollout benchmark (``benchmarks/vllm_rollout.py --backend sglang``), which
+check the rollout against the actor after every sync. Skipped without SGLang or CUDA (``conftest.py``)."""
 
 from __future__ import annotations
 
@@ -126,7 +128,7 @@ def setup(tmp_path_factory):
     for folder in (a, b):
         _set_eos(folder, eos)
     reference = ReferenceModel(b)
-    engine = SGLangRollout(_ctx(a, "sglang", "cuda", gpu_memory_utilization=0.3))
+    engine = SGLangRollout(_ctx(a, "sglang", "cuda", gpu_memory_utilization=0.3, enforce_eager=True))
     state_b = {n: t.detach().clone() for n, t in reference.model.state_dict().items()}
     yield {"engine": engine, "reference": reference, "eos": eos, "state_b": state_b, "b": b}
     engine.close()
@@ -161,13 +163,13 @@ def test_cuda_buckets_and_receive_buffer_views_sync_the_same(setup):
     reference.load(moved.items())
     assert not _problems(engine.generate(batch, GREEDY), reference, GREEDY, eos)
     # the broadcast bridge's receive buffer: views of one CUDA buffer, sent without a copy
-    shared_before = engine.import_stats["shared"]
+    shared_before = engine.import_counters["shared"]
     for bucket in _buckets(setup["state_b"]):
         spec = describe_bucket(bucket)
         engine.import_weights(unpack_bucket(pack_bucket(bucket, spec, "cuda"), spec))
     engine.finish_weight_import()
     reference.load(setup["state_b"].items())
-    assert engine.import_stats["shared"] > shared_before
+    assert engine.import_counters["shared"] > shared_before
     assert not _problems(engine.generate(batch, GREEDY), reference, GREEDY, eos)
 
 
@@ -240,7 +242,7 @@ def test_split_mode_update_weights_from_distributed(setup):
 
     setup["engine"].close()  # one engine at a time (this test runs last)
     reference, eos = setup["reference"], setup["eos"]
-    engine = SGLangRollout(_ctx(setup["b"], "sglang", "cuda", gpu_memory_utilization=0.3,
+    engine = SGLangRollout(_ctx(setup["b"], "sglang", "cuda", gpu_memory_utilization=0.3, enforce_eager=True,
                                 weight_sync="distributed", engine_kwargs={"base_gpu_id": 1}))
     try:
         moved = _moved(setup["state_b"], 3)

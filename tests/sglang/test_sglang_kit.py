@@ -24,7 +24,7 @@ class TestSGLangRollout(RolloutEngineContract):
     backend = "sglang"
     device = "cuda"
     dtype = DTYPE
-    engine_options = {"gpu_memory_utilization": 0.3}
+    engine_options = {"gpu_memory_utilization": 0.3, "enforce_eager": True}  # no CUDA-graph capture: fast starts
     logprob_atol = LOGPROB_ATOL
     greedy_tie_tolerance = TIE_TOLERANCE
 
@@ -34,6 +34,6 @@ class TestFSDPToSGLangBridge(BridgeContract):
     rollout_backend = "sglang"
     device = "cuda"
     dtype = DTYPE
-    engine_options = {"gpu_memory_utilization": 0.3}
+    engine_options = {"gpu_memory_utilization": 0.3, "enforce_eager": True}  # no CUDA-graph capture: fast starts
     logprob_atol = LOGPROB_ATOL
     greedy_tie_tolerance = TIE_TOLERANCE

@@ -418,8 +418,8 @@ class FakeSGLang:
         self.gen = torch.Generator().manual_seed(0)
 
     def generate(self, input_ids, sampling_params, return_logprob, top_logprobs_num=None):
-        assert return_logprob
-        self.calls.append(("generate", [list(i) for i in input_ids], [dict(s) for s in sampling_params]))
+        self.calls.append(("generate", [list(i) for i in input_ids], [dict(s) for s in sampling_params],
+                           return_logprob))
         outs = []
         for ids, sp in zip(input_ids, sampling_params):
             last, toks, lps, tops = ids[-1], [], [], []
@@ -444,8 +444,8 @@ class FakeSGLang:
                 last = tok
                 if not sp.get("ignore_eos") and tok in (sp.get("stop_token_ids") or []):
                     break
-            meta = {"output_token_logprobs": lps}
-            if top_logprobs_num:
+            meta = {"output_token_logprobs": lps} if return_logprob else {}
+            if top_logprobs_num and return_logprob:
                 meta["output_top_logprobs"] = tops
             outs.append({"output_ids": toks, "meta_info": meta})
         return outs
@@ -545,6 +545,17 @@ def test_engine_greedy_outputs_follow_the_model(fake_engine, min_new, ignore_eos
         assert len([c for c in fake_engine["fake"].calls if c[0] == "generate"]) == 2
 
 
+def test_engine_without_log_probs_does_not_ask_for_them(fake_engine):
+    engine, table = fake_engine["make"](), fake_engine["table"]
+    out = engine.generate(_prompts(), SamplingParams(temperature=0.0, max_new_tokens=6, logprobs=False, top_k=4))
+    assert ROLLOUT_LOG_PROBS not in out
+    call = [c for c in fake_engine["fake"].calls if c[0] == "generate"][-1]
+    assert call[3] is False  # return_logprob off: the engine skips the log-softmax
+    for i, prompt in enumerate(PROMPTS):
+        toks, _ = _greedy(table, prompt, 6)
+        assert out[RESPONSE_IDS][i, :len(toks)].tolist() == toks
+
+
 @pytest.mark.parametrize("top_k,top_p", [(4, 1.0), (0, 0.7)])
 def test_engine_sampled_log_probs_are_of_the_truncated_distribution(fake_engine, top_k, top_p):
     engine, table = fake_engine["make"](), fake_engine["table"]
@@ -580,13 +591,13 @@ def test_engine_import_flattens_each_bucket_and_flushes_once(fake_engine):
     for name, tensor in bucket:
         want = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
         assert torch.equal(got[name], want)
-    assert engine.weight_version == 1 and engine.import_stats["shared"] == 0
+    assert engine.weight_version == 1 and engine.import_counters["shared"] == 0
     # the broadcast bridge's receive buffer goes as it is
     spec = describe_bucket(bucket)
     buffer = pack_bucket(bucket, spec, "cpu")
     engine.import_weights(unpack_bucket(buffer, spec))
     engine.finish_weight_import()
-    assert fake_engine["flats"][-1][2].data_ptr() == buffer.data_ptr() and engine.import_stats["shared"] == 1
+    assert fake_engine["flats"][-1][2].data_ptr() == buffer.data_ptr() and engine.import_counters["shared"] == 1
 
 
 def test_engine_memory_stages_in_the_training_loop(fake_engine):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridrl_vllm.copy_plan import CopyPlan, checksum
+from hybridrl_vllm.copy_plan import CopyPlan, GraphedCopies, checksum, copy_key
 
 H, Q, KV, I = 8, 8, 4, 12
 
@@ -81,3 +81,64 @@ def test_sharded_or_mismatched_parameters_stay_with_load_weights():
     rest = plan.copy(list(hf.items()))
     assert {n for n, _ in rest} == set(plan.unplaced)
     assert torch.equal(model.norm.data, hf["model.norm.weight"].to(torch.bfloat16))
+
+
+class _RecordedCopy:
+    """Stands in for a captured CUDA graph on CPU: replaying it runs the copies it was made for."""
+
+    def __init__(self, dsts, srcs):
+        self.dsts, self.srcs, self.replays = dsts, srcs, 0
+
+    def replay(self):
+        self.replays += 1
+        torch._foreach_copy_(self.dsts, self.srcs)
+
+
+def test_graphed_copies_capture_on_the_second_sighting_and_replay_after(monkeypatch):
+    captured = []
+    monkeypatch.setattr(GraphedCopies, "_capture", staticmethod(
+        lambda d, s: captured.append(_RecordedCopy(d, s)) or captured[-1]))
+    graphs = GraphedCopies()
+    dst, src = [torch.zeros(3)], [torch.arange(3.0)]
+    graphs.copy("k", dst, src)
+    assert graphs.stats == {"eager": 1, "captured": 0, "replayed": 0, "failed": 0} and captured == []
+    assert torch.equal(dst[0], src[0])
+    src[0].add_(1)  # a trainer updating in place: the recorded copy must read the new values
+    graphs.copy("k", dst, src)
+    assert graphs.stats["captured"] == 1 and torch.equal(dst[0], src[0])
+    src[0].add_(1)
+    graphs.copy("k", dst, src)
+    assert graphs.stats["replayed"] == 1 and captured[0].replays == 2 and torch.equal(dst[0], src[0])
+    graphs.copy(None, dst, [torch.full((3,), 9.0)])  # no key (not all on one CUDA device): always eager
+    assert graphs.stats["eager"] == 2 and dst[0].eq(9).all()
+
+
+def test_graphed_copies_fall_back_for_good_when_capture_fails(monkeypatch):
+    def fail(d, s):
+        raise RuntimeError("capture not supported")
+
+    monkeypatch.setattr(GraphedCopies, "_capture", staticmethod(fail))
+    graphs = GraphedCopies()
+    dst, src = [torch.zeros(2)], [torch.ones(2)]
+    for _ in range(3):
+        graphs.copy("k", dst, src)
+    assert graphs.stats == {"eager": 3, "captured": 0, "replayed": 0, "failed": 1} and not graphs.enabled
+    assert dst[0].eq(1).all()
+
+
+def test_copy_key_only_for_one_cuda_device_and_changes_with_addresses():
+    a, b = torch.zeros(2), torch.zeros(2)
+    assert copy_key(("x",), [a], [b]) is None  # host tensors: a graph cannot read them
+    if torch.cuda.is_available():
+        c, d, e = (torch.zeros(2, device="cuda") for _ in range(3))
+        assert copy_key(("x",), [c], [d]) == copy_key(("x",), [c], [d])
+        assert copy_key(("x",), [c], [d]) != copy_key(("x",), [c], [e])
+
+
+def test_plan_copy_through_graphs_writes_the_same_values():
+    model, hf = PackedToy(), hf_tensors(3)
+    plan = CopyPlan.build(model, {n: tuple(t.shape) for n, t in hf.items()})
+    graphs = GraphedCopies()
+    assert plan.copy(list(hf.items()), graphs) == []
+    assert graphs.stats["eager"] == 1  # on CPU no key, so eager: same result as without graphs
+    assert torch.equal(model.norm, hf["model.norm.weight"].to(torch.bfloat16))

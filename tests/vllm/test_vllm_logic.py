@@ -212,6 +212,27 @@ def test_llm_kwargs_for_a_colocated_gpu_rank():
                   "enable_prefix_caching": False}
 
 
+def test_sleep_state_kv_only_keeps_weights_resident():
+    s = SleepState("kv_cache")
+    s.on_import_end()
+    s.on_generate()
+    assert s.on_sleep() == "kv_cache"
+    assert s.on_sleep() is None  # already asleep
+    assert s.on_import_begin() == []  # the weights never left: nothing to wake before loading
+    s.on_import_end()
+    with pytest.raises(RuntimeError, match="asleep"):
+        s.on_generate()
+    assert s.on_wake() == [KV_CACHE]
+    s.on_generate()
+
+
+def test_sleep_level_reads_yaml_strings_and_names_the_key():
+    assert VLLMOptions.from_options({"sleep_level": "2"}).sleep_level == 2
+    assert VLLMOptions.from_options({"sleep_level": "kv_cache"}).sleep_level == "kv_cache"
+    with pytest.raises(ValueError, match="sleep_level"):
+        VLLMOptions.from_options({"sleep_level": "weights"})
+
+
 def test_llm_kwargs_on_cpu_without_process_group():
     kw = llm_kwargs(VLLMOptions.from_options({"kv_cache_gb": 0.5}), model_path="/m", dtype="float32",
                     device="cpu", seed=0, distributed=False, logprobs_kwargs={})

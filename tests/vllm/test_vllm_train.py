@@ -20,7 +20,7 @@ pytestmark = pytest.mark.vllm
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 # a large learning rate moves every weight each step, so a rollout that missed part of a sync would show
 SMALL = ["trainer.steps=3", "data.prompts_per_step=4", "algorithm.n_samples=4", "trainer.progress=false",
-         "trainer.trackers=[jsonl]", "roles.actor.lr=1e-2", "roles.rollout.backend=vllm"]
+         "trainer.trackers=[jsonl]", "roles.actor.lr=1e-2", "roles.rollout.backend=vllm", "trainer.sync_check_every=1"]
 LAYOUTS = {
     "colocated": ([], "InProcessBridge"),
     # two ranks, one engine over both (tensor parallel, vLLM joining the pool's gloo group)
@@ -44,6 +44,8 @@ def test_rollout_samples_from_the_actors_weights_after_every_reshard(layout, tmp
             assert metrics["reshard/bytes"] > 0
             assert metrics["response_length/mean"] > 0
             diffs.append(metrics["rollout/logp_diff"])
+            # the trainer's own check, after the previous step's sync: greedy tokens are the actor's argmax
+            assert metrics["sync_check/tokens"] > 0 and metrics["sync_check/off_argmax"] == 0, metrics
         # fp32 on both sides: only summation order differs
         assert max(diffs) < 1e-4, f"{layout}: rollout and actor log-probs differ by {diffs}"
     finally:

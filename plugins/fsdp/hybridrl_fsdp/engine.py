@@ -35,6 +35,7 @@ from hybridrl.distributed import all_reduce_sum
 from hybridrl.engine_support import (WeightedMean, check_same_count, engine_device, raise_if_counts_differ,
                                      require_process_group, sampling_temperature)
 from hybridrl.engines import VALUES, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
+from hybridrl.sync_check import GREEDY_MARGIN, greedy_margins
 from hybridrl.weight_buckets import group_into_buckets
 
 from hybridrl_fsdp.logprobs import chunked_log_probs
@@ -99,6 +100,7 @@ class FSDPEngine(TrainEngine):
 
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
+        self._local_shards = LocalShards()
         require_process_group(ctx, "FSDPEngine")
         self.settings = FSDPSettings.from_options(ctx.options, ctx.role)
         self.head = self.settings.head
@@ -124,6 +126,20 @@ class FSDPEngine(TrainEngine):
         temperature = sampling_temperature(batch)
         keys = [LOG_PROBS, ENTROPY] if with_entropy else [LOG_PROBS]
         return self._forward_rows(batch, keys, lambda micro: self._response_outputs(micro, temperature, with_entropy))
+
+    @torch.no_grad()
+    def compute_greedy_margins(self, batch: Batch) -> Batch:
+        """See ``TrainEngine.compute_greedy_margins`` (the trainer's sync check)."""
+        self._require_head("lm", "compute_greedy_margins")
+
+        def margins(micro: Batch) -> dict[str, torch.Tensor]:
+            input_ids, attention_mask, position_ids = (t.to(self.device) for t in sequence_tensors(micro))
+            labels = micro[RESPONSE_IDS].to(self.device)
+            mask = micro[RESPONSE_MASK].to(self.device).bool()
+            logits = self._response_logits(input_ids, attention_mask, position_ids, labels.shape[1])
+            return {GREEDY_MARGIN: greedy_margins(logits, labels.masked_fill(~mask, 0)).masked_fill(~mask, 0.0)}
+
+        return self._forward_rows(batch, [GREEDY_MARGIN], margins)
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
@@ -283,15 +299,17 @@ class FSDPEngine(TrainEngine):
         """``export_weights`` for an importer that copies at once (colocated, same process): with one rank the
         live fp32 shards themselves (the importer's copy casts them), with several the all-gather runs in the
         compute dtype (half the bytes on the wire). No copy of the model is made."""
-        return group_into_buckets(self._transient_named_tensors(), bucket_bytes)
+        if self.ctx.world_size == 1:  # a plain list: no generator resumed under no_grad for each of ~300 tensors
+            items = self._local_shards.get(self.model) + self._local_shards.buffers(self.model)
+            return group_into_buckets(iter(items), bucket_bytes)
+        return group_into_buckets(self._gathered_named_tensors(), bucket_bytes)
 
     @torch.no_grad()
-    def _transient_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _gathered_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         wire_dtype = self.ctx.torch_dtype if self.device.type == "cuda" else self.master_dtype
         for name, param in self.model.named_parameters():
             if isinstance(param, DTensor):
-                yield name, (param.to_local().detach() if self.ctx.world_size == 1
-                             else param.detach().to(wire_dtype).full_tensor())
+                yield name, param.detach().to(wire_dtype).full_tensor()
             else:
                 yield name, param.detach()
         yield from _persistent_buffers(self.model)
@@ -378,6 +396,48 @@ class FSDPEngine(TrainEngine):
         self.model.to(self.device)
         _move_optimizer_state(self.optimizer, self.device)
         torch.cuda.synchronize()
+
+
+class LocalShards:
+    """The parameters' local tensors under their names, for the one-rank transient export.
+
+    ``DTensor.to_local`` costs some 15 us a call: ~5 ms per update of a 290-tensor model, longer than the
+    copy of its weights on a GPU. The list is kept while every parameter's local tensor is still the one kept
+    (checked by address: optimiser steps update in place, ``offload``/``onload`` and loads swap them)."""
+
+    def __init__(self) -> None:
+        self._params: list[nn.Parameter] | None = None
+        self._items: list[tuple[str, torch.Tensor]] = []
+        self._buffer_slots: list[tuple[str, nn.Module, str]] | None = None
+
+    def buffers(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """``_persistent_buffers(model)``, the module walk done once (a buffer moved by ``.to`` is replaced in
+        its module's ``_buffers``, so each call reads the current tensor from its slot)."""
+        if self._buffer_slots is None:
+            owners = {id(b): (m, n) for _, m in model.named_modules() for n, b in m.named_buffers(recurse=False)
+                      if b is not None}
+            self._buffer_slots = [(full, *owners[id(b)]) for full, b in _persistent_buffers(model)]
+        return [(full, module._buffers[name]) for full, module, name in self._buffer_slots]
+
+    def get(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        if self._params is not None and self._unchanged():
+            return self._items
+        named = list(model.named_parameters())
+        self._items = [(name, (p.to_local() if isinstance(p, DTensor) else p).detach()) for name, p in named]
+        cacheable = all(_local_address(p) is not None for _, p in named)
+        self._params = [p for _, p in named] if cacheable else None
+        return self._items
+
+    def _unchanged(self) -> bool:
+        return all(_local_address(p) == t.data_ptr() for p, (_, t) in zip(self._params, self._items))
+
+
+def _local_address(param: torch.Tensor) -> int | None:
+    """The address of a parameter's local data without a dispatch (None: unknown, do not cache)."""
+    if isinstance(param, DTensor):
+        local = getattr(param, "_local_tensor", None)
+        return local.data_ptr() if isinstance(local, torch.Tensor) else None
+    return param.data_ptr()
 
 
 # --- construction helpers ---------------------------------------------------------------------------------

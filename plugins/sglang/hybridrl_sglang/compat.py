@@ -95,9 +95,10 @@ def ipc_collect() -> None:
 
 
 def generate(engine: Any, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
-             top_logprobs: int = 0) -> list[dict[str, Any]]:
-    """One batched request, results in the order of ``input_ids``, with the sampled tokens' log-probs."""
-    kwargs: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
+             top_logprobs: int = 0, logprobs: bool = True) -> list[dict[str, Any]]:
+    """One batched request, results in the order of ``input_ids``, with the sampled tokens' log-probs unless
+    ``logprobs`` is off (computing them costs the sampler a full log-softmax per token)."""
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": logprobs}
     if top_logprobs > 0:
         kwargs["top_logprobs_num"] = int(top_logprobs)
     out = engine.generate(**kwargs)

@@ -67,7 +67,7 @@ class SGLangRollout(RolloutEngine):
         self.can_sleep = self.opts.sleep_mode
         self.importing = False
         self.weight_version = 0
-        self.import_stats = {"buckets": 0, "shared": 0, "bytes": 0}
+        self.import_counters = {"buckets": 0, "shared": 0, "bytes": 0}  # since start
         self.engine: Any = None
         self.inexact_logprobs = 0
         self.last_released: list[str] = []
@@ -98,10 +98,11 @@ class SGLangRollout(RolloutEngine):
         self.state.on_generate()
         width = int(params.max_new_tokens)
         prompts = unpad_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])
+        want = bool(params.logprobs)
         if not prompts or self.engine is None:
-            return pack_responses([[] for _ in prompts], [[] for _ in prompts], width, self.pad_id)
+            return pack_responses([[] for _ in prompts], [[] for _ in prompts] if want else None, width, self.pad_id)
         check_context(prompts, width, self.context_length)
-        top_n = top_logprobs_wanted(params, self.opts.logprob_top_n)
+        top_n = top_logprobs_wanted(params, self.opts.logprob_top_n) if want else 0
         tokens: list[list[int]] = [[] for _ in prompts]
         logps: list[list[float]] = [[] for _ in prompts]
         self.inexact_logprobs = 0
@@ -111,14 +112,15 @@ class SGLangRollout(RolloutEngine):
                 break
             sampling = per_request(params, phase, self.eos_ids, len(prompts), self.layout.replica, self.opts.seed_mode)
             outputs = compat.generate(self.engine, [prompts[i] + tokens[i] for i in rows],
-                                      [sampling[i] for i in rows], top_n)
+                                      [sampling[i] for i in rows], top_n, logprobs=want)
             if len(outputs) != len(rows):
                 raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(rows)} prompts")
             for i, out in zip(rows, outputs):
-                done = parse_output(out, i)
+                done = parse_output(out, i, logprobs=want)
                 tokens[i].extend(done.token_ids)
-                logps[i].extend(self._sampling_logprobs(done, params))
-        return pack_responses(tokens, logps, width, self.pad_id)
+                if want:
+                    logps[i].extend(self._sampling_logprobs(done, params))
+        return pack_responses(tokens, logps if want else None, width, self.pad_id)
 
     def _sampling_logprobs(self, done: Completion, params: SamplingParams) -> list[float]:
         """The tokens' log-probs under the truncated distribution they were drawn from."""
@@ -133,9 +135,11 @@ class SGLangRollout(RolloutEngine):
 
     # --- weights ------------------------------------------------------------------------------------------
     def _begin_import(self) -> None:
+        self._import_marks = [time.perf_counter()]
         tags = self.state.on_import_begin() if self.can_sleep else []
         if tags and self.engine is not None:
             compat.resume(self.engine, tags)
+        self._import_marks.append(time.perf_counter())
         self.importing = True
 
     @torch.no_grad()
@@ -152,24 +156,35 @@ class SGLangRollout(RolloutEngine):
             flat, entries, shared = flatten(bucket, self.engine_dtype, self.device)
             compat.synchronize()  # the schedulers read the buffer on their own streams
             compat.update_flat(self.engine, flat, entries, self.opts.tensor_parallel)
-            self.import_stats["shared"] += int(shared)
-            self.import_stats["bytes"] += sum(e.numel for e in entries)
+            self.import_counters["shared"] += int(shared)
+            self.import_counters["bytes"] += sum(e.numel for e in entries)
         else:
             named = [(n, t.detach().to(self.device)) for n, t in bucket]
             compat.synchronize()
             compat.update_tensors(self.engine, named)
-        self.import_stats["buckets"] += 1
+        self.import_counters["buckets"] += 1
 
     def finish_weight_import(self) -> None:
         """Close the update: drop cached prefixes (their KV came from the old weights), count the version."""
         if not self.importing:
             self._begin_import()
+        compat.synchronize()
+        self._import_marks.append(time.perf_counter())
         if self.engine is not None:
             compat.flush_cache(self.engine)
         compat.ipc_collect()
+        self._import_marks.append(time.perf_counter())
         self.importing = False
         self.state.on_import_end()
         self.weight_version += 1
+
+    def import_stats(self) -> dict[str, float]:
+        """Where the last update's time went: resuming the weights' memory, loading (up to the device sync),
+        and closing (cache flush, IPC handles collected)."""
+        marks = getattr(self, "_import_marks", [])
+        if len(marks) != 4:
+            return {}
+        return {"wake_weights_s": marks[1] - marks[0], "load_s": marks[2] - marks[1], "close_s": marks[3] - marks[2]}
 
     # --- split mode through SGLang's weight-update group (``hybridrl_sglang.distributed``) -----------------
     def weight_sync_mode(self) -> str:
@@ -196,7 +211,7 @@ class SGLangRollout(RolloutEngine):
         if self.engine is not None:
             for entries in layout:
                 compat.update_from_distributed(self.engine, entries, group_name)
-                self.import_stats["buckets"] += 1
+                self.import_counters["buckets"] += 1
         self.finish_weight_import()
 
     # --- memory -------------------------------------------------------------------------------------------

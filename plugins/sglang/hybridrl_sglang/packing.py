@@ -30,10 +30,13 @@ class Completion:
     top: list[list[tuple[float, int]]] = field(default_factory=list)
 
 
-def parse_output(out: Mapping[str, Any], row: int) -> Completion:
+def parse_output(out: Mapping[str, Any], row: int, logprobs: bool = True) -> Completion:
     """Read one element of ``Engine.generate``'s result. Log-probs are matched to tokens by position and the
-    token id they carry is checked, so a shifted or truncated list fails loudly instead of mislabelling."""
+    token id they carry is checked, so a shifted or truncated list fails loudly instead of mislabelling.
+    ``logprobs=False``: the request did not ask for them; the completion carries none."""
     ids = [int(t) for t in out.get("output_ids") or []]
+    if not logprobs:
+        return Completion(ids, [])
     meta = out.get("meta_info") or {}
     entries = meta.get("output_token_logprobs")
     if entries is None:

@@ -210,6 +210,51 @@ def reset_prefix_cache(llm: Any) -> None:
     llm.reset_prefix_cache()
 
 
+def sleep_clears_prefix_cache() -> bool:
+    """``LLM.sleep(level>=1)`` pauses the scheduler with ``clear_cache=True``, which resets the prefix cache
+    (``EngineCore.sleep`` in 0.26.0 and 0.32.0 alike): an update arriving while asleep needs no reset of its
+    own."""
+    return version() >= MIN_VERSION
+
+
+def _release_kv_allocations(worker: Any) -> int:
+    """Unmap the physical memory of every KV-cache allocation of the sleep-mode allocator (the ``kv_cache``
+    tag), keeping its virtual addresses, as ``CuMemAllocator.sleep`` does for all tags. Bytes released."""
+    from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
+    released = 0
+    for data in CuMemAllocator.get_instance().pointer_to_data.values():
+        if data.tag == "kv_cache" and not data.is_asleep:
+            unmap_and_release(data.handle)
+            data.is_asleep = True
+            released += int(data.handle[1])
+    return released
+
+
+def _resume_kv_allocations(worker: Any) -> None:
+    """Map the KV cache back (``CuMemAllocator.wake_up`` for that tag) and let the runner re-initialise what
+    lives in it (quantised-KV scales), as the worker's own ``wake_up`` does."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    CuMemAllocator.get_instance().wake_up(tags=["kv_cache"])
+    runner = getattr(worker, "model_runner", None)
+    if runner is not None and hasattr(runner, "post_kv_cache_wake_up"):
+        runner.post_kv_cache_wake_up()
+
+
+def release_kv_cache(llm: Any) -> int:
+    """Sleep with the weights resident: clear the prefix cache (its blocks' contents are about to go), then
+    release the KV cache's device memory. vLLM's own ``sleep`` has no such level (1 offloads the weights, 2
+    discards them); the engine stays formally awake, so the caller must not generate before
+    ``resume_kv_cache`` (``SleepState`` refuses). Returns the bytes released."""
+    llm.reset_prefix_cache()
+    return sum(run_on_workers(llm, _release_kv_allocations))
+
+
+def resume_kv_cache(llm: Any) -> None:
+    run_on_workers(llm, _resume_kv_allocations)
+
+
 def sleep_supported(device: str) -> bool:
     """vLLM's sleep mode (cumem allocator) exists on CUDA (and ROCm/XPU), not on CPU, where the engine's
     memory is host memory anyway."""

@@ -9,17 +9,25 @@ parameter of the same name, or a slice along dim 0 of a packed one (``qkv_proj``
 to that slice once, is checked against what ``load_weights`` actually wrote (``verify``), and afterwards a
 bucket is one ``torch._foreach_copy_`` (casting on the fly), with ``load_weights`` only for names it could
 not place.
+
+Even fused, ~300 copies cost more in launches than in bytes at this size. On CUDA, ``GraphedCopies`` records
+a bucket's copies into a CUDA graph the second time the same bucket (same names at the same source and
+destination addresses) arrives and replays it from then on: one launch per bucket. The addresses are stable:
+a colocated trainer updates its parameters in place, and vLLM's sleep maps the weights back at the same
+virtual addresses.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Any, Hashable, Iterable, Mapping
 
 import torch
 from torch import nn
 
 WeightBucket = list[tuple[str, torch.Tensor]]
+log = logging.getLogger(__name__)
 
 
 def _packed_members(model: nn.Module) -> dict[str, tuple[str, list[str]]]:
@@ -86,9 +94,11 @@ class CopyPlan:
         return [name for name, view in self.views.items()
                 if name in expected and checksum(view) != expected[name]]
 
-    def split(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[torch.Tensor], list[torch.Tensor], WeightBucket]:
-        """(destinations, sources, rest) of a bucket: the placed pairs, and what ``load_weights`` must take."""
-        dsts, srcs, rest = [], [], []
+    def split(self, bucket: Iterable[tuple[str, torch.Tensor]]
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor], WeightBucket, tuple[str, ...]]:
+        """(destinations, sources, rest, placed names) of a bucket: the placed pairs, what ``load_weights``
+        must take, and the names of the pairs in order."""
+        dsts, srcs, rest, names = [], [], [], []
         for name, tensor in bucket:
             view = self.views.get(name)
             if view is None or tuple(view.shape) != tuple(tensor.shape):
@@ -96,11 +106,77 @@ class CopyPlan:
             else:
                 dsts.append(view)
                 srcs.append(tensor if tensor.device == view.device else tensor.to(view.device, non_blocking=True))
-        return dsts, srcs, rest
+                names.append(name)
+        return dsts, srcs, rest, tuple(names)
 
-    def copy(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> WeightBucket:
-        """Copy the placed tensors of ``bucket`` (one fused multi-tensor copy, casting); return the rest."""
-        dsts, srcs, rest = self.split(bucket)
-        if dsts:
+    def copy(self, bucket: Iterable[tuple[str, torch.Tensor]], graphs: "GraphedCopies | None" = None) -> WeightBucket:
+        """Copy the placed tensors of ``bucket`` (one fused multi-tensor copy, casting; replayed from a CUDA
+        graph when ``graphs`` has one for it); return the rest."""
+        dsts, srcs, rest, names = self.split(bucket)
+        if not dsts:
+            return rest
+        if graphs is None:
             torch._foreach_copy_(dsts, srcs)
+        else:
+            graphs.copy(copy_key(names, dsts, srcs), dsts, srcs)
         return rest
+
+
+def copy_key(names: tuple[str, ...], dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Hashable | None:
+    """What a recorded copy depends on: the names and, for each pair, both addresses and the source dtype
+    (the destinations' shapes and dtypes follow from the names). None unless every tensor is on one CUDA
+    device (a graph cannot read host memory)."""
+    device = dsts[0].device
+    if device.type != "cuda" or any(s.device != device for s in srcs) or len(names) != len(dsts):
+        return None
+    return (names, tuple(d.data_ptr() for d in dsts), tuple(s.data_ptr() for s in srcs),
+            tuple(s.dtype for s in srcs))
+
+
+class GraphedCopies:
+    """Per-bucket CUDA graphs of ``torch._foreach_copy_(dsts, srcs)``, keyed by ``copy_key``.
+
+    A key seen for the first time is copied eagerly and remembered; the second time it is captured and
+    replayed; later it is replayed only. Any capture failure turns recording off for good (eager copies are
+    always correct). ``stats`` counts what happened."""
+
+    MAX_KEYS = 256  # unseen keys every update (fresh receive buffers) must not grow without bound
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._graphs: dict[Hashable, Any] = {}
+        self._seen: set[Hashable] = set()
+        self.stats = {"eager": 0, "captured": 0, "replayed": 0, "failed": 0}
+
+    def copy(self, key: Hashable | None, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        graph = self._graphs.get(key) if key is not None else None
+        if graph is not None:
+            graph.replay()
+            self.stats["replayed"] += 1
+            return
+        if self.enabled and key is not None and key in self._seen:
+            try:
+                graph = self._capture(dsts, srcs)
+            except Exception as exc:  # noqa: BLE001 - recording is an optimisation: fall back, say why once
+                self.enabled = False
+                self.stats["failed"] += 1
+                log.warning("recording the weight copies into a CUDA graph failed (%s); copying eagerly", exc)
+            else:
+                self._graphs[key] = graph
+                graph.replay()
+                self.stats["captured"] += 1
+                return
+        torch._foreach_copy_(dsts, srcs)
+        self.stats["eager"] += 1
+        if self.enabled and key is not None:
+            if len(self._seen) >= self.MAX_KEYS:
+                self._seen.clear()
+            self._seen.add(key)
+
+    @staticmethod
+    def _capture(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            torch._foreach_copy_(dsts, srcs)
+        return graph

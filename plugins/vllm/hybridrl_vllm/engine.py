@@ -27,12 +27,12 @@ from hybridrl.engines import DataParallelInfo, EngineContext, NamedTensor, Rollo
 from hybridrl.rollout.common import special_ids
 
 from hybridrl_vllm import compat
-from hybridrl_vllm.copy_plan import CopyPlan, checksum
+from hybridrl_vllm.copy_plan import CopyPlan, GraphedCopies, checksum
 from hybridrl_vllm.options import VLLMOptions, llm_kwargs, resolve_weight_load
 from hybridrl_vllm.packing import check_context, pack_responses, sampled_logprobs, unpad_prompts
 from hybridrl_vllm.parallel import ReplicaLayout
 from hybridrl_vllm.sampling import engine_seed, per_request_kwargs, resolve_seed_mode
-from hybridrl_vllm.sleep import SleepState
+from hybridrl_vllm.sleep import KV_CACHE, KV_ONLY, SleepState
 from hybridrl_vllm.weights import tied_aliases, with_aliases
 
 log = logging.getLogger(__name__)
@@ -54,18 +54,24 @@ def _load_and_record(worker: Any, bucket: WeightBucket) -> None:
         seen[name] = (tuple(tensor.shape), checksum(tensor.to(dtype)))
 
 
-def _build_copy_plan(worker: Any) -> dict[str, Any]:
+def _build_copy_plan(worker: Any, record_graphs: bool) -> dict[str, Any]:
     seen = worker.__dict__.pop("_hybridrl_seen", {})
     plan = CopyPlan.build(compat.worker_model(worker), {n: shape for n, (shape, _) in seen.items()})
     wrong = plan.verify({n: c for n, (_, c) in seen.items()})
     worker._hybridrl_copy_plan = None if wrong or not plan.views else plan
+    worker._hybridrl_copy_graphs = GraphedCopies(enabled=record_graphs)
     return {"placed": len(plan.views), "unplaced": plan.unplaced, "wrong": wrong}
 
 
 def _load_planned(worker: Any, bucket: WeightBucket) -> None:
-    rest = worker._hybridrl_copy_plan.copy(bucket)
+    rest = worker._hybridrl_copy_plan.copy(bucket, worker._hybridrl_copy_graphs)
     if rest:
         compat.worker_model(worker).load_weights(rest)
+
+
+def _copy_graph_stats(worker: Any) -> dict[str, int]:
+    graphs = getattr(worker, "_hybridrl_copy_graphs", None)
+    return dict(graphs.stats) if graphs is not None else {}
 
 
 def _reload_begin(worker: Any) -> None:
@@ -220,7 +226,8 @@ class VLLMRollout(RolloutEngine):
         if self.weight_load == "layerwise":
             compat.run_on_workers(self.llm, _reload_end, compat.model_config(self.llm))
         if self.copy_plan == "learn":
-            reports = compat.run_on_workers(self.llm, _build_copy_plan)
+            record = self.device == "cuda" and self.opts.copy_graphs
+            reports = compat.run_on_workers(self.llm, _build_copy_plan, record)
             self.copy_plan_report = reports[0] if reports else {}
             usable = bool(reports) and all(r["placed"] and not r["wrong"] for r in reports)
             self.copy_plan = "on" if usable else "off"
@@ -228,7 +235,12 @@ class VLLMRollout(RolloutEngine):
         if self.device == "cuda":
             torch.cuda.synchronize()
         self._import_marks.append(time.perf_counter())
-        compat.reset_prefix_cache(self.llm)
+        # Cached prefixes hold KV computed with the old weights. An engine asleep since its last generation has
+        # none: vLLM's sleep cleared the prefix cache when it dropped the KV cache (a sweep over every block:
+        # tens of ms on a large cache), and nothing was cached since.
+        self.prefix_reset = not (self.can_sleep and self.state.kv_asleep and compat.sleep_clears_prefix_cache())
+        if self.prefix_reset:
+            compat.reset_prefix_cache(self.llm)
         self._import_marks.append(time.perf_counter())
         self.importing = False
         if self.can_sleep:
@@ -237,22 +249,31 @@ class VLLMRollout(RolloutEngine):
 
     def import_stats(self) -> dict[str, float]:
         """Where the last update's time went: waking the weights, loading (copies included, up to the device
-        sync), and closing (prefix-cache reset)."""
+        sync), and closing (prefix-cache reset, when one was needed); and how the copies ran."""
         marks = getattr(self, "_import_marks", [])
         if len(marks) != 4:
             return {}
-        return {"wake_weights_s": marks[1] - marks[0], "load_s": marks[2] - marks[1], "close_s": marks[3] - marks[2],
-                "copy_plan": 1.0 if self.copy_plan == "on" else 0.0}
+        stats = {"wake_weights_s": marks[1] - marks[0], "load_s": marks[2] - marks[1], "close_s": marks[3] - marks[2],
+                 "copy_plan": 1.0 if self.copy_plan == "on" else 0.0,
+                 "prefix_reset": 1.0 if getattr(self, "prefix_reset", True) else 0.0}
+        if self.copy_plan == "on":
+            graphs = compat.run_on_workers(self.llm, _copy_graph_stats)
+            stats.update({f"copy_graphs_{k}": float(v) for k, v in (graphs[0] if graphs else {}).items()})
+        return stats
 
     # --- memory -------------------------------------------------------------------------------------------
     def sleep(self) -> None:
         """Release the KV cache and the weights (level 1: to host memory; level 2: discarded, the next import
-        brings them). On CPU a no-op: vLLM has no sleep mode there and the memory is host memory already."""
+        brings them; ``kv_cache``: the KV cache alone). On CPU a no-op: vLLM has no sleep mode there and the
+        memory is host memory already."""
         if not self.can_sleep:
             return
         level = self.state.on_sleep()
-        if level is not None:
+        if level == KV_ONLY:
+            compat.release_kv_cache(self.llm)
+        elif level is not None:
             compat.sleep(self.llm, level)
+        if level is not None:
             self.last_sleep_level = level
 
     def wake(self) -> None:
@@ -260,7 +281,11 @@ class VLLMRollout(RolloutEngine):
         if not self.can_sleep:
             return
         tags = self.state.on_wake()
-        if tags:
+        if tags and self.state.level == KV_ONLY:
+            if tags != [KV_CACHE]:
+                raise RuntimeError(f"sleep_level=kv_cache keeps the weights resident, yet {tags} must wake")
+            compat.resume_kv_cache(self.llm)
+        elif tags:
             compat.wake_up(self.llm, tags)
 
     def named_weights(self) -> Iterator[NamedTensor]:

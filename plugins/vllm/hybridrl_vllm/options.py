@@ -13,7 +13,7 @@ Keys of ``roles.rollout`` (typed) and ``roles.rollout.options`` (free-form) that
 ``enforce_eager``          no CUDA graphs / torch.compile (default: on for CPU, off for GPU)
 ``enable_prefix_caching``  default: vLLM's (on); the prompts of a GRPO group share their prefix
 ``sleep_mode``             allocate so that ``sleep`` can release memory (default: on for GPU)
-``sleep_level``            1, 2 or ``auto`` (see ``hybridrl_vllm.sleep``)
+``sleep_level``            1, 2, ``auto`` or ``kv_cache`` (weights stay resident; see ``hybridrl_vllm.sleep``)
 ``seed_mode``              ``request`` (one seed per row, reproducible), ``engine`` (one stream:
                            fast on GPU) or ``auto`` (request on CPU, engine on GPU)
 ``weight_load``            ``auto``, ``direct`` (``load_weights`` into the live parameters) or
@@ -21,6 +21,8 @@ Keys of ``roles.rollout`` (typed) and ``roles.rollout.options`` (free-form) that
                            needed where weights are repacked after loading, e.g. on CPU, or quantized)
 ``fast_import``            with ``direct`` loads, copy each tensor straight into its slice of the live
                            parameters after the first update taught where it goes (``copy_plan``)
+``copy_graphs``            on CUDA, replay a bucket's planned copies from a CUDA graph once the same bucket
+                           (names and addresses) came twice (default on; ``copy_plan.GraphedCopies``)
 ``tied_weights``           ``{alias: source}`` names to send twice with the layerwise reload (default:
                            ``lm_head.weight`` <- ``model.embed_tokens.weight`` when embeddings are tied)
 ``engine_kwargs``          any other ``vllm.LLM`` keyword arguments (they win)
@@ -35,11 +37,11 @@ from typing import Any, Mapping
 from hybridrl.rollout.common import ENGINE_OPTION_CASTS, check_choice, check_engine_options, read_choices, read_options
 
 from hybridrl_vllm.sampling import SEED_MODES
-from hybridrl_vllm.sleep import LEVELS
+from hybridrl_vllm.sleep import KV_ONLY, LEVELS
 
 WEIGHT_LOADS = ("auto", "direct", "layerwise")
 #: how ``from_options`` reads each typed key (an unset or ``None`` key keeps the field's default).
-_CASTS = {**ENGINE_OPTION_CASTS, "kv_cache_gb": float, "fast_import": bool}
+_CASTS = {**ENGINE_OPTION_CASTS, "kv_cache_gb": float, "fast_import": bool, "copy_graphs": bool}
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class VLLMOptions:
     seed_mode: str = "auto"
     weight_load: str = "auto"
     fast_import: bool = True
+    copy_graphs: bool = True
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -65,7 +68,7 @@ class VLLMOptions:
         made = cls(
             **read_options(options, _CASTS),
             **read_choices(options, ("seed_mode", "weight_load")),
-            sleep_level=level if level == "auto" else int(level),
+            sleep_level=_sleep_level(level),
             engine_kwargs=dict(options.get("engine_kwargs") or {}),
         )
         made.validate()
@@ -79,6 +82,14 @@ class VLLMOptions:
             raise ValueError(f"sleep_level must be one of {LEVELS}, got {self.sleep_level!r}")
         check_choice("seed_mode", self.seed_mode, SEED_MODES)
         check_choice("weight_load", self.weight_load, WEIGHT_LOADS)
+
+
+def _sleep_level(value: Any) -> int | str:
+    """1/2 from YAML ints or strings; anything else as given (``validate`` names the key if it is wrong)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return value
 
 
 def resolve_weight_load(choice: str, device: str, quantized: bool) -> str:
