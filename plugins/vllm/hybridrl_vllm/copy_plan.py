@@ -141,6 +141,7 @@ class GraphedCopies:
     always correct). ``stats`` counts what happened."""
 
     MAX_KEYS = 256  # unseen keys every update (fresh receive buffers) must not grow without bound
+    MAX_GRAPHS = 64  # graphs of addresses that keep moving (a trainer offloaded between syncs) are dropped
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -162,6 +163,8 @@ class GraphedCopies:
                 self.stats["failed"] += 1
                 log.warning("recording the weight copies into a CUDA graph failed (%s); copying eagerly", exc)
             else:
+                if len(self._graphs) >= self.MAX_GRAPHS:
+                    self._graphs.clear()
                 self._graphs[key] = graph
                 graph.replay()
                 self.stats["captured"] += 1
