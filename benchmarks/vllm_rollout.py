@@ -247,22 +247,30 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         variants.update({"hybridrl": hybrid(None), "hybridrl_no_logprobs": hybrid(None, logprobs=False)})
     for fn in variants.values():  # warm-up (first-use kernels, sampler paths)
         fn()
+    with_lp = "hybridrl_seed_engine" if backend == "vllm" else "hybridrl"
+    # each hybridrl variant next to its engine-alone twin, the two in alternating order: a variant that
+    # follows a different kind of batch (log-probs, per-row seeds) may pay for the switch, and each side
+    # follows the other equally often
+    pairs = [("hybridrl_no_logprobs", "engine_alone"), (with_lp, "engine_alone_logprobs")]
+    if backend == "vllm":
+        pairs.append(("hybridrl_seed_request", "engine_alone_logprobs_seeded"))
     samples: dict[str, list[float]] = {k: [] for k in variants}
     tokens: dict[str, int] = {}
     import gc
 
-    for _ in range(args.repeats):  # interleaved, so drifts hit every variant alike
-        for name, fn in variants.items():
-            gc.collect()  # no variant pays for the garbage of the one before
-            seconds, n = timed(fn, device)
-            samples[name].append(n / seconds)
-            tokens[name] = n
+    for repeat in range(args.repeats):
+        for hybrid_name, alone_name in pairs:
+            for name in ((alone_name, hybrid_name) if repeat % 2 == 0 else (hybrid_name, alone_name)):
+                gc.collect()  # no variant pays for the garbage of the one before
+                seconds, n = timed(variants[name], device)
+                samples[name].append(n / seconds)
+                tokens[name] = n
     mem.mark("after_generation")
     gen = {name: {"tokens": tokens[name], "tokens_per_s_median": statistics.median(v), "tokens_per_s": v}
            for name, v in samples.items()}
-    with_lp = "hybridrl_seed_engine" if backend == "vllm" else "hybridrl"
     out["generation"] = {
-        "rows": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats, "variants": gen,
+        "rows": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats, "order": "adjacent pairs, alternating",
+        "variants": gen,
         # the step benchmark's setting (rollout log-probs off) against the engine alone
         "hybridrl_no_logprobs_vs_engine_alone": _paired_ratio(samples, "hybridrl_no_logprobs", "engine_alone"),
         "hybridrl_logprobs_vs_engine_alone_logprobs": _paired_ratio(samples, with_lp, "engine_alone_logprobs"),

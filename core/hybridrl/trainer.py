@@ -100,7 +100,7 @@ class Trainer:
         self.actor_version = 0  # actor updates so far
         self.rollout_version = 0  # the actor version whose weights the rollout holds
         self.next_generation: GenerationJob | None = None  # pipelined: the batch being generated ahead
-        self.sync_check = SyncCheck(every=self.cfg.trainer.sync_check_every)
+        self.sync_check = SyncCheck.for_dtype(self.cfg.trainer.sync_check_every, self.cfg.model.dtype)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_id = self.tokenizer.eos_token_id
 

@@ -143,6 +143,10 @@ def test_top_logprobs_wanted():
     assert top_logprobs_wanted(SamplingParams(temperature=1.0, top_k=5), 64) == 5
     assert top_logprobs_wanted(SamplingParams(temperature=1.0, top_k=5, top_p=0.8), 64) == 5
     assert top_logprobs_wanted(SamplingParams(temperature=1.0, top_p=0.8), 64) == 64
+    # never past the vocabulary (SGLang 0.5.16's scheduler died on topk(64) over a 47-token vocabulary on the H200)
+    assert top_logprobs_wanted(SamplingParams(temperature=1.0, top_p=0.8), 64, vocab_size=47) == 47
+    assert top_logprobs_wanted(SamplingParams(temperature=1.0, top_k=100), 64, vocab_size=47) == 47
+    assert top_logprobs_wanted(SamplingParams(temperature=1.0, top_k=5), 64, vocab_size=47) == 5
 
 
 # --- packing ------------------------------------------------------------------------------------------------
@@ -415,11 +419,13 @@ class FakeSGLang:
         self.table = table
         self.tokenizer_manager = type("TM", (), {"context_len": context_len})()
         self.calls: list[tuple] = []
+        self.top_asked: list[int | None] = []
         self.gen = torch.Generator().manual_seed(0)
 
     def generate(self, input_ids, sampling_params, return_logprob, top_logprobs_num=None):
         self.calls.append(("generate", [list(i) for i in input_ids], [dict(s) for s in sampling_params],
                            return_logprob))
+        self.top_asked.append(top_logprobs_num)
         outs = []
         for ids, sp in zip(input_ids, sampling_params):
             last, toks, lps, tops = ids[-1], [], [], []
@@ -476,6 +482,7 @@ def fake_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     flats: list = []
     started: list = []
     monkeypatch.setattr(compat, "check_version", lambda: None)
+    monkeypatch.setattr(compat, "version", lambda: compat.Version("0.5.16"))
     monkeypatch.setattr(compat, "start_engine", lambda kwargs, devices: started.append((kwargs, devices)) or fake)
     monkeypatch.setattr(compat, "current_device", lambda: torch.device("cpu"))
     monkeypatch.setattr(compat, "synchronize", lambda: None)
@@ -485,9 +492,9 @@ def fake_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         (tp, {e.name: flat[e.start:e.end].view(e.dtype).reshape(e.shape).clone() for e in entries}, flat)))
     from hybridrl_sglang.engine import SGLangRollout
 
-    def make(**options):
+    def make(dtype="bfloat16", **options):
         ctx = EngineContext(role="rollout", backend="sglang", model_path=str(tmp_path), rank=0, world_size=1,
-                            device="cuda", dtype="bfloat16", seed=0, trainable=False, options=options)
+                            device="cuda", dtype=dtype, seed=0, trainable=False, options=options)
         return SGLangRollout(ctx)
 
     return {"make": make, "fake": fake, "flats": flats, "started": started, "table": table}
@@ -543,6 +550,19 @@ def test_engine_greedy_outputs_follow_the_model(fake_engine, min_new, ignore_eos
     if min_new:
         assert (out[RESPONSE_MASK].sum(1) >= min_new).all()
         assert len([c for c in fake_engine["fake"].calls if c[0] == "generate"]) == 2
+
+
+def test_engine_refuses_float32_before_starting_sglang(fake_engine):
+    with pytest.raises(RuntimeError, match="cannot run a float32 model.*bfloat16"):
+        fake_engine["make"](dtype="float32")
+    assert fake_engine["started"] == []  # refused before any engine process was started
+
+
+def test_engine_asks_for_no_more_top_log_probs_than_the_vocabulary(fake_engine):
+    engine = fake_engine["make"](logprob_top_n=64)
+    assert engine.vocab_size == VOCAB
+    engine.generate(_prompts(), SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=3))
+    assert fake_engine["fake"].top_asked[-1] == VOCAB
 
 
 def test_engine_without_log_probs_does_not_ask_for_them(fake_engine):

@@ -61,3 +61,30 @@ def test_hf_rollout_accepts_a_prompt_that_just_fits(kit):
     assert out[RESPONSE_MASK][1].tolist() == [1, 1, 1, 1]
     with pytest.raises(ValueError, match=r"row 1: prompt of 60 tokens \+ max_new_tokens=5 exceeds .* 64"):
         engine.generate(prompt_batch([kit.prompts[0], fits], kit.pad_id), SamplingParams(max_new_tokens=5))
+
+
+def test_reference_problems_widen_with_the_logits_only_when_asked(kit):
+    """``logit_rtol``: a log-prob off by a bfloat16-sized error relative to the row's largest logit passes, the
+    same error fails the fixed tolerance, and a row from other weights fails either way."""
+    from hybridrl.batch import RESPONSE_IDS, ROLLOUT_LOG_PROBS, Batch
+    from hybridrl.testing.checks import reference_problems
+
+    ref = ReferenceModel(kit.policy)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=KIT_WIDTH)
+    prompt = kit.prompts[0]
+    row = ref.greedy(prompt, KIT_WIDTH)
+    logits = ref.step_logits(prompt, row)
+    logp = torch.log_softmax(logits.float(), -1)[torch.arange(len(row)), torch.tensor(row)]
+    largest = float(logits.abs().max())
+
+    def out(values: torch.Tensor, ids: list[int]) -> Batch:
+        return Batch.from_tensors({RESPONSE_IDS: torch.tensor([ids]), ROLLOUT_LOG_PROBS: values[None].float(),
+                                   RESPONSE_MASK: torch.ones(1, len(ids), dtype=torch.long)})
+
+    noisy = logp + 0.5 * 2**-5 * largest + 1e-3  # half the widening on top of the fixed tolerance
+    assert reference_problems(out(noisy, row), [prompt], ref, greedy, [], 1e-3, 1e-4)[1]
+    assert reference_problems(out(noisy, row), [prompt], ref, greedy, [], 1e-3, 1e-4, logit_rtol=2**-5) == ([], [])
+    other = ReferenceModel(kit.other).greedy(prompt, KIT_WIDTH)
+    tokens, _ = reference_problems(out(torch.zeros(len(other)), other), [prompt], ref, greedy, [], 1e-3, 1e-4,
+                                   logit_rtol=2**-5)
+    assert tokens, "another model's greedy row passed as this model's"

@@ -142,3 +142,21 @@ def test_plan_copy_through_graphs_writes_the_same_values():
     assert plan.copy(list(hf.items()), graphs) == []
     assert graphs.stats["eager"] == 1  # on CPU no key, so eager: same result as without graphs
     assert torch.equal(model.norm, hf["model.norm.weight"].to(torch.bfloat16))
+
+
+def test_a_kept_bucket_layout_takes_each_updates_own_tensors():
+    """The second update of the same bucket layout reuses where each name goes, never the first update's
+    tensors: new values land, a name the plan cannot place comes back as this update's tensor, and a bucket of
+    the same names with other shapes is not forced into the kept layout."""
+    model, first = PackedToy(), hf_tensors(0)
+    plan = CopyPlan.build(model, {n: tuple(t.shape) for n, t in first.items()})
+    extra = ("rotary.inv_freq", torch.ones(3))
+    assert plan.copy([*first.items(), extra]) == [extra]
+    second = hf_tensors(1)
+    extra2 = ("rotary.inv_freq", torch.zeros(3))
+    rest = plan.copy([*second.items(), extra2])
+    assert len(rest) == 1 and rest[0][1] is extra2[1]
+    assert torch.equal(model.norm, second["model.norm.weight"].to(torch.bfloat16))
+    odd = [(n, torch.randn(*t.shape[:-1], t.shape[-1] + 1) if t.dim() == 2 else t) for n, t in second.items()]
+    rest = plan.copy(odd)  # every matrix one column wider: nothing of it may be copied into the model
+    assert sorted(n for n, _ in rest) == sorted(n for n, t in second.items() if t.dim() == 2)

@@ -36,6 +36,9 @@ class BridgeContract(KitBase):
     rollout_backend: str | None = None
     #: a greedy token may differ from the reference argmax within this log-prob gap (near-ties).
     greedy_tie_tolerance: float = 1e-4
+    #: both tolerances widened by this fraction of a row's largest reference logit (16-bit engines; see
+    #: ``hybridrl.testing.checks.reference_problems``).
+    logit_rtol: float = 0.0
     #: |rollout weight - trainer export| allowed (0 when both hold fp32).
     weight_atol: float = 0.0
 
@@ -83,7 +86,7 @@ class BridgeContract(KitBase):
             out = rollout.generate(prompts, GREEDY)
             check(label, contract, layout_problems(out, len(prompts), KIT_WIDTH, kit.vocab_size))
             tokens, log_probs = reference_problems(out, kit.prompts, ref, GREEDY, kit.eos_ids, self.logprob_atol,
-                                                   self.greedy_tie_tolerance)
+                                                   self.greedy_tie_tolerance, self.logit_rtol)
             check(label, contract, tokens + log_probs)
             if stats["buckets"] < 2:
                 violated(label, contract, [f"the kit expected several buckets of {BUCKET_BYTES} bytes, got "

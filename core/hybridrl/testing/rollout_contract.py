@@ -59,6 +59,9 @@ class RolloutEngineContract(KitBase):
     #: a greedy token may differ from the reference argmax when their log-probs are closer than this (a
     #: near-tie that numerical noise may break either way).
     greedy_tie_tolerance: float = 1e-4
+    #: both tolerances widened by this fraction of a row's largest reference logit (16-bit engines; see
+    #: ``hybridrl.testing.checks.reference_problems``).
+    logit_rtol: float = 0.0
 
     # --- fixtures -------------------------------------------------------------------------------------
     @pytest.fixture(scope="class")
@@ -118,7 +121,7 @@ class RolloutEngineContract(KitBase):
                    prompts: tuple[tuple[int, ...], ...] | None = None) -> tuple[list[str], list[str]]:
         """(token problems, log-prob problems) against ``ref``."""
         return reference_problems(out, prompts or kit.prompts, ref, params, kit.eos_ids, self.logprob_atol,
-                                  self.greedy_tie_tolerance)
+                                  self.greedy_tie_tolerance, self.logit_rtol)
 
     def _matches(self, out: Batch, kit: KitModels, ref: ReferenceModel, params: SamplingParams) -> list[str]:
         tokens, log_probs = self._reference(out, kit, ref, params)

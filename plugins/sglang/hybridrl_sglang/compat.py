@@ -38,6 +38,18 @@ def check_version() -> None:
         raise RuntimeError(f"hybridrl-sglang needs SGLang >= {MIN_VERSION}, found {version()}")
 
 
+#: the newest version seen failing on float32 models (sgl-kernel's rmsnorm has no float32 path on CUDA).
+NO_FLOAT32_UP_TO = Version("0.5.16")
+
+
+def check_dtype(dtype: str) -> None:
+    """Refuse a float32 engine where it is known to die in its first forward: on the H200, SGLang 0.5.16 with
+    Triton attention failed with ``rmsnorm(...) failed to dispatch data type Float``. Newer versions may try."""
+    if dtype in ("float32", "float") and version() <= NO_FLOAT32_UP_TO:
+        raise RuntimeError(f"SGLang {version()} cannot run a float32 model on CUDA (its rmsnorm kernel has no "
+                           "float32 path); set model.dtype to bfloat16 (or float16) for the SGLang rollout")
+
+
 @lru_cache(maxsize=1)
 def server_arg_names() -> frozenset[str]:
     """Field names of this version's ``ServerArgs`` (what ``sglang.Engine(**kwargs)`` accepts)."""

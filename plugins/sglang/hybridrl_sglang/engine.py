@@ -60,7 +60,13 @@ class SGLangRollout(RolloutEngine):
         self.opts = SGLangOptions.from_options(ctx.options)
         self.layout = ReplicaLayout(ctx.rank, ctx.world_size, self.opts.tensor_parallel)
         compat.check_version()
-        self.eos_ids, self.pad_id = special_ids(ctx.model_path)
+        compat.check_dtype(ctx.dtype)
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(ctx.model_path)
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        self.vocab_size = getattr(text_config, "vocab_size", None)
+        self.eos_ids, self.pad_id = special_ids(ctx.model_path, hf_config)
         self.device = compat.current_device()
         self.engine_dtype = ctx.torch_dtype
         self.state = MemoryState(cpu_backup=self.opts.weights_cpu_backup)
@@ -102,7 +108,7 @@ class SGLangRollout(RolloutEngine):
         if not prompts or self.engine is None:
             return pack_responses([[] for _ in prompts], [[] for _ in prompts] if want else None, width, self.pad_id)
         check_context(prompts, width, self.context_length)
-        top_n = top_logprobs_wanted(params, self.opts.logprob_top_n) if want else 0
+        top_n = top_logprobs_wanted(params, self.opts.logprob_top_n, self.vocab_size) if want else 0
         tokens: list[list[int]] = [[] for _ in prompts]
         logps: list[list[float]] = [[] for _ in prompts]
         self.inexact_logprobs = 0

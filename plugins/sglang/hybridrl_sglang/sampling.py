@@ -86,12 +86,12 @@ def per_request(params: SamplingParams, phase: Phase, eos_ids: Sequence[int], ro
     return [{**shared, "sampling_seed": s} for s in seeds]
 
 
-def top_logprobs_wanted(params: SamplingParams, top_n: int) -> int:
+def top_logprobs_wanted(params: SamplingParams, top_n: int, vocab_size: int | None = None) -> int:
     """How many top log-probs per token to ask for, to renormalise over the top-k / top-p support
-    (``hybridrl_sglang.packing.renormalise``); 0 when the support is the whole vocabulary or greedy."""
+    (``hybridrl_sglang.packing.renormalise``); 0 when the support is the whole vocabulary or greedy. Never
+    more than the vocabulary: SGLang's scheduler takes ``topk`` of that many and dies past the vocabulary."""
     if params.greedy:
         return 0
     k = int(params.top_k) if params.top_k and params.top_k > 0 else 0
-    if params.top_p < 1.0:
-        return max(k, top_n) if k == 0 else k
-    return k
+    wanted = (max(k, top_n) if k == 0 else k) if params.top_p < 1.0 else k
+    return min(wanted, int(vocab_size)) if vocab_size else wanted

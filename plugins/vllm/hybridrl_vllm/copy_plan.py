@@ -74,6 +74,9 @@ class CopyPlan:
 
     views: dict[str, torch.Tensor]
     unplaced: list[str] = field(default_factory=list)
+    _layouts: dict[tuple[str, ...], "_Layout"] = field(default_factory=dict, repr=False)
+
+    MAX_LAYOUTS = 256  # buckets of ever new name lists (an exporter without a fixed order) must not pile up
 
     @classmethod
     def build(cls, model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> "CopyPlan":
@@ -97,40 +100,73 @@ class CopyPlan:
     def split(self, bucket: Iterable[tuple[str, torch.Tensor]]
               ) -> tuple[list[torch.Tensor], list[torch.Tensor], WeightBucket, tuple[str, ...]]:
         """(destinations, sources, rest, placed names) of a bucket: the placed pairs, what ``load_weights``
-        must take, and the names of the pairs in order."""
-        dsts, srcs, rest, names = [], [], [], []
-        for name, tensor in bucket:
+        must take, and the names of the pairs in order. Which name goes where is worked out once per bucket
+        layout (the same names in the same order: a trainer exports the same buckets every update) and kept."""
+        layout, srcs, rest = self._split(list(bucket))
+        return layout.dsts, srcs, rest, layout.names
+
+    def _split(self, bucket: list[tuple[str, torch.Tensor]]) -> tuple["_Layout", list[torch.Tensor], WeightBucket]:
+        layout = self._layouts.get(tuple(name for name, _ in bucket))
+        if layout is None:
+            layout = self._layout(bucket)
+        srcs = [bucket[i][1] for i in layout.placed]
+        if any(src.shape != shape for src, shape in zip(srcs, layout.shapes)):  # not the layout it was made for
+            layout = self._layout(bucket, keep=False)
+            srcs = [bucket[i][1] for i in layout.placed]
+        srcs = [src if src.device == dst.device else src.to(dst.device, non_blocking=True)
+                for src, dst in zip(srcs, layout.dsts)]
+        return layout, srcs, [bucket[i] for i in layout.rest]
+
+    def _layout(self, bucket: list[tuple[str, torch.Tensor]], keep: bool = True) -> "_Layout":
+        placed, rest = [], []
+        for i, (name, tensor) in enumerate(bucket):
             view = self.views.get(name)
-            if view is None or tuple(view.shape) != tuple(tensor.shape):
-                rest.append((name, tensor))
-            else:
-                dsts.append(view)
-                srcs.append(tensor if tensor.device == view.device else tensor.to(view.device, non_blocking=True))
-                names.append(name)
-        return dsts, srcs, rest, tuple(names)
+            (rest if view is None or view.shape != tensor.shape else placed).append(i)
+        dsts = [self.views[bucket[i][0]] for i in placed]
+        layout = _Layout(placed, rest, dsts, tuple(bucket[i][0] for i in placed), [d.shape for d in dsts],
+                         tuple(d.data_ptr() for d in dsts))
+        if keep:
+            if len(self._layouts) >= self.MAX_LAYOUTS:
+                self._layouts.clear()
+            self._layouts[tuple(name for name, _ in bucket)] = layout
+        return layout
 
     def copy(self, bucket: Iterable[tuple[str, torch.Tensor]], graphs: "GraphedCopies | None" = None) -> WeightBucket:
         """Copy the placed tensors of ``bucket`` (one fused multi-tensor copy, casting; replayed from a CUDA
         graph when ``graphs`` has one for it); return the rest."""
-        dsts, srcs, rest, names = self.split(bucket)
-        if not dsts:
+        layout, srcs, rest = self._split(list(bucket))
+        if not srcs:
             return rest
         if graphs is None:
-            torch._foreach_copy_(dsts, srcs)
+            torch._foreach_copy_(layout.dsts, srcs)
         else:
-            graphs.copy(copy_key(names, dsts, srcs), dsts, srcs)
+            graphs.copy(copy_key(layout.names, layout.dsts, srcs, layout.dst_ptrs), layout.dsts, srcs)
         return rest
 
 
-def copy_key(names: tuple[str, ...], dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Hashable | None:
+@dataclass
+class _Layout:
+    """Where the tensors of one bucket layout go: positions placed by the plan (and their views, shapes,
+    addresses) and positions left to ``load_weights``."""
+
+    placed: list[int]
+    rest: list[int]
+    dsts: list[torch.Tensor]
+    names: tuple[str, ...]
+    shapes: list[torch.Size]
+    dst_ptrs: tuple[int, ...]
+
+
+def copy_key(names: tuple[str, ...], dsts: list[torch.Tensor], srcs: list[torch.Tensor],
+             dst_ptrs: tuple[int, ...] | None = None) -> Hashable | None:
     """What a recorded copy depends on: the names and, for each pair, both addresses and the source dtype
     (the destinations' shapes and dtypes follow from the names). None unless every tensor is on one CUDA
-    device (a graph cannot read host memory)."""
+    device (a graph cannot read host memory). ``dst_ptrs``: the destinations' addresses when known."""
     device = dsts[0].device
     if device.type != "cuda" or any(s.device != device for s in srcs) or len(names) != len(dsts):
         return None
-    return (names, tuple(d.data_ptr() for d in dsts), tuple(s.data_ptr() for s in srcs),
-            tuple(s.dtype for s in srcs))
+    return (names, dst_ptrs if dst_ptrs is not None else tuple(d.data_ptr() for d in dsts),
+            tuple(s.data_ptr() for s in srcs), tuple(s.dtype for s in srcs))
 
 
 class GraphedCopies:
