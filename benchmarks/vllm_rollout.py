@@ -306,10 +306,18 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     copies = [timed(lambda: dst.copy_(src), device)[0] for _ in range(5)]
     del src, dst
     flat = min(copies)
+    # and the least any sync from fp32 master weights must move: one cast-copy of as many values into the
+    # engine's dtype (read 4 bytes, write 2 per value)
+    numel = sum(p.numel() for p in actor.model.parameters())
+    master = torch.empty(numel, dtype=torch.float32, device=dev)
+    served = torch.empty(numel, dtype=getattr(torch, dtype), device=dev)
+    cast_copy = min(timed(lambda: served.copy_(master), device)[0] for _ in range(5))
+    del master, served
     steady = [cycle[f"cycle{k}"]["reshard_asleep_s"] for k in range(2, args.cycles)] or [cycle["cycle0"]["reshard_asleep_s"]]
-    cycle.update({"bytes": nbytes, "buckets": stats["buckets"], "flat_copy_s": flat,
+    cycle.update({"bytes": nbytes, "buckets": stats["buckets"], "flat_copy_s": flat, "cast_copy_s": cast_copy,
                   "reshard_steady_s": statistics.median(steady),
-                  "reshard_vs_flat_copy": statistics.median(steady) / flat})
+                  "reshard_vs_flat_copy": statistics.median(steady) / flat,
+                  "reshard_vs_cast_copy": statistics.median(steady) / cast_copy})
     # vLLM only: the KV cache alone released, weights resident (``sleep_level: kv_cache``)
     if backend == "vllm" and device == "cuda":
         try:
@@ -318,7 +326,8 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             kv = _cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "kv_only")
             kv_steady = [kv[f"cycle{k}"]["reshard_asleep_s"] for k in range(1, args.cycles)]
             kv.update({"reshard_steady_s": statistics.median(kv_steady),
-                       "reshard_vs_flat_copy": statistics.median(kv_steady) / flat})
+                       "reshard_vs_flat_copy": statistics.median(kv_steady) / flat,
+                       "reshard_vs_cast_copy": statistics.median(kv_steady) / cast_copy})
             cycle["kv_only"] = kv
         except Exception as exc:  # noqa: BLE001 - keep the rest of the figures
             cycle["kv_only"] = {"error": repr(exc)[:2000]}
