@@ -1,6 +1,7 @@
 """One rank of the two-rank vocabulary-parallel log-prob test (``python _logprobs_worker.py RANK WORLD PORT OUT``):
 this rank's slice of a fixed padded-vocabulary logit tensor goes through ``vocab_parallel_log_probs``; the
-results and the gradient of a fixed loss with respect to the slice are saved to ``OUT.rankR``."""
+results, the gradient of a fixed loss with respect to the slice and the greedy margins are saved to
+``OUT.rankR``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from _lp_cases import case  # noqa: E402
 
 def main(rank: int, world: int, port: int, out: str) -> None:
     from hybridrl.distributed import init_process_group
-    from hybridrl_megatron.logprobs import vocab_parallel_log_probs
+    from hybridrl_megatron.logprobs import vocab_parallel_greedy_margins, vocab_parallel_log_probs
 
     init_process_group(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)
     logits, labels, vocab, w_lp, w_ent = case()
@@ -25,7 +26,9 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     lp, ent = vocab_parallel_log_probs(local, labels, rank * width, vocab, torch.distributed.group.WORLD,
                                        with_entropy=True)
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
-    torch.save({"log_probs": lp.detach(), "entropy": ent.detach(), "grad": local.grad}, f"{out}.rank{rank}")
+    margins = vocab_parallel_greedy_margins(local.detach(), labels, rank * width, vocab, torch.distributed.group.WORLD)
+    torch.save({"log_probs": lp.detach(), "entropy": ent.detach(), "grad": local.grad, "margins": margins},
+               f"{out}.rank{rank}")
     torch.distributed.destroy_process_group()
 
 

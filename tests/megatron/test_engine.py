@@ -61,6 +61,26 @@ def test_log_probs_and_entropy_equal_transformers(engine_cls, qwen2_tied: Path) 
     assert (out[ENTROPY][batch[RESPONSE_MASK].bool()] > 0).all()
 
 
+def test_greedy_margins_equal_transformers(engine_cls, qwen2_tied: Path) -> None:
+    """``compute_greedy_margins`` (the trainer's sync check): max logit minus the response token's, over the real
+    vocabulary (the padded ids left out), 0 at padding; micro-batches of 2 over 5 rows."""
+    from hybridrl.batch import RESPONSE_IDS, sequence_tensors
+    from hybridrl.sync_check import GREEDY_MARGIN
+
+    engine = engine_cls(context(qwen2_tied, micro_batch=2))
+    batch = make_batch(5, seed=6)
+    got = engine.compute_greedy_margins(batch)[GREEDY_MARGIN]
+    ids, mask, pos = sequence_tensors(batch)
+    r = batch[RESPONSE_IDS].shape[1]
+    p = ids.shape[1] - r
+    with torch.no_grad():
+        logits = hf_model(qwen2_tied)(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, p - 1: p + r - 1]
+    want = (logits.max(-1).values - logits.gather(-1, batch[RESPONSE_IDS][..., None]).squeeze(-1))
+    resp = batch[RESPONSE_MASK].bool()
+    torch.testing.assert_close(got[resp], want[resp], atol=ATOL, rtol=0)
+    assert (got[~resp] == 0).all() and (got[resp] > 0).any()
+
+
 def _scaled_copy(model, temperature: float):
     """The same transformers model with its LM head divided by the temperature (logits / T)."""
     import copy

@@ -12,7 +12,7 @@ import torch
 
 from _lp_cases import PADDED, case, reference
 from hybridrl.distributed import free_port
-from hybridrl_megatron.logprobs import vocab_parallel_log_probs
+from hybridrl_megatron.logprobs import vocab_parallel_greedy_margins, vocab_parallel_log_probs
 
 WORKER = Path(__file__).with_name("_logprobs_worker.py")
 
@@ -23,6 +23,21 @@ def reference_grads(logits: torch.Tensor, labels: torch.Tensor, vocab: int, w_lp
     lp, ent = reference(leaf, labels, vocab)
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
     return lp.detach(), ent.detach(), leaf.grad
+
+
+def reference_margins(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
+    real = logits[..., :vocab]
+    return real.max(-1).values - real.gather(-1, labels[..., None]).squeeze(-1)
+
+
+def test_greedy_margins_ignore_padding_and_vanish_at_the_argmax() -> None:
+    logits, labels, vocab, _, _ = case()
+    got = vocab_parallel_greedy_margins(logits, labels, 0, vocab)
+    torch.testing.assert_close(got, reference_margins(logits, labels, vocab), atol=1e-6, rtol=0)
+    assert (got > 0).any()  # the padding's 50.0 is not the max it is measured from: else every gap would be > 40
+    assert got.max() < 40
+    argmax = logits[..., :vocab].argmax(-1)
+    assert torch.equal(vocab_parallel_greedy_margins(logits, argmax, 0, vocab), torch.zeros_like(got))
 
 
 def test_one_rank_matches_log_softmax_and_ignores_padding() -> None:
@@ -57,3 +72,4 @@ def test_two_ranks_match_the_full_vocabulary(tmp_path: Path) -> None:
         torch.testing.assert_close(got["log_probs"], want_lp, atol=1e-6, rtol=0)
         torch.testing.assert_close(got["entropy"], want_ent, atol=1e-6, rtol=0)
         torch.testing.assert_close(got["grad"], want_grad[..., rank * width:(rank + 1) * width], atol=1e-6, rtol=0)
+        torch.testing.assert_close(got["margins"], reference_margins(logits, labels, vocab), atol=1e-6, rtol=0)

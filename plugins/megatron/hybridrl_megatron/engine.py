@@ -33,11 +33,12 @@ from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, Batc
 from hybridrl.engine_support import (WeightedMean, check_same_count, engine_device, require_process_group,
                                      sampling_temperature)
 from hybridrl.engines import VALUES, DataParallelInfo, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
+from hybridrl.sync_check import GREEDY_MARGIN
 from hybridrl.weight_buckets import group_into_buckets
 
 from hybridrl_megatron.convert import VALUE_HEAD_NAMES, HFCheckpoint, padded_vocab_size, write_hf_checkpoint
 from hybridrl_megatron.cpu_compat import install_rng_tracker, maybe_cpu
-from hybridrl_megatron.logprobs import vocab_parallel_log_probs
+from hybridrl_megatron.logprobs import vocab_parallel_greedy_margins, vocab_parallel_log_probs
 from hybridrl_megatron.model import VALUE_HEAD_FILE, build_gpt, load_hf_weights, param_table, transformer_config
 from hybridrl_megatron.optim import MegatronStepper, TorchStepper
 from hybridrl_megatron.parallel import init_parallel
@@ -131,6 +132,19 @@ class MegatronEngine(TrainEngine):
         keys = [LOG_PROBS, ENTROPY] if with_entropy else [LOG_PROBS]
         return self._forward_rows(batch, keys, lambda micro, out: self._response_outputs(micro, out, temperature,
                                                                                          with_entropy))
+
+    @torch.no_grad()
+    def compute_greedy_margins(self, batch: Batch) -> Batch:
+        """See ``TrainEngine.compute_greedy_margins`` (the trainer's sync check); vocabulary-parallel."""
+        self._require_head("lm", "compute_greedy_margins")
+        group = self.layout.tp_group if self.layout.tp > 1 else None
+
+        def margins(micro: _MicroBatch, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+            gaps = vocab_parallel_greedy_margins(_response_positions(micro, logits), micro.labels, self.vocab_start,
+                                                 self.spec.vocab_size, group)
+            return {GREEDY_MARGIN: gaps.masked_fill(~micro.response_mask, 0.0)}
+
+        return self._forward_rows(batch, [GREEDY_MARGIN], margins)
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:

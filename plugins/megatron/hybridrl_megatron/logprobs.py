@@ -66,3 +66,23 @@ def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_s
         weighted = _sum((exps * z).sum(dim=-1), group)
         entropy = log_norm - weighted / sum_exp
     return log_probs, entropy
+
+
+@torch.no_grad()
+def vocab_parallel_greedy_margins(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, vocab_size: int,
+                                  group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``max(full logits) - logits[labels]`` (fp32, >= 0; 0: the label is an argmax) from this rank's vocabulary
+    slice, padding ids left out: one all-reduce (max) and one (sum of the label's logit, read by its owner)."""
+    valid = max(0, min(logits.shape[-1], vocab_size - vocab_start))
+    z = logits[..., :valid].float()
+    lead = z.shape[:-1]
+    top = z.amax(dim=-1) if valid else torch.full(lead, float("-inf"), device=z.device)
+    if group is not None:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    local = labels.long() - vocab_start
+    owned = (local >= 0) & (local < valid)
+    picked = (torch.where(owned, z.gather(-1, local.clamp(0, valid - 1).unsqueeze(-1)).squeeze(-1), 0.0)
+              if valid else torch.zeros(lead, device=z.device))
+    if group is not None:
+        dist.all_reduce(picked, group=group)
+    return (top - picked).clamp_min(0.0)
