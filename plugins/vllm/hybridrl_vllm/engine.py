@@ -281,7 +281,7 @@ class VLLMRollout(RolloutEngine):
         if not self.can_sleep:
             return
         tags = self.state.on_wake()
-        if tags and self.state.level == KV_ONLY:
+        if tags and getattr(self, "last_sleep_level", None) == KV_ONLY:  # how it slept, not how it is set now
             if tags != [KV_CACHE]:
                 raise RuntimeError(f"sleep_level=kv_cache keeps the weights resident, yet {tags} must wake")
             compat.resume_kv_cache(self.llm)
