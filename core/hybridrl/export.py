@@ -10,7 +10,6 @@ sends to the rollout. The tokenizer and generation config are copied from the mo
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from hybridrl import checkpoint as ckpt
+from hybridrl.atomic_dir import replaced_atomically
 
 #: files of the source model folder that are not copied (the weights and config are written anew).
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -118,19 +118,11 @@ def write_hf_model(weights: dict[str, torch.Tensor], model_path: Path, out: Path
         model.tie_weights()
     model = model.to(dtype)
     out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with replaced_atomically(out) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
         for item in model_path.iterdir():
             if item.is_file() and item.name != "config.json" and not item.name.endswith(_SKIP_SUFFIXES) \
                     and not item.name.startswith("hybridrl_"):
                 shutil.copy2(item, tmp / item.name)
         (tmp / "hybridrl_export.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -8,14 +8,12 @@ Also builds the tiny random reward model the tests and examples use (no download
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from hybridrl.atomic_dir import replaced_atomically
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, SCORES, Batch
 
 #: marks a folder built by ``build_tiny_reward_model`` and records its config.
@@ -93,18 +91,11 @@ def build_tiny_reward_model(cfg: Any, out_dir: str | Path) -> Path:
                          num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position,
                          use_sliding_window=False, num_labels=1, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with replaced_atomically(out) as tmp:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             model = Qwen2ForSequenceClassification(config).to(torch.float32).eval()
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
         (tmp / REWARD_MARKER).write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
