@@ -133,10 +133,7 @@ class FSDPEngine(TrainEngine):
         self._require_head("lm", "compute_greedy_margins")
 
         def margins(micro: Batch) -> dict[str, torch.Tensor]:
-            input_ids, attention_mask, position_ids = (t.to(self.device) for t in sequence_tensors(micro))
-            labels = micro[RESPONSE_IDS].to(self.device)
-            mask = micro[RESPONSE_MASK].to(self.device).bool()
-            logits = self._response_logits(input_ids, attention_mask, position_ids, labels.shape[1])
+            logits, labels, mask = self._micro_response_logits(micro)
             return {GREEDY_MARGIN: greedy_margins(logits, labels.masked_fill(~mask, 0)).masked_fill(~mask, 0.0)}
 
         return self._forward_rows(batch, [GREEDY_MARGIN], margins)
@@ -186,15 +183,19 @@ class FSDPEngine(TrainEngine):
 
     def _response_outputs(self, micro: Batch, temperature: float | None, with_entropy: bool) -> dict[str, torch.Tensor]:
         """Forward one micro-batch; per-token ``log_probs`` (and ``entropy``) of its responses, (b, R) fp32."""
-        input_ids, attention_mask, position_ids = (t.to(self.device) for t in sequence_tensors(micro))
-        labels = micro[RESPONSE_IDS].to(self.device)
-        mask = micro[RESPONSE_MASK].to(self.device).bool()
-        logits = self._response_logits(input_ids, attention_mask, position_ids, labels.shape[1])
+        logits, labels, mask = self._micro_response_logits(micro)
         log_probs, entropy = chunked_log_probs(logits, labels.masked_fill(~mask, 0), temperature, with_entropy)
         outputs = {LOG_PROBS: log_probs.masked_fill(~mask, 0.0)}
         if entropy is not None:
             outputs[ENTROPY] = entropy.masked_fill(~mask, 0.0)
         return outputs
+
+    def _micro_response_logits(self, micro: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logits (b, R, V), response ids, response mask as bool)`` of one micro-batch, on the device."""
+        input_ids, attention_mask, position_ids = (t.to(self.device) for t in sequence_tensors(micro))
+        labels = micro[RESPONSE_IDS].to(self.device)
+        mask = micro[RESPONSE_MASK].to(self.device).bool()
+        return self._response_logits(input_ids, attention_mask, position_ids, labels.shape[1]), labels, mask
 
     def _response_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                          response_len: int) -> torch.Tensor:
@@ -334,35 +335,33 @@ class FSDPEngine(TrainEngine):
         so no rank gathers the full model), plus per-rank ``engine_rank<r>.pt`` with the lr schedule and
         this rank's RNG states. Reload with any world size DCP can reshard to. Collective."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
 
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        if self.optimizer is not None:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        else:
-            state = {"model": get_model_state_dict(self.model)}
-        dcp.save(state, checkpoint_id=str(out / DCP_DIR))
+        dcp.save(self._dcp_state(), checkpoint_id=str(out / DCP_DIR))
         extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                  "rng": _rng_state(), "trainable": self.optimizer is not None}
         torch.save(extra, out / _rank_file(self.ctx.rank))
         dist.barrier()
 
+    def _dcp_state(self) -> dict[str, Any]:
+        """The sharded state DCP saves into and loads from: the model, and AdamW's state when trainable."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
     def load_checkpoint(self, path: str) -> None:
         """Restore what ``save_checkpoint`` wrote into this (already built) engine. Collective."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
-                                                             set_model_state_dict, set_state_dict)
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         src = Path(path)
         if not (src / DCP_DIR).is_dir():
             raise FileNotFoundError(f"no FSDP checkpoint in '{src}' (missing {DCP_DIR}/)")
-        if self.optimizer is not None:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        else:
-            state = {"model": get_model_state_dict(self.model)}
+        state = self._dcp_state()
         dcp.load(state, checkpoint_id=str(src / DCP_DIR))
         if self.optimizer is not None:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
