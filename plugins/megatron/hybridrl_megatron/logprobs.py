@@ -33,6 +33,18 @@ def _sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return tensor if group is None else _AllReduceSum.apply(tensor, group)
 
 
+def _owned_label_logits(z: torch.Tensor, labels: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """Each label's logit where this rank's slice ``z`` (its real ids only) holds the label, else 0: summed over
+    the tensor-parallel group, every position gets its label's logit exactly once."""
+    valid = z.shape[-1]
+    if not valid:
+        return torch.zeros(z.shape[:-1], device=z.device)
+    local = labels.long() - vocab_start
+    owned = (local >= 0) & (local < valid)
+    picked = z.gather(-1, local.clamp(0, valid - 1).unsqueeze(-1)).squeeze(-1)
+    return torch.where(owned, picked, torch.zeros_like(picked))
+
+
 def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, vocab_size: int,
                              group: dist.ProcessGroup | None = None, with_entropy: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -52,14 +64,7 @@ def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_s
     sum_exp = _sum(exps.sum(dim=-1), group)
     log_norm = torch.log(sum_exp) + shift
 
-    local = labels.long() - vocab_start
-    owned = (local >= 0) & (local < valid)
-    if valid:
-        picked = z.gather(-1, local.clamp(0, valid - 1).unsqueeze(-1)).squeeze(-1)
-        picked = torch.where(owned, picked, torch.zeros_like(picked))
-    else:
-        picked = torch.zeros(lead, device=z.device)
-    log_probs = _sum(picked, group) - log_norm
+    log_probs = _sum(_owned_label_logits(z, labels, vocab_start), group) - log_norm
 
     entropy = None
     if with_entropy:
@@ -79,10 +84,7 @@ def vocab_parallel_greedy_margins(logits: torch.Tensor, labels: torch.Tensor, vo
     top = z.amax(dim=-1) if valid else torch.full(lead, float("-inf"), device=z.device)
     if group is not None:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    local = labels.long() - vocab_start
-    owned = (local >= 0) & (local < valid)
-    picked = (torch.where(owned, z.gather(-1, local.clamp(0, valid - 1).unsqueeze(-1)).squeeze(-1), 0.0)
-              if valid else torch.zeros(lead, device=z.device))
+    picked = _owned_label_logits(z, labels, vocab_start)
     if group is not None:
         dist.all_reduce(picked, group=group)
     return (top - picked).clamp_min(0.0)
