@@ -22,22 +22,21 @@ DTYPE = os.environ.get("HYBRIDRL_SGLANG_TEST_DTYPE", "bfloat16")
 LOGPROB_ATOL, TIE_TOLERANCE, LOGIT_RTOL = {"bfloat16": (0.1, 0.05, 2**-5), "float32": (1e-3, 1e-4, 0.0)}[DTYPE]
 
 
-class TestSGLangRollout(RolloutEngineContract):
-    backend = "sglang"
+class _OnTheGPU:
+    """What both batteries share: SGLang on the GPU in ``DTYPE``, without CUDA-graph capture (fast starts)."""
+
     device = "cuda"
     dtype = DTYPE
-    engine_options = {"gpu_memory_utilization": 0.3, "enforce_eager": True}  # no CUDA-graph capture: fast starts
+    engine_options = {"gpu_memory_utilization": 0.3, "enforce_eager": True}
     logprob_atol = LOGPROB_ATOL
     greedy_tie_tolerance = TIE_TOLERANCE
     logit_rtol = LOGIT_RTOL
 
 
-class TestFSDPToSGLangBridge(BridgeContract):
+class TestSGLangRollout(_OnTheGPU, RolloutEngineContract):
+    backend = "sglang"
+
+
+class TestFSDPToSGLangBridge(_OnTheGPU, BridgeContract):
     trainer_backend = "fsdp"
     rollout_backend = "sglang"
-    device = "cuda"
-    dtype = DTYPE
-    engine_options = {"gpu_memory_utilization": 0.3, "enforce_eager": True}  # no CUDA-graph capture: fast starts
-    logprob_atol = LOGPROB_ATOL
-    greedy_tie_tolerance = TIE_TOLERANCE
-    logit_rtol = LOGIT_RTOL
