@@ -160,6 +160,15 @@ class Batch:
         return Batch(tensors, non_tensors, info)
 
 
+def first_row_of_each_group(group_index: Sequence[int]) -> dict[int, int]:
+    """``{group: its first row}`` in the order the groups first appear (a step's rows repeat each prompt
+    ``n_samples`` times under one ``group_index``)."""
+    first: dict[int, int] = {}
+    for row, group in enumerate(group_index):
+        first.setdefault(int(group), row)
+    return first
+
+
 def sequence_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask, position_ids)`` of prompt+response, positions counted over real tokens."""
     input_ids = torch.cat([batch[PROMPT_IDS], batch[RESPONSE_IDS]], dim=1)

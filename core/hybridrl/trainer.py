@@ -20,7 +20,8 @@ from hybridrl.algorithms.advantages import AdvantageInputs
 from hybridrl.algorithms.kl_control import build_kl_controller
 from hybridrl.algorithms.objective import ValueObjective, resolve_algorithm
 from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, REF_LOG_PROBS, RESPONSE_IDS,
-                            RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, SCORES, TOKEN_REWARDS, Batch, left_pad)
+                            RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, SCORES, TOKEN_REWARDS, Batch,
+                            first_row_of_each_group, left_pad)
 from hybridrl.bridge import transport_for
 from hybridrl.controller import WorkerGroup, average_metrics
 from hybridrl.engines import VALUES, SamplingParams
@@ -377,9 +378,8 @@ class Trainer:
     def greedy_baseline(self, batch: Batch) -> dict[str, float]:
         """ReMax: one greedy response per prompt, scored like the samples; its reward is the baseline of
         every sample of that prompt (``baseline_scores``, (B,))."""
-        groups, first = batch["group_index"].tolist(), {}
-        for row, g in enumerate(groups):
-            first.setdefault(g, row)
+        groups = batch["group_index"].tolist()
+        first = first_row_of_each_group(groups)
         prompts = batch.index(list(first.values())).select(PROMPT_IDS, PROMPT_MASK, "prompt", "meta")
         greedy = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0, "seed": None})
         prompts.update(self.groups["rollout"].run("rollout", "generate", prompts.select(PROMPT_IDS, PROMPT_MASK), greedy))
