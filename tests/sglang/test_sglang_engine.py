@@ -14,17 +14,18 @@ Skipped without SGLang or CUDA (``conftest.py``)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch, left_pad
+from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, Batch
 from hybridrl.engines import EngineContext, SamplingParams
 from hybridrl.rollout.hf import HFRollout
 from hybridrl.testing.checks import reference_problems
+from hybridrl.testing.batches import prompt_batch
+from hybridrl.testing.models import set_eos
 from hybridrl.testing.reference import ReferenceModel
 from hybridrl.weight_buckets import describe_bucket, pack_bucket, unpack_bucket
 
@@ -70,17 +71,8 @@ def _save_qwen2(path: Path, seed: int) -> Path:
     return path
 
 
-def _set_eos(folder: Path, eos: int) -> None:
-    for name in ("config.json", "generation_config.json"):
-        path = folder / name
-        data = json.loads(path.read_text())
-        data["eos_token_id"] = eos
-        path.write_text(json.dumps(data))
-
-
 def _batch(prompts: list[list[int]]) -> Batch:
-    ids, mask = left_pad(prompts, pad_id=0)
-    return Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask})
+    return prompt_batch(prompts, pad_id=0)
 
 
 def _ctx(path: Path, backend: str, device: str, dtype: str = DTYPE, **options) -> EngineContext:
@@ -130,7 +122,7 @@ def setup(tmp_path_factory):
     # the earliest token that is no row's first and not seen before in its row: that row stops there
     eos = min((k, r[k]) for r in rows for k in range(1, 6) if r[k] not in firsts and r[k] not in r[:k])[1]
     for folder in (a, b):
-        _set_eos(folder, eos)
+        set_eos(folder, eos)
     reference = ReferenceModel(b)
     engine = SGLangRollout(_ctx(a, "sglang", "cuda", gpu_memory_utilization=0.3, enforce_eager=True))
     state_b = {n: t.detach().clone() for n, t in reference.model.state_dict().items()}

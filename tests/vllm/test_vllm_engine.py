@@ -4,15 +4,16 @@ log-probs of the distribution they were drawn from."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch, left_pad
+from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.engines import EngineContext, SamplingParams
 from hybridrl.rollout.hf import HFRollout, filter_logits
+from hybridrl.testing.batches import prompt_batch
+from hybridrl.testing.models import set_eos
 
 pytestmark = pytest.mark.vllm
 
@@ -36,17 +37,8 @@ def _save_qwen2(path: Path, seed: int) -> Path:
     return path
 
 
-def _set_eos(folder: Path, eos: int) -> None:
-    for name in ("config.json", "generation_config.json"):
-        path = folder / name
-        data = json.loads(path.read_text())
-        data["eos_token_id"] = eos
-        path.write_text(json.dumps(data))
-
-
 def _batch(prompts: list[list[int]]) -> Batch:
-    ids, mask = left_pad(prompts, pad_id=0)
-    return Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask})
+    return prompt_batch(prompts, pad_id=0)
 
 
 def _ctx(path: Path, backend: str) -> EngineContext:
@@ -82,7 +74,7 @@ def setup(tmp_path_factory):
     firsts = {r[0] for r in rows}
     eos = next(r[k] for r in rows for k in range(1, 6) if r[k] not in firsts and r[k] not in r[:k])
     for folder in (a, b):
-        _set_eos(folder, eos)
+        set_eos(folder, eos)
     reference = HFRollout(_ctx(b, "hf"))
     engine = VLLMRollout(_ctx(a, "vllm"))
     state_b = {n: t.detach().clone() for n, t in reference.model.state_dict().items()}

@@ -168,3 +168,13 @@ def build_kit_models(root: str | Path, spec: KitModelSpec = KitModelSpec()) -> K
     return KitModels(policy=folder / "policy", other=folder / "other", eos_ids=(tok.eos_token_id,),
                      pad_id=tok.pad_token_id, vocab_size=len(tok), context_length=spec.max_position,
                      prompts=prompts)
+
+
+def set_eos(folder: Path, eos: int) -> None:
+    """Make ``eos`` the saved model's end-of-sequence id (config and generation config), e.g. a token its greedy
+    continuations reach, so that stopping is exercised."""
+    for name in ("config.json", "generation_config.json"):
+        path = Path(folder) / name
+        data = json.loads(path.read_text())
+        data["eos_token_id"] = eos
+        path.write_text(json.dumps(data))
