@@ -182,6 +182,8 @@ def _cycles(rollout: Any, actor: Any, mem: "Memory", device: str, bucket: int, s
         mem.mark(f"{label}_awake_{k}")
         out[f"cycle{k}"] = {"sleep_level": getattr(rollout, "last_sleep_level", None), "sleep_s": t_sleep,
                             "freed_gib": round(before - after, 3), "reshard_asleep_s": t_sync, "wake_s": t_wake,
+                            # the sync without mapping discarded weights back (a wake stage, level 2 only)
+                            "reshard_without_weight_wake_s": t_sync - float(stats.get("wake_weights_s", 0.0)),
                             "import_parts": {k2: v for k2, v in stats.items() if k2 not in ("bytes", "buckets")}}
     return out
 
@@ -256,20 +258,34 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         pairs.append(("hybridrl_seed_request", "engine_alone_logprobs_seeded"))
     samples: dict[str, list[float]] = {k: [] for k in variants}
     tokens: dict[str, int] = {}
+    # the rollout's own account of each call: its preparation and packing around the engine's generate
+    wrapper: dict[str, list[dict[str, float]]] = {k: [] for k in variants}
     import gc
 
-    for repeat in range(args.repeats):
-        for hybrid_name, alone_name in pairs:
+    # the target pair (the step benchmark's setting) runs --repeats times, the others --other-repeats times
+    for repeat in range(max(args.repeats, args.other_repeats)):
+        for hybrid_name, alone_name in pairs[:1] if repeat >= args.other_repeats else pairs:
+            if hybrid_name == pairs[0][0] and repeat >= args.repeats:
+                continue
             for name in ((alone_name, hybrid_name) if repeat % 2 == 0 else (hybrid_name, alone_name)):
                 gc.collect()  # no variant pays for the garbage of the one before
                 seconds, n = timed(variants[name], device)
                 samples[name].append(n / seconds)
                 tokens[name] = n
+                timing = dict(getattr(rollout, "generate_timing", {}) or {}) if name.startswith("hybridrl") else {}
+                if timing:
+                    wrapper[name].append({**timing, "wall_s": seconds})
     mem.mark("after_generation")
     gen = {name: {"tokens": tokens[name], "tokens_per_s_median": statistics.median(v), "tokens_per_s": v}
-           for name, v in samples.items()}
+           for name, v in samples.items() if v}
+    for name, calls in wrapper.items():
+        if calls:  # the share of each call spent outside the engine's generate, in this wrapper
+            shares = [(c["prepare_s"] + c["pack_s"]) / c["wall_s"] for c in calls]
+            gen[name]["wrapper_share_median"] = statistics.median(shares)
+            gen[name]["wrapper_seconds"] = calls
     out["generation"] = {
-        "rows": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats, "order": "adjacent pairs, alternating",
+        "rows": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "other_repeats": args.other_repeats, "order": "adjacent pairs, alternating",
         "variants": gen,
         # the step benchmark's setting (rollout log-probs off) against the engine alone
         "hybridrl_no_logprobs_vs_engine_alone": _paired_ratio(samples, "hybridrl_no_logprobs", "engine_alone"),
@@ -314,7 +330,10 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     cast_copy = min(timed(lambda: served.copy_(master), device)[0] for _ in range(5))
     del master, served
     steady = [cycle[f"cycle{k}"]["reshard_asleep_s"] for k in range(2, args.cycles)] or [cycle["cycle0"]["reshard_asleep_s"]]
+    no_wake = [cycle[f"cycle{k}"]["reshard_without_weight_wake_s"] for k in range(2, args.cycles)] or [
+        cycle["cycle0"]["reshard_without_weight_wake_s"]]
     cycle.update({"bytes": nbytes, "buckets": stats["buckets"], "flat_copy_s": flat, "cast_copy_s": cast_copy,
+                  "reshard_without_weight_wake_steady_s": statistics.median(no_wake),
                   "reshard_steady_s": statistics.median(steady),
                   "reshard_vs_flat_copy": statistics.median(steady) / flat,
                   "reshard_vs_cast_copy": statistics.median(steady) / cast_copy})
@@ -473,7 +492,8 @@ def main() -> None:
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--n-samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="pairs of the target variant (no log-probs)")
+    parser.add_argument("--other-repeats", type=int, default=3, help="pairs of each other variant")
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=5, help="steps of the hybridrl train run (part grpo)")

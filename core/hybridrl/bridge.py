@@ -26,7 +26,7 @@ def sync_in_process(trainer: "TrainEngine", rollout: "RolloutEngine", bucket_byt
     nbytes, buckets = 0, 0
     for bucket in trainer.export_weights_transient(bucket_bytes):  # imported before the next is made
         rollout.import_weights(bucket)
-        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        nbytes += sum(t.nbytes for _, t in bucket)
         buckets += 1
     rollout.finish_weight_import()
     stats = {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - start}

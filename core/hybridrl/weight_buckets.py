@@ -84,7 +84,7 @@ def _group(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iter
     bucket: list[tuple[str, torch.Tensor]] = []
     filled = 0
     for name, tensor in items:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         if nbytes >= bucket_bytes and bucket:
             yield bucket
             bucket, filled = [], 0
