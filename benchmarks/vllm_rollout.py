@@ -91,6 +91,30 @@ def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
+class GCTime:
+    """Seconds the Python garbage collector ran (and full collections) between ``start`` and ``read``: a
+    collection of the oldest generation over a large heap can stall a CPU-bound engine loop for a while."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.seconds, self.full, self._t0 = 0.0, 0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.full += int(info.get("generation") == 2)
+
+    def start(self) -> None:
+        self.seconds, self.full = 0.0, 0
+
+    def read(self) -> dict[str, float]:
+        return {"gc_s": self.seconds, "gc_full": self.full}
+
+
 class Memory:
     """Device memory in use (all allocators, vLLM's cumem pool included) at named points, and the peak."""
 
@@ -260,7 +284,10 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     tokens: dict[str, int] = {}
     # the rollout's own account of each call: its preparation and packing around the engine's generate
     wrapper: dict[str, list[dict[str, float]]] = {k: [] for k in variants}
+    collector: dict[str, list[dict[str, float]]] = {k: [] for k in variants}
     import gc
+
+    gc_time = GCTime()
 
     # the target pair (the step benchmark's setting) runs --repeats times, the others --other-repeats times
     for repeat in range(max(args.repeats, args.other_repeats)):
@@ -269,7 +296,9 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
                 continue
             for name in ((alone_name, hybrid_name) if repeat % 2 == 0 else (hybrid_name, alone_name)):
                 gc.collect()  # no variant pays for the garbage of the one before
+                gc_time.start()
                 seconds, n = timed(variants[name], device)
+                collector[name].append(gc_time.read())
                 samples[name].append(n / seconds)
                 tokens[name] = n
                 timing = dict(getattr(rollout, "generate_timing", {}) or {}) if name.startswith("hybridrl") else {}
@@ -278,6 +307,10 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     mem.mark("after_generation")
     gen = {name: {"tokens": tokens[name], "tokens_per_s_median": statistics.median(v), "tokens_per_s": v}
            for name, v in samples.items() if v}
+    for name, runs in collector.items():
+        if runs:
+            gen[name]["gc_s"] = [r["gc_s"] for r in runs]
+            gen[name]["gc_full"] = [r["gc_full"] for r in runs]
     for name, calls in wrapper.items():
         if calls:  # the share of each call spent outside the engine's generate, in this wrapper
             shares = [(c["prepare_s"] + c["pack_s"]) / c["wall_s"] for c in calls]
