@@ -134,7 +134,7 @@ def main() -> None:
     master = torch.empty(numel, dtype=torch.float32, device="cuda")
     served = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
     cycles = []
-    for k in range(8):
+    for k in range(12):
         rollout.wake()
         rollout.generate(small, SamplingParams(temperature=1.0, max_new_tokens=8, seed=k))
         rollout.sleep()
@@ -147,12 +147,13 @@ def main() -> None:
             continue
         marks.clear()
         rollout.import_weights, actor.export_weights_transient = import_marked, export_marked
+        whole = k % 4 == 0  # the bridge's default (one bucket of views), else the configured buckets
         t0 = time.perf_counter()
-        sync_in_process(actor, rollout, bucket)
+        sync_in_process(actor, rollout, bucket, whole_model_of_views=whole)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         rollout.import_weights, actor.export_weights_transient = real_import, real_export
-        cycles.append({"sync_ms": (t1 - t0) * 1e3, "timeline_ms": [(n, round((t - t0) * 1e3, 3)) for n, t in marks],
+        cycles.append({"whole_model_bucket": whole, "sync_ms": (t1 - t0) * 1e3, "timeline_ms": [(n, round((t - t0) * 1e3, 3)) for n, t in marks],
                        "import_stats": rollout.import_stats()})
     result["trainer_order_cycles"] = cycles
     for owner, attr, real in originals:

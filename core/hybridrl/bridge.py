@@ -9,6 +9,7 @@ faster bridge for a specific backend pair through ``registry.add_bridge``.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,10 +20,15 @@ if TYPE_CHECKING:
     from hybridrl.engines import RolloutEngine, TrainEngine
 
 
-def sync_in_process(trainer: "TrainEngine", rollout: "RolloutEngine", bucket_bytes: int) -> dict[str, float]:
+def sync_in_process(trainer: "TrainEngine", rollout: "RolloutEngine", bucket_bytes: int,
+                    whole_model_of_views: bool = True) -> dict[str, float]:
     """Stream buckets from ``trainer.export_weights`` into ``rollout.import_weights`` (one bucket in memory
-    at a time beyond the two models)."""
+    at a time beyond the two models). When the exporter hands views of its live weights and the importer
+    copies them straight in, no memory is at stake and the whole model goes as one bucket
+    (``whole_model_of_views=False`` keeps ``bucket_bytes`` regardless)."""
     start = time.perf_counter()
+    if whole_model_of_views and _views_in_place(trainer, rollout):
+        bucket_bytes = sys.maxsize
     nbytes, buckets = 0, 0
     for bucket in trainer.export_weights_transient(bucket_bytes):  # imported before the next is made
         rollout.import_weights(bucket)
@@ -34,6 +40,12 @@ def sync_in_process(trainer: "TrainEngine", rollout: "RolloutEngine", bucket_byt
     if callable(import_stats):
         stats.update({k: float(v) for k, v in import_stats().items()})
     return stats
+
+
+def _views_in_place(trainer: "TrainEngine", rollout: "RolloutEngine") -> bool:
+    views = getattr(trainer, "transient_export_holds_views", None)  # engines written before the hooks lack them
+    in_place = getattr(rollout, "imports_without_staging", None)
+    return bool(callable(views) and views() and callable(in_place) and in_place())
 
 
 class Bridge(Protocol):

@@ -139,6 +139,12 @@ class TrainEngine(ABC):
         importer can cast from, so an engine can skip its own copy. Default: ``export_weights``."""
         return self.export_weights(bucket_bytes)
 
+    def transient_export_holds_views(self) -> bool:
+        """Whether ``export_weights_transient`` hands views of the live weights (no memory of its own per
+        bucket). Then the in-process bridge may ask for the whole model in one bucket from an importer that
+        needs no staging memory either (``RolloutEngine.imports_without_staging``). Default: False."""
+        return False
+
     def exports_on_rank(self) -> bool:
         """Whether this rank's exported buckets are the ones sent to a rollout on another pool."""
         return self.ctx.rank == 0
@@ -185,6 +191,13 @@ class RolloutEngine(ABC):
 
     def finish_weight_import(self) -> None:
         """Called after the last bucket: reset prefix caches and the like."""
+
+    def imports_without_staging(self) -> bool:
+        """Whether ``import_weights`` copies each tensor straight into the engine's weights, holding no
+        staging buffer of the bucket's size: the bucket size then bounds nothing on this side, and the
+        in-process bridge may send a whole model of views as one bucket (fewer calls and launches per sync).
+        Default: False (bucket_bytes bounds the staging memory)."""
+        return False
 
     def import_stats(self) -> dict[str, float]:
         """Optional figures of the last weight update (seconds per part ...), logged as ``reshard/<key>``."""

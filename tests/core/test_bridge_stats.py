@@ -54,3 +54,49 @@ class PlainImporter:
 def test_engines_without_the_hook_still_sync():
     stats = sync_in_process(Exporter(), PlainImporter(), bucket_bytes=1)
     assert set(stats) == {"bytes", "buckets", "seconds"}
+
+
+class GroupingExporter(Exporter):
+    """Buckets by the core's grouping rule, saying whether its tensors are views of live weights."""
+
+    def __init__(self, views: bool) -> None:
+        super().__init__()
+        self.views = views
+        self.asked: list[int] = []
+
+    def export_weights_transient(self, bucket_bytes: int):
+        from hybridrl.weight_buckets import group_into_buckets
+
+        self.asked.append(bucket_bytes)
+        return group_into_buckets(iter(self.weights.items()), bucket_bytes)
+
+    def transient_export_holds_views(self) -> bool:
+        return self.views
+
+
+class InPlaceImporter(Importer):
+    def __init__(self, in_place: bool) -> None:
+        super().__init__(None)
+        self.in_place = in_place
+        self.bucket_sizes: list[int] = []
+
+    def import_weights(self, bucket) -> None:
+        self.bucket_sizes.append(len(bucket))
+        super().import_weights(bucket)
+
+    def imports_without_staging(self) -> bool:
+        return self.in_place
+
+
+def test_views_copied_in_place_travel_as_one_bucket_and_anything_else_keeps_the_bucket_size():
+    for views, in_place, whole in [(True, True, True), (True, False, False), (False, True, False)]:
+        trainer, rollout = GroupingExporter(views), InPlaceImporter(in_place)
+        stats = sync_in_process(trainer, rollout, bucket_bytes=1)
+        assert set(rollout.received) == {"a", "b"}
+        if whole:  # nothing is staged on either side: no bound to keep
+            assert rollout.bucket_sizes == [2] and stats["buckets"] == 1 and trainer.asked[0] > 2**40
+        else:  # an exporter that gathers or an importer that stages keeps the configured bound
+            assert rollout.bucket_sizes == [1, 1] and trainer.asked == [1]
+    trainer, rollout = GroupingExporter(True), InPlaceImporter(True)
+    sync_in_process(trainer, rollout, bucket_bytes=1, whole_model_of_views=False)
+    assert rollout.bucket_sizes == [1, 1] and trainer.asked == [1]

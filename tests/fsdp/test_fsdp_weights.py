@@ -90,3 +90,14 @@ def test_transient_export_follows_updates_and_swapped_shards(process_group, tiny
     assert all(t.dtype == torch.float64 for t in swapped.values())
     for name in live:
         torch.testing.assert_close(swapped[name], live[name].double(), atol=0, rtol=0)
+
+    # the same local tensor objects given new storage (``.data =``): the old addresses must not be handed out
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            local = p._local_tensor
+            local.data = local.data.clone() * 2
+    moved = exported()
+    for name in live:
+        torch.testing.assert_close(moved[name], 2 * live[name].double(), atol=0, rtol=0)
+        assert moved[name].data_ptr() != swapped[name].data_ptr()
+    assert engine.transient_export_holds_views()  # one rank: the bridge may take them in one bucket

@@ -256,6 +256,11 @@ class VLLMRollout(RolloutEngine):
             self.state.on_import_end()
         self.weight_version += 1
 
+    def imports_without_staging(self) -> bool:
+        """With the direct-copy plan in use each tensor is copied straight into vLLM's parameter (a view of
+        it), with no buffer of the bucket's size; the learning update and ``load_weights`` keep the buckets."""
+        return self.copy_plan == "on"
+
     def import_stats(self) -> dict[str, float]:
         """Where the last update's time went: waking the weights, loading (copies included, up to the device
         sync), and closing (prefix-cache reset, when one was needed); and how the copies ran."""
