@@ -147,13 +147,13 @@ def main() -> None:
             continue
         marks.clear()
         rollout.import_weights, actor.export_weights_transient = import_marked, export_marked
-        whole = k % 4 == 0  # the bridge's default (one bucket of views), else the configured buckets
+        large = k % 4 == 0  # the bridge's default (views in large buckets), else the configured buckets
         t0 = time.perf_counter()
-        sync_in_process(actor, rollout, bucket, whole_model_of_views=whole)
+        sync_in_process(actor, rollout, bucket, views_in_large_buckets=large)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         rollout.import_weights, actor.export_weights_transient = real_import, real_export
-        cycles.append({"whole_model_bucket": whole, "sync_ms": (t1 - t0) * 1e3, "timeline_ms": [(n, round((t - t0) * 1e3, 3)) for n, t in marks],
+        cycles.append({"large_view_buckets": large, "sync_ms": (t1 - t0) * 1e3, "timeline_ms": [(n, round((t - t0) * 1e3, 3)) for n, t in marks],
                        "import_stats": rollout.import_stats()})
     result["trainer_order_cycles"] = cycles
     for owner, attr, real in originals:

@@ -141,8 +141,8 @@ class TrainEngine(ABC):
 
     def transient_export_holds_views(self) -> bool:
         """Whether ``export_weights_transient`` hands views of the live weights (no memory of its own per
-        bucket). Then the in-process bridge may ask for the whole model in one bucket from an importer that
-        needs no staging memory either (``RolloutEngine.imports_without_staging``). Default: False."""
+        bucket). Then the in-process bridge may ask for larger buckets from an importer that needs no staging
+        memory either (``RolloutEngine.imports_without_staging``): fewer calls per sync. Default: False."""
         return False
 
     def exports_on_rank(self) -> bool:
@@ -195,7 +195,7 @@ class RolloutEngine(ABC):
     def imports_without_staging(self) -> bool:
         """Whether ``import_weights`` copies each tensor straight into the engine's weights, holding no
         staging buffer of the bucket's size: the bucket size then bounds nothing on this side, and the
-        in-process bridge may send a whole model of views as one bucket (fewer calls and launches per sync).
+        in-process bridge may send views in larger buckets (fewer calls and launches per sync).
         Default: False (bucket_bytes bounds the staging memory)."""
         return False
 

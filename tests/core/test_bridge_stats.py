@@ -88,15 +88,21 @@ class InPlaceImporter(Importer):
         return self.in_place
 
 
-def test_views_copied_in_place_travel_as_one_bucket_and_anything_else_keeps_the_bucket_size():
-    for views, in_place, whole in [(True, True, True), (True, False, False), (False, True, False)]:
+def test_views_copied_in_place_travel_in_large_buckets_and_anything_else_keeps_the_bucket_size(monkeypatch):
+    import hybridrl.bridge as bridge
+
+    monkeypatch.setattr(bridge, "VIEW_BUCKET_BYTES", 64)  # the test's two tensors: 16 and 48 bytes
+    for views, in_place, large in [(True, True, True), (True, False, False), (False, True, False)]:
         trainer, rollout = GroupingExporter(views), InPlaceImporter(in_place)
         stats = sync_in_process(trainer, rollout, bucket_bytes=1)
         assert set(rollout.received) == {"a", "b"}
-        if whole:  # nothing is staged on either side: no bound to keep
-            assert rollout.bucket_sizes == [2] and stats["buckets"] == 1 and trainer.asked[0] > 2**40
+        if large:  # nothing is staged on either side: the floor applies
+            assert rollout.bucket_sizes == [2] and stats["buckets"] == 1 and trainer.asked == [64]
         else:  # an exporter that gathers or an importer that stages keeps the configured bound
             assert rollout.bucket_sizes == [1, 1] and trainer.asked == [1]
     trainer, rollout = GroupingExporter(True), InPlaceImporter(True)
-    sync_in_process(trainer, rollout, bucket_bytes=1, whole_model_of_views=False)
+    sync_in_process(trainer, rollout, bucket_bytes=128)  # a larger configured size stays
+    assert trainer.asked == [128]
+    trainer, rollout = GroupingExporter(True), InPlaceImporter(True)
+    sync_in_process(trainer, rollout, bucket_bytes=1, views_in_large_buckets=False)
     assert rollout.bucket_sizes == [1, 1] and trainer.asked == [1]

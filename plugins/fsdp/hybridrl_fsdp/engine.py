@@ -301,9 +301,8 @@ class FSDPEngine(TrainEngine):
         """``export_weights`` for an importer that copies at once (colocated, same process): with one rank the
         live fp32 shards themselves (the importer's copy casts them), with several the all-gather runs in the
         compute dtype (half the bytes on the wire). No copy of the model is made."""
-        if self.ctx.world_size == 1:  # a plain list: no generator resumed under no_grad for each of ~300 tensors
-            items = self._local_shards.get(self.model) + self._local_shards.buffers(self.model)
-            return group_into_buckets(iter(items), bucket_bytes)
+        if self.ctx.world_size == 1:
+            return group_into_buckets(self._local_shards.checked(self.model), bucket_bytes)
         return group_into_buckets(self._gathered_named_tensors(), bucket_bytes)
 
     def transient_export_holds_views(self) -> bool:
@@ -433,6 +432,26 @@ class LocalShards:
         self._locals = list(map(_local_tensor, self._params)) if cacheable else []
         self._addresses = tuple(t.data_ptr() for _, t in self._items)
         return self._items
+
+    def checked(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The parameters of ``get`` then the persistent buffers, each parameter checked as it is handed out
+        (is its local tensor the one kept, at the same address?), so that the first bucket's copies start
+        before the last parameter is checked. A parameter found moved is handed out fresh and the list is
+        rebuilt at the next call. A plain generator (no ``no_grad`` to re-enter at each of ~300 resumes)."""
+        if self._params is None:
+            yield from self.get(model)
+        else:
+            moved = False
+            for param, kept, address, item in zip(self._params, self._locals, self._addresses, self._items):
+                local = _local_tensor(param)
+                if local is kept and local.data_ptr() == address:
+                    yield item
+                else:
+                    moved = True
+                    yield item[0], local.detach()
+            if moved:
+                self._params = None
+        yield from self.buffers(model)
 
     def _unchanged(self) -> bool:
         """Every local tensor is the one kept and still at its address. Runs at every sync over ~300
