@@ -123,7 +123,7 @@ def main() -> None:
         return real, marked
 
     fine = [(cp.CopyPlan, "_split", "split"), (cp.GraphedCopies, "copy", "graphs"), (compat, "run_on_workers", "rpc"),
-            (actor._local_shards, "get", "shards_get"), (torch.cuda.CUDAGraph, "replay", "replay"),
+            (actor._local_shards, "buckets", "shards_buckets"), (torch.cuda.CUDAGraph, "replay", "replay"),
             (cp, "copy_key", "key")]
     originals = []
     for owner, attr, label in fine:

@@ -10,6 +10,7 @@ faster bridge for a specific backend pair through ``registry.add_bridge``.
 from __future__ import annotations
 
 import time
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hybridrl import hookimpl
@@ -39,7 +40,7 @@ def sync_in_process(trainer: "TrainEngine", rollout: "RolloutEngine", bucket_byt
     nbytes, buckets = 0, 0
     for bucket in trainer.export_weights_transient(bucket_bytes):  # imported before the next is made
         rollout.import_weights(bucket)
-        nbytes += sum(t.nbytes for _, t in bucket)
+        nbytes += sum(map(_NBYTES, map(_TENSOR, bucket)))
         buckets += 1
     rollout.finish_weight_import()
     stats = {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - start}
@@ -47,6 +48,9 @@ def sync_in_process(trainer: "TrainEngine", rollout: "RolloutEngine", bucket_byt
     if callable(import_stats):
         stats.update({k: float(v) for k, v in import_stats().items()})
     return stats
+
+
+_TENSOR, _NBYTES = itemgetter(1), attrgetter("nbytes")
 
 
 def _views_in_place(trainer: "TrainEngine", rollout: "RolloutEngine") -> bool:

@@ -91,6 +91,9 @@ def test_transient_export_follows_updates_and_swapped_shards(process_group, tiny
     for name in live:
         torch.testing.assert_close(swapped[name], live[name].double(), atol=0, rtol=0)
 
+    # unchanged weights: the kept buckets themselves come back (no rebuild per sync)
+    kept = list(engine.export_weights_transient(1 << 30))
+    assert all(a is b for a, b in zip(kept, engine.export_weights_transient(1 << 30)))
     # the same local tensor objects given new storage (``.data =``): the old addresses must not be handed out
     with torch.no_grad():
         for p in engine.model.parameters():

@@ -302,7 +302,9 @@ class FSDPEngine(TrainEngine):
         live fp32 shards themselves (the importer's copy casts them), with several the all-gather runs in the
         compute dtype (half the bytes on the wire). No copy of the model is made."""
         if self.ctx.world_size == 1:
-            return group_into_buckets(self._local_shards.checked(self.model), bucket_bytes)
+            if bucket_bytes <= 0:
+                raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+            return self._local_shards.buckets(self.model, bucket_bytes)
         return group_into_buckets(self._gathered_named_tensors(), bucket_bytes)
 
     def transient_export_holds_views(self) -> bool:
@@ -402,15 +404,21 @@ class FSDPEngine(TrainEngine):
 
 
 class LocalShards:
-    """The parameters' local tensors under their names, for the one-rank transient export.
+    """The parameters' local tensors under their names, in buckets, for the one-rank transient export.
 
     ``DTensor.to_local`` costs some 15 us a call: ~5 ms per update of a 290-tensor model, longer than the
-    copy of its weights on a GPU. The list is kept while every parameter's local tensor is still the one kept
-    (checked by address: optimiser steps update in place, ``offload``/``onload`` and loads swap them)."""
+    copy of its weights on a GPU; and on a GPU every microsecond of host work per tensor before and between
+    the copies shows in the sync. So the buckets are built once (names, local views, grouping) and handed
+    out again while each bucket's parameters still have the local tensors kept, at the same addresses
+    (optimiser steps update in place; ``offload``/``onload`` and loads swap them). Each bucket is checked
+    just before it is handed out, in C (map over attrgetter, ``is`` and ``data_ptr``: ~0.2 us a tensor), so the
+    first bucket's copies start before the last one is checked. A bucket found moved is handed out fresh and
+    everything is rebuilt at the next call."""
 
     def __init__(self) -> None:
-        self._params: list[nn.Parameter] | None = None
-        self._items: list[tuple[str, torch.Tensor]] = []
+        self._groups: list[_KeptBucket] | None = None
+        self._bucket_bytes = 0
+        self._checkable = False
         self._buffer_slots: list[tuple[str, nn.Module, str]] | None = None
 
     def buffers(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -422,47 +430,54 @@ class LocalShards:
             self._buffer_slots = [(full, *owners[id(b)]) for full, b in _persistent_buffers(model)]
         return [(full, module._buffers[name]) for full, module, name in self._buffer_slots]
 
-    def get(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        if self._params is not None and self._unchanged():
-            return self._items
+    def buckets(self, model: nn.Module, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """``group_into_buckets`` over the parameters' local views (then the persistent buffers, read fresh),
+        the kept buckets handed out again while they hold."""
+        if self._groups is None or self._bucket_bytes != bucket_bytes:
+            self._build(model, bucket_bytes)
+        moved = False
+        for group in self._groups:
+            bucket = group.current()
+            moved = moved or bucket is not group.items
+            yield bucket
+        if moved or not self._checkable:  # rebuilt at the next call
+            self._groups = None
+        buffers = self.buffers(model)
+        if buffers:
+            yield from group_into_buckets(iter(buffers), bucket_bytes)
+
+    def _build(self, model: nn.Module, bucket_bytes: int) -> None:
         named = list(model.named_parameters())
-        self._items = [(name, (p.to_local() if isinstance(p, DTensor) else p).detach()) for name, p in named]
-        cacheable = all(_local_address(p) is not None for _, p in named)
-        self._params = [p for _, p in named] if cacheable else None
-        self._locals = list(map(_local_tensor, self._params)) if cacheable else []
-        self._addresses = tuple(t.data_ptr() for _, t in self._items)
-        return self._items
+        items = [(name, (p.to_local() if isinstance(p, DTensor) else p).detach()) for name, p in named]
+        params = dict(named)
+        self._bucket_bytes = bucket_bytes
+        self._checkable = all(_local_address(p) is not None for _, p in named)  # else built for one call only
+        self._groups = [_KeptBucket(bucket, [params[name] for name, _ in bucket] if self._checkable else None)
+                        for bucket in group_into_buckets(iter(items), bucket_bytes)]
 
-    def checked(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """The parameters of ``get`` then the persistent buffers, each parameter checked as it is handed out
-        (is its local tensor the one kept, at the same address?), so that the first bucket's copies start
-        before the last parameter is checked. A parameter found moved is handed out fresh and the list is
-        rebuilt at the next call. A plain generator (no ``no_grad`` to re-enter at each of ~300 resumes)."""
-        if self._params is None:
-            yield from self.get(model)
-        else:
-            moved = False
-            for param, kept, address, item in zip(self._params, self._locals, self._addresses, self._items):
-                local = _local_tensor(param)
-                if local is kept and local.data_ptr() == address:
-                    yield item
-                else:
-                    moved = True
-                    yield item[0], local.detach()
-            if moved:
-                self._params = None
-        yield from self.buffers(model)
 
-    def _unchanged(self) -> bool:
-        """Every local tensor is the one kept and still at its address. Runs at every sync over ~300
-        parameters, before the first copy can start: the walk stays in C (map over attrgetter, ``is`` and
-        ``data_ptr``), some 0.1 us a parameter."""
+class _KeptBucket:
+    """One kept bucket of local views and the parameters they came from (None: not checkable; the bucket is
+    then used for the call that built it only)."""
+
+    def __init__(self, items: WeightBucket, params: list[nn.Parameter] | None) -> None:
+        self.items, self.params = items, params
+        if params is not None:
+            self.locals = list(map(_local_tensor, params))
+            self.addresses = tuple(map(torch.Tensor.data_ptr, self.locals))
+
+    def current(self) -> WeightBucket:
+        """The kept bucket when every parameter still has its kept local tensor at its address, else the
+        parameters' local views now."""
+        if self.params is None:
+            return self.items
         try:
-            current = list(map(_LOCAL_TENSOR, self._params))
+            now = list(map(_LOCAL_TENSOR, self.params))
         except AttributeError:  # a parameter that is not a DTensor: the slower walk
-            current = list(map(_local_tensor, self._params))
-        return all(map(operator.is_, current, self._locals)) and \
-            tuple(map(torch.Tensor.data_ptr, current)) == self._addresses
+            now = list(map(_local_tensor, self.params))
+        if all(map(operator.is_, now, self.locals)) and tuple(map(torch.Tensor.data_ptr, now)) == self.addresses:
+            return self.items
+        return [(name, local.detach()) for (name, _), local in zip(self.items, now)]
 
 
 _LOCAL_TENSOR = operator.attrgetter("_local_tensor")
