@@ -147,7 +147,8 @@ def main() -> None:
             continue
         marks.clear()
         rollout.import_weights, actor.export_weights_transient = import_marked, export_marked
-        large = k % 4 == 0  # the bridge's default (views in large buckets), else the configured buckets
+        large = k < 6  # the bridge's default (views in large buckets) first, then the configured buckets
+        # (in two blocks: the exporter keeps its buckets for one size, a switch rebuilds them once)
         t0 = time.perf_counter()
         sync_in_process(actor, rollout, bucket, views_in_large_buckets=large)
         torch.cuda.synchronize()
