@@ -88,6 +88,10 @@ def test_greedy_equals_transformers_after_weight_sync(setup):
     expected = reference.generate(batch, greedy)
     before = engine.generate(batch, greedy)
     assert not torch.equal(before[RESPONSE_IDS], expected[RESPONSE_IDS]), "A and B agree: the sync proves nothing"
+    # the call's own account: vLLM's generate, and the plugin's preparation and packing around it
+    timing = engine.generate_timing
+    assert set(timing) == {"prepare_s", "engine_s", "pack_s"} and timing["engine_s"] > 0
+    assert min(timing.values()) >= 0
 
     # B, then a "trained" B (every tensor moved), each synced into both engines from the same buckets
     gen = torch.Generator().manual_seed(0)
