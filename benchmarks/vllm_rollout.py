@@ -214,6 +214,15 @@ def _cycles(rollout: Any, actor: Any, mem: "Memory", device: str, bucket: int, s
     return out
 
 
+def _steady(cycles: dict[str, Any], count: int, flat: float, cast_copy: float) -> dict[str, float]:
+    """Medians over the steady cycles (from the third on: the second records the copies' CUDA graphs), and
+    against the flat and cast copies of the same bytes."""
+    steady = [cycles[f"cycle{k}"] for k in range(2, count)] or [cycles["cycle0"]]
+    sync = statistics.median(c["reshard_asleep_s"] for c in steady)
+    return {"reshard_steady_s": sync, "reshard_vs_flat_copy": sync / flat, "reshard_vs_cast_copy": sync / cast_copy,
+            "reshard_without_weight_wake_steady_s": statistics.median(c["reshard_without_weight_wake_s"] for c in steady)}
+
+
 def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     import torch
 
@@ -293,8 +302,8 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
     # the target pair (the step benchmark's setting) runs --repeats times, the others --other-repeats times
     for repeat in range(max(args.repeats, args.other_repeats)):
-        for hybrid_name, alone_name in pairs[:1] if repeat >= args.other_repeats else pairs:
-            if hybrid_name == pairs[0][0] and repeat >= args.repeats:
+        for i, (hybrid_name, alone_name) in enumerate(pairs):
+            if repeat >= (args.repeats if i == 0 else args.other_repeats):
                 continue
             for name in ((alone_name, hybrid_name) if repeat % 2 == 0 else (hybrid_name, alone_name)):
                 gc.collect()  # no variant pays for the garbage of the one before
@@ -364,31 +373,18 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     served = torch.empty(numel, dtype=getattr(torch, dtype), device=dev)
     cast_copy = min(timed(lambda: served.copy_(master), device)[0] for _ in range(5))
     del master, served
-    steady = [cycle[f"cycle{k}"]["reshard_asleep_s"] for k in range(2, args.cycles)] or [cycle["cycle0"]["reshard_asleep_s"]]
-    no_wake = [cycle[f"cycle{k}"]["reshard_without_weight_wake_s"] for k in range(2, args.cycles)] or [
-        cycle["cycle0"]["reshard_without_weight_wake_s"]]
     cycle.update({"bytes": nbytes, "buckets": stats["buckets"], "flat_copy_s": flat, "cast_copy_s": cast_copy,
-                  "reshard_without_weight_wake_steady_s": statistics.median(no_wake),
-                  "reshard_steady_s": statistics.median(steady),
-                  "reshard_vs_flat_copy": statistics.median(steady) / flat,
-                  "reshard_vs_cast_copy": statistics.median(steady) / cast_copy})
+                  **_steady(cycle, args.cycles, flat, cast_copy)})
     # vLLM only: the KV cache alone released, weights resident (``sleep_level: kv_cache``)
     if backend == "vllm" and device == "cuda":
         try:
             rollout.wake()
             rollout.state.level = "kv_cache"
             kv = _cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "kv_only")
-            kv_steady = [kv[f"cycle{k}"]["reshard_asleep_s"] for k in range(2, args.cycles)]
-            kv.update({"reshard_steady_s": statistics.median(kv_steady),
-                       "reshard_vs_flat_copy": statistics.median(kv_steady) / flat,
-                       "reshard_vs_cast_copy": statistics.median(kv_steady) / cast_copy})
-            cycle["kv_only"] = kv
+            cycle["kv_only"] = {**kv, **_steady(kv, args.cycles, flat, cast_copy)}
             # the same with the configured bucket size, whatever the engines allow
             kv_b = _cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "kv_only_buckets", large=False)
-            kv_b_steady = [kv_b[f"cycle{k}"]["reshard_asleep_s"] for k in range(2, args.cycles)]
-            kv_b.update({"reshard_steady_s": statistics.median(kv_b_steady),
-                         "reshard_vs_flat_copy": statistics.median(kv_b_steady) / flat})
-            cycle["kv_only_buckets"] = kv_b
+            cycle["kv_only_buckets"] = {**kv_b, **_steady(kv_b, args.cycles, flat, cast_copy)}
         except Exception as exc:  # noqa: BLE001 - keep the rest of the figures
             cycle["kv_only"] = {"error": repr(exc)[:2000]}
     out["reshard_sleep_wake"] = cycle

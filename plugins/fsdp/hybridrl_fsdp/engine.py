@@ -451,7 +451,7 @@ class LocalShards:
         items = [(name, (p.to_local() if isinstance(p, DTensor) else p).detach()) for name, p in named]
         params = dict(named)
         self._bucket_bytes = bucket_bytes
-        self._checkable = all(_local_address(p) is not None for _, p in named)  # else built for one call only
+        self._checkable = all(_local_tensor(p) is not None for _, p in named)  # else built for one call only
         self._groups = [_KeptBucket(bucket, [params[name] for name, _ in bucket] if self._checkable else None)
                         for bucket in group_into_buckets(iter(items), bucket_bytes)]
 
@@ -483,16 +483,12 @@ class _KeptBucket:
 _LOCAL_TENSOR = operator.attrgetter("_local_tensor")
 
 
-def _local_tensor(param: torch.Tensor) -> torch.Tensor:
-    return param._local_tensor if isinstance(param, DTensor) else param
-
-
-def _local_address(param: torch.Tensor) -> int | None:
-    """The address of a parameter's local data without a dispatch (None: unknown, do not cache)."""
+def _local_tensor(param: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's local data without a dispatch (None: a DTensor that does not expose it, never kept)."""
     if isinstance(param, DTensor):
         local = getattr(param, "_local_tensor", None)
-        return local.data_ptr() if isinstance(local, torch.Tensor) else None
-    return param.data_ptr()
+        return local if isinstance(local, torch.Tensor) else None
+    return param
 
 
 # --- construction helpers ---------------------------------------------------------------------------------

@@ -144,8 +144,9 @@ class CopyPlan:
             return rest
         if graphs is None:
             torch._foreach_copy_(layout.dsts, srcs)
-        else:
-            graphs.copy(copy_key(layout.names, layout.dsts, srcs, layout.dst_ptrs), layout.dsts, srcs)
+        else:  # ``_split`` put every source on the destinations' device already
+            key = _key(layout.names, layout.dst_ptrs, srcs) if layout.dsts[0].is_cuda else None
+            graphs.copy(key, layout.dsts, srcs)
         return rest
 
 
@@ -176,8 +177,11 @@ def copy_key(names: tuple[str, ...], dsts: list[torch.Tensor], srcs: list[torch.
         return None
     if set(map(torch.Tensor.get_device, srcs)) != {dsts[0].get_device()}:
         return None
-    return (names, dst_ptrs if dst_ptrs is not None else tuple(map(torch.Tensor.data_ptr, dsts)),
-            tuple(map(torch.Tensor.data_ptr, srcs)), tuple(map(_DTYPE, srcs)))
+    return _key(names, dst_ptrs if dst_ptrs is not None else tuple(map(torch.Tensor.data_ptr, dsts)), srcs)
+
+
+def _key(names: tuple[str, ...], dst_ptrs: tuple[int, ...], srcs: list[torch.Tensor]) -> Hashable:
+    return names, dst_ptrs, tuple(map(torch.Tensor.data_ptr, srcs)), tuple(map(_DTYPE, srcs))
 
 
 class GraphedCopies:
