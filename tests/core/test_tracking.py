@@ -7,6 +7,7 @@ import json
 import math
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,8 @@ def wandb_records(path: Path) -> list:
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):  # a chunk still being written
+            break
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind == 1:
             out.append(chunk)
@@ -78,6 +81,17 @@ def wandb_records(path: Path) -> list:
     return records
 
 
+def finished_wandb_records(path: Path, timeout_s: float = 30.0) -> list:
+    """The run file's records once its exit record is there: ``run.finish()`` can return while W&B's
+    service is still writing the file (seen: 7 bytes, only the header, then the whole run 10 ms later)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = wandb_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
 def test_wandb_offline_run_holds_the_metrics_and_config(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -85,7 +99,7 @@ def test_wandb_offline_run_holds_the_metrics_and_config(tmp_path, monkeypatch):
     log_all(WandbTracker(str(tmp_path), CONFIG))
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     history, config = {}, {}
-    for record in wandb_records(run_file):
+    for record in finished_wandb_records(run_file):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
