@@ -73,6 +73,7 @@ def main() -> None:
 
     result["import_only_ms"] = _median_ms(imports)
     from hybridrl_vllm import compat
+    from hybridrl_vllm import copy_plan as cp
 
     graphs = compat.run_on_workers(rollout.llm, lambda w: w._hybridrl_copy_graphs)[0]
 
@@ -89,8 +90,8 @@ def main() -> None:
         dsts += d
         srcs += s
     result["foreach_copy_eager_ms"] = _median_ms(lambda: torch._foreach_copy_(dsts, srcs))
-    # the same copies recorded three ways (one graph each): the multi-tensor copy the plugin uses, one copy
-    # kernel per tensor, and tensors of at least 1M values copied alone with the rest in one multi-tensor copy
+    # the whole model's copies recorded in each kernel layout the plugin chooses from (one graph each); the
+    # plugin keeps, per bucket, whichever replays fastest (``copy_graphs_layout_*`` in the import stats)
     def graphed(record) -> float:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -98,19 +99,8 @@ def main() -> None:
             record()
         return _median_ms(graph.replay)
 
-    def per_tensor() -> None:
-        for d, s in zip(dsts, srcs):
-            d.copy_(s)
-
-    def split_large() -> None:
-        small = [(d, s) for d, s in zip(dsts, srcs) if s.numel() < 2**20]
-        for d, s in zip(dsts, srcs):
-            if s.numel() >= 2**20:
-                d.copy_(s)
-        torch._foreach_copy_([d for d, _ in small], [s for _, s in small])
-
-    result["graph_ms"] = {"foreach": graphed(lambda: torch._foreach_copy_(dsts, srcs)),
-                          "per_tensor": graphed(per_tensor), "large_alone": graphed(split_large)}
+    result["graph_ms"] = {layout: graphed(lambda layout=layout: cp.copy_tensors(dsts, srcs, layout))
+                          for layout in cp.COPY_LAYOUTS}
     result["rpc_noop_ms"] = _median_ms(lambda: compat.run_on_workers(rollout.llm, lambda w: None), 50)
     # the trainer's order: generate a little, release the KV cache, sync; with a timeline of the sync's calls
     from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch, left_pad
@@ -131,8 +121,6 @@ def main() -> None:
         return real_export(n)
 
     # finer marks inside the import: entry/exit of the layers a bucket goes through
-    from hybridrl_vllm import copy_plan as cp
-
     def wrap(owner, attr, label):
         real = getattr(owner, attr)
 

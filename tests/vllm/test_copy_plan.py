@@ -3,10 +3,12 @@ gate/up along dim 0), against an independent packing with ``torch.cat``. Engine-
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from hybridrl_vllm.copy_plan import CopyPlan, GraphedCopies, checksum, copy_key
+from hybridrl_vllm import copy_plan
+from hybridrl_vllm.copy_plan import COPY_LAYOUTS, CopyPlan, GraphedCopies, checksum, copy_key, copy_tensors, distinct_layouts
 
 H, Q, KV, I = 8, 8, 4, 12
 
@@ -97,15 +99,16 @@ class _RecordedCopy:
 def test_graphed_copies_capture_on_the_second_sighting_and_replay_after(monkeypatch):
     captured = []
     monkeypatch.setattr(GraphedCopies, "_capture", staticmethod(
-        lambda d, s: captured.append(_RecordedCopy(d, s)) or captured[-1]))
+        lambda d, s: ("large_alone", captured.append(_RecordedCopy(d, s)) or captured[-1])))
     graphs = GraphedCopies()
     dst, src = [torch.zeros(3)], [torch.arange(3.0)]
     graphs.copy("k", dst, src)
-    assert graphs.stats == {"eager": 1, "captured": 0, "replayed": 0, "failed": 0} and captured == []
+    assert (graphs.stats["eager"], graphs.stats["captured"], graphs.stats["replayed"]) == (1, 0, 0) and captured == []
     assert torch.equal(dst[0], src[0])
     src[0].add_(1)  # a trainer updating in place: the recorded copy must read the new values
     graphs.copy("k", dst, src)
     assert graphs.stats["captured"] == 1 and torch.equal(dst[0], src[0])
+    assert graphs.stats["layout_large_alone"] == 1 and graphs.stats["layout_multi_tensor"] == 0
     src[0].add_(1)
     graphs.copy("k", dst, src)
     assert graphs.stats["replayed"] == 1 and captured[0].replays == 2 and torch.equal(dst[0], src[0])
@@ -122,8 +125,38 @@ def test_graphed_copies_fall_back_for_good_when_capture_fails(monkeypatch):
     dst, src = [torch.zeros(2)], [torch.ones(2)]
     for _ in range(3):
         graphs.copy("k", dst, src)
-    assert graphs.stats == {"eager": 3, "captured": 0, "replayed": 0, "failed": 1} and not graphs.enabled
+    assert (graphs.stats["eager"], graphs.stats["captured"], graphs.stats["failed"]) == (3, 0, 1)
+    assert not graphs.enabled
     assert dst[0].eq(1).all()
+
+
+def test_every_copy_layout_writes_the_same_values(monkeypatch):
+    """Large and small tensors, packed slices and a cast: each layout's kernels write exactly what
+    ``_foreach_copy_`` writes (the layout is chosen for speed only)."""
+    monkeypatch.setattr(copy_plan, "LARGE_COPY_NUMEL", 64)
+    packed = torch.zeros(24, 8, dtype=torch.bfloat16)
+    srcs = [torch.randn(16, 8), torch.randn(8, 8), torch.randn(5), torch.randn(100)]
+    results = {}
+    for layout in COPY_LAYOUTS:
+        packed.zero_()
+        dsts = [packed.narrow(0, 0, 16), packed.narrow(0, 16, 8), torch.zeros(5, dtype=torch.bfloat16),
+                torch.zeros(100, dtype=torch.bfloat16)]
+        copy_tensors(dsts, srcs, layout)
+        results[layout] = [packed.clone(), dsts[2], dsts[3]]
+    want = [torch.cat([srcs[0], srcs[1]]).to(torch.bfloat16), srcs[2].to(torch.bfloat16), srcs[3].to(torch.bfloat16)]
+    for layout, got in results.items():
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), layout
+    with pytest.raises(ValueError, match="unknown copy layout 'fused'"):
+        copy_tensors(dsts, srcs, "fused")
+
+
+def test_only_layouts_that_launch_different_kernels_are_tried(monkeypatch):
+    monkeypatch.setattr(copy_plan, "LARGE_COPY_NUMEL", 64)
+    big, small = torch.zeros(64), torch.zeros(8)
+    assert distinct_layouts([big]) == ("multi_tensor",)
+    assert distinct_layouts([small, small]) == ("multi_tensor", "per_tensor")  # large_alone is multi_tensor
+    assert distinct_layouts([big, big]) == ("multi_tensor", "per_tensor")  # large_alone is per_tensor
+    assert distinct_layouts([big, small]) == COPY_LAYOUTS
 
 
 def test_copy_key_only_for_one_cuda_device_and_changes_with_addresses():
@@ -160,3 +193,21 @@ def test_a_kept_bucket_layout_takes_each_updates_own_tensors():
     odd = [(n, torch.randn(*t.shape[:-1], t.shape[-1] + 1) if t.dim() == 2 else t) for n, t in second.items()]
     rest = plan.copy(odd)  # every matrix one column wider: nothing of it may be copied into the model
     assert sorted(n for n, _ in rest) == sorted(n for n, t in second.items() if t.dim() == 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: records and times CUDA graphs")
+def test_recorded_copies_keep_the_fastest_layout_and_read_each_update(monkeypatch):
+    monkeypatch.setattr(copy_plan, "LARGE_COPY_NUMEL", 1 << 16)
+    srcs = [torch.randn(1 << 18, device="cuda"), torch.randn(300, device="cuda"), torch.randn(7, device="cuda")]
+    dsts = [torch.zeros(s.numel(), dtype=torch.bfloat16, device="cuda") for s in srcs]
+    graphs = GraphedCopies()
+    key = copy_key(("a", "b", "c"), dsts, srcs)
+    for step in range(3):  # eager, recorded, replayed
+        for s in srcs:
+            s.add_(1.0)
+        graphs.copy(key, dsts, srcs)
+        torch.cuda.synchronize()
+        assert all(torch.equal(d, s.to(torch.bfloat16)) for d, s in zip(dsts, srcs)), step
+    assert (graphs.stats["eager"], graphs.stats["captured"], graphs.stats["replayed"]) == (1, 1, 1)
+    assert sum(graphs.stats[f"layout_{name}"] for name in COPY_LAYOUTS) == 1

@@ -14,7 +14,9 @@ Even fused, ~300 copies cost more in launches than in bytes at this size. On CUD
 a bucket's copies into a CUDA graph the second time the same bucket (same names at the same source and
 destination addresses) arrives and replays it from then on: one launch per bucket. The addresses are stable:
 a colocated trainer updates its parameters in place, and vLLM's sleep maps the weights back at the same
-virtual addresses.
+virtual addresses. Which kernels the graph holds is measured, not assumed: the multi-tensor copy launches
+few kernels but moves a large matrix in small fixed chunks, a plain copy streams one tensor at full width;
+the bucket is recorded in each ``COPY_LAYOUTS`` and the one that replays fastest on this device is kept.
 """
 
 from __future__ import annotations
@@ -168,6 +170,44 @@ class _Layout:
     device_index: int = -1
 
 
+#: How a bucket's copies can be laid out in kernels: all in one multi-tensor copy; tensors of at least
+#: ``LARGE_COPY_NUMEL`` values each in a copy of its own and the rest in one multi-tensor copy; every tensor
+#: in a copy of its own.
+COPY_LAYOUTS = ("multi_tensor", "large_alone", "per_tensor")
+LARGE_COPY_NUMEL = 1 << 20
+
+
+def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor], layout: str = "multi_tensor") -> None:
+    """``dst.copy_(src)`` for every pair (casting), in the kernels ``layout`` names; the values written do not
+    depend on it."""
+    if layout == "multi_tensor":
+        torch._foreach_copy_(dsts, srcs)
+    elif layout == "per_tensor":
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src)
+    elif layout == "large_alone":
+        small_dsts, small_srcs = [], []
+        for dst, src in zip(dsts, srcs):
+            if src.numel() >= LARGE_COPY_NUMEL:
+                dst.copy_(src)
+            else:
+                small_dsts.append(dst)
+                small_srcs.append(src)
+        if small_dsts:
+            torch._foreach_copy_(small_dsts, small_srcs)
+    else:
+        raise ValueError(f"unknown copy layout {layout!r}; one of {COPY_LAYOUTS}")
+
+
+def distinct_layouts(srcs: list[torch.Tensor]) -> tuple[str, ...]:
+    """The layouts of ``COPY_LAYOUTS`` that launch different kernels for these sources (no tensor large
+    enough: ``large_alone`` is ``multi_tensor``; one tensor: all three are the same)."""
+    if len(srcs) <= 1:
+        return ("multi_tensor",)
+    large = sum(1 for src in srcs if src.numel() >= LARGE_COPY_NUMEL)
+    return ("multi_tensor", "per_tensor") if large in (0, len(srcs)) else COPY_LAYOUTS
+
+
 def copy_key(names: tuple[str, ...], dsts: list[torch.Tensor], srcs: list[torch.Tensor],
              dst_ptrs: tuple[int, ...] | None = None) -> Hashable | None:
     """What a recorded copy depends on: the names and, for each pair, both addresses and the source dtype
@@ -185,20 +225,23 @@ def _key(names: tuple[str, ...], dst_ptrs: tuple[int, ...], srcs: list[torch.Ten
 
 
 class GraphedCopies:
-    """Per-bucket CUDA graphs of ``torch._foreach_copy_(dsts, srcs)``, keyed by ``copy_key``.
+    """Per-bucket CUDA graphs of a bucket's copies (``copy_tensors``), keyed by ``copy_key``.
 
-    A key seen for the first time is copied eagerly and remembered; the second time it is captured and
-    replayed; later it is replayed only. Any capture failure turns recording off for good (eager copies are
-    always correct). ``stats`` counts what happened."""
+    A key seen for the first time is copied eagerly and remembered; the second time it is recorded in each
+    distinct layout, the fastest to replay is kept, and it is replayed from then on. Any capture failure turns
+    recording off for good (eager copies are always correct). ``stats`` counts what happened, and how many
+    kept graphs use each layout (``layout_<name>``)."""
 
     MAX_KEYS = 256  # unseen keys every update (fresh receive buffers) must not grow without bound
     MAX_GRAPHS = 64  # graphs of addresses that keep moving (a trainer offloaded between syncs) are dropped
+    TIMING_ROUNDS = 3  # replays of each candidate when choosing (the copies are idempotent: same values)
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._graphs: dict[Hashable, Any] = {}
         self._seen: set[Hashable] = set()
-        self.stats = {"eager": 0, "captured": 0, "replayed": 0, "failed": 0}
+        self.stats = {"eager": 0, "captured": 0, "replayed": 0, "failed": 0,
+                      **{f"layout_{name}": 0 for name in COPY_LAYOUTS}}
 
     def copy(self, key: Hashable | None, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         graph = self._graphs.get(key) if key is not None else None
@@ -208,7 +251,7 @@ class GraphedCopies:
             return
         if self.enabled and key is not None and key in self._seen:
             try:
-                graph = self._capture(dsts, srcs)
+                layout, graph = self._capture(dsts, srcs)
             except Exception as exc:  # noqa: BLE001 - recording is an optimisation: fall back, say why once
                 self.enabled = False
                 self.stats["failed"] += 1
@@ -219,6 +262,7 @@ class GraphedCopies:
                 self._graphs[key] = graph
                 graph.replay()
                 self.stats["captured"] += 1
+                self.stats[f"layout_{layout}"] += 1
                 return
         torch._foreach_copy_(dsts, srcs)
         self.stats["eager"] += 1
@@ -227,10 +271,32 @@ class GraphedCopies:
                 self._seen.clear()
             self._seen.add(key)
 
-    @staticmethod
-    def _capture(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:
+    @classmethod
+    def _capture(cls, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple[str, Any]:
+        """(layout, graph) of the fastest recording of these copies on this device."""
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            torch._foreach_copy_(dsts, srcs)
-        return graph
+        candidates = {}
+        for layout in distinct_layouts(srcs):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                copy_tensors(dsts, srcs, layout)
+            candidates[layout] = graph
+        if len(candidates) == 1:
+            return next(iter(candidates.items()))
+        best = fastest(candidates, cls.TIMING_ROUNDS)
+        return best, candidates[best]
+
+
+def fastest(graphs: Mapping[str, Any], rounds: int) -> str:
+    """The name of the graph with the shortest replay (best of ``rounds``, taken in turns so that a slow
+    moment of the device falls on every candidate alike)."""
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            best[name] = min(best.get(name, float("inf")), start.elapsed_time(end))
+    return min(best, key=best.__getitem__)
