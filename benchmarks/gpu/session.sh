@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One measurement on the GPU host, after the engine's wheels were unpacked into SITE (see benchmarks/gpu/README.md).
-#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | install | megatron | grpo | micro | sglang-tests
+#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | install | megatron | grpo | micro | reshard-profile | gpu-tests | sglang-tests
 # Figures and logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 site=$1 step=$2; shift 2
@@ -21,6 +21,9 @@ case $step in
           --out "$OUT/grpo_step_$backend${TAG:-}.json" "$@" ;;
   install) ;;  # only the editable installs above (do it once before running steps side by side)
   micro) python3 benchmarks/vllm_rollout.py --parts micro --out "$OUT/${TAG:-vllm}_rollout.json" --log-dir "$OUT/${TAG:-vllm}" "$@" ;;
+  reshard-profile) python3 benchmarks/reshard_profile.py --out "$OUT/reshard_profile${TAG:-}.json" "$@" ;;
+  gpu-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/vllm/test_copy_plan.py tests/fsdp/test_fsdp_cuda.py \
+          "$@" 2>&1 | tee "$OUT/gpu_tests.log" ;;
   sglang-tests) python3 -m pytest -q -s -p no:cacheprovider tests/sglang/test_sglang_engine.py tests/sglang/test_sglang_kit.py \
           "$@" 2>&1 | tee "$OUT/sglang_tests.log" ;;
   *) echo "unknown step $step"; exit 2 ;;
