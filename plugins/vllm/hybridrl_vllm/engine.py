@@ -157,6 +157,9 @@ class VLLMRollout(RolloutEngine):
         self.copy_plan = "learn" if self.weight_load == "direct" and self.opts.fast_import else "off"
         self.copy_plan_report: dict[str, Any] = {}
         self.generate_timing: dict[str, float] = {}
+        self._import_marks: list[float] = []  # the last update's begin, woken, loaded, closed (import_stats)
+        self.prefix_reset = True  # whether the last update had to reset the prefix cache
+        self.last_sleep_level: str | int | None = None  # how the engine last slept (wake undoes exactly that)
 
     def data_parallel(self) -> DataParallelInfo:
         return self.layout.data_parallel()
@@ -264,12 +267,12 @@ class VLLMRollout(RolloutEngine):
     def import_stats(self) -> dict[str, float]:
         """Where the last update's time went: waking the weights, loading (copies included, up to the device
         sync), and closing (prefix-cache reset, when one was needed); and how the copies ran."""
-        marks = getattr(self, "_import_marks", [])
+        marks = self._import_marks
         if len(marks) != 4:
             return {}
         stats = {"wake_weights_s": marks[1] - marks[0], "load_s": marks[2] - marks[1], "close_s": marks[3] - marks[2],
                  "copy_plan": 1.0 if self.copy_plan == "on" else 0.0,
-                 "prefix_reset": 1.0 if getattr(self, "prefix_reset", True) else 0.0}
+                 "prefix_reset": 1.0 if self.prefix_reset else 0.0}
         if self.copy_plan == "on":
             graphs = compat.run_on_workers(self.llm, _copy_graph_stats)
             stats.update({f"copy_graphs_{k}": float(v) for k, v in (graphs[0] if graphs else {}).items()})
@@ -295,7 +298,7 @@ class VLLMRollout(RolloutEngine):
         if not self.can_sleep:
             return
         tags = self.state.on_wake()
-        if tags and getattr(self, "last_sleep_level", None) == KV_ONLY:  # how it slept, not how it is set now
+        if tags and self.last_sleep_level == KV_ONLY:  # how it slept, not how it is set now
             if tags != [KV_CACHE]:
                 raise RuntimeError(f"sleep_level=kv_cache keeps the weights resident, yet {tags} must wake")
             compat.resume_kv_cache(self.llm)
