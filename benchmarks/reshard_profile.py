@@ -133,6 +133,7 @@ def main() -> None:
         return real, marked
 
     fine = [(cp.CopyPlan, "_split", "split"), (cp.GraphedCopies, "copy", "graphs"), (compat, "run_on_workers", "rpc"),
+            (cp.GraphedCopies, "replay_reused", "reused"),
             (actor._local_shards, "buckets", "shards_buckets"), (torch.cuda.CUDAGraph, "replay", "replay"),
             (cp, "copy_key", "key")]
     originals = []

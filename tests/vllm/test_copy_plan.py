@@ -3,10 +3,13 @@ gate/up along dim 0), against an independent packing with ``torch.cat``. Engine-
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
 
+from hybridrl.weight_buckets import ReusedBucket
 from hybridrl_vllm import copy_plan
 from hybridrl_vllm.copy_plan import COPY_LAYOUTS, CopyPlan, GraphedCopies, checksum, copy_key, copy_tensors, distinct_layouts
 
@@ -116,6 +119,64 @@ def test_graphed_copies_capture_on_the_second_sighting_and_replay_after(monkeypa
     assert graphs.stats["eager"] == 2 and dst[0].eq(9).all()
 
 
+def _recorded_graphs(monkeypatch) -> GraphedCopies:
+    monkeypatch.setattr(GraphedCopies, "_capture", staticmethod(lambda d, s: ("multi_tensor", _RecordedCopy(d, s))))
+    return GraphedCopies()
+
+
+def test_a_reused_bucket_is_replayed_by_identity_while_it_holds_the_same_tensors(monkeypatch):
+    graphs = _recorded_graphs(monkeypatch)
+    a, b = torch.arange(3.0), torch.arange(4.0)
+    bucket = ReusedBucket([("a", a), ("b", b)])
+    dsts, srcs = [torch.zeros(3), torch.zeros(4)], [a, b]
+    graphs.remember_reused(bucket, srcs, "k")  # no graph for the key yet: nothing to remember
+    assert not graphs.replay_reused(bucket)
+    graphs.copy("k", dsts, srcs)
+    graphs.copy("k", dsts, srcs)  # recorded
+    graphs.remember_reused(bucket, srcs, "k")
+    a.add_(10)  # updated in place, as an optimiser step does
+    assert graphs.replay_reused(bucket)
+    assert torch.equal(dsts[0], a) and graphs.stats["reused"] == 1 and graphs.stats["replayed"] == 1
+    assert not graphs.replay_reused(ReusedBucket(bucket))  # the same items in another bucket: not known
+    bucket[1] = ("b", torch.arange(4.0))  # another tensor in its place: its graph would read the old one
+    assert not graphs.replay_reused(bucket)
+    bucket[1] = ("b", b)
+    assert not graphs.replay_reused(bucket), "a bucket found changed must be forgotten, not trusted again"
+    assert graphs.stats["reused"] == 1 and graphs.remembered_buckets == 0
+
+
+def test_a_reused_bucket_whose_tensor_moved_is_not_replayed(monkeypatch):
+    graphs = _recorded_graphs(monkeypatch)
+    a = torch.arange(3.0)
+    bucket = ReusedBucket([("a", a)])
+    for _ in range(2):
+        graphs.copy("k", [torch.zeros(3)], [a])
+    graphs.remember_reused(bucket, [a], "k")
+    with torch.no_grad():
+        a.data = a.data.clone()  # the same tensor object given new storage (an onload)
+    assert not graphs.replay_reused(bucket)
+
+
+def test_only_reused_buckets_copied_from_their_own_tensors_are_remembered_and_weakly(monkeypatch):
+    graphs = _recorded_graphs(monkeypatch)
+    a = torch.arange(3.0)
+    for _ in range(2):
+        graphs.copy("k", [torch.zeros(3)], [a])
+    plain = [("a", a)]
+    graphs.remember_reused(plain, [a], "k")  # a plain list is made afresh per update: never known by identity
+    moved = ReusedBucket([("a", a)])
+    graphs.remember_reused(moved, [a.clone()], "k")  # the graph reads a copy of the bucket's tensor, not it
+    part = ReusedBucket([("a", a), ("rotary.inv_freq", torch.ones(2))])
+    graphs.remember_reused(part, [a], "k")  # a tensor left to load_weights: the graph alone is not the import
+    assert graphs.remembered_buckets == 0
+    held = ReusedBucket([("a", a)])
+    graphs.remember_reused(held, [a], "k")
+    assert graphs.remembered_buckets == 1
+    del held
+    gc.collect()
+    assert graphs.remembered_buckets == 0  # the exporter let it go: so does the importer
+
+
 def test_graphed_copies_fall_back_for_good_when_capture_fails(monkeypatch):
     def fail(d, s):
         raise RuntimeError("capture not supported")
@@ -153,7 +214,9 @@ def test_every_copy_layout_writes_the_same_values(monkeypatch):
 def test_only_layouts_that_launch_different_kernels_are_tried(monkeypatch):
     monkeypatch.setattr(copy_plan, "LARGE_COPY_NUMEL", 64)
     big, small = torch.zeros(64), torch.zeros(8)
-    assert distinct_layouts([big]) == ("multi_tensor",)
+    assert distinct_layouts([big]) == ("multi_tensor", "per_tensor")  # chunked over kernels, or one plain copy
+    assert distinct_layouts([small]) == ("multi_tensor", "per_tensor")
+    assert distinct_layouts([]) == ("multi_tensor",)
     assert distinct_layouts([small, small]) == ("multi_tensor", "per_tensor")  # large_alone is multi_tensor
     assert distinct_layouts([big, big]) == ("multi_tensor", "per_tensor")  # large_alone is per_tensor
     assert distinct_layouts([big, small]) == COPY_LAYOUTS
@@ -211,3 +274,20 @@ def test_recorded_copies_keep_the_fastest_layout_and_read_each_update(monkeypatc
         assert all(torch.equal(d, s.to(torch.bfloat16)) for d, s in zip(dsts, srcs)), step
     assert (graphs.stats["eager"], graphs.stats["captured"], graphs.stats["replayed"]) == (1, 1, 1)
     assert sum(graphs.stats[f"layout_{name}"] for name in COPY_LAYOUTS) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: records and replays CUDA graphs")
+def test_a_reused_bucket_through_the_plan_is_replayed_by_identity_with_each_updates_values():
+    model = PackedToy().cuda()
+    hf = {n: t.cuda() for n, t in hf_tensors(4).items()}
+    plan = CopyPlan.build(model, {n: tuple(t.shape) for n, t in hf.items()})
+    graphs, bucket = GraphedCopies(), ReusedBucket(hf.items())
+    for step in range(4):  # eager, recorded, then known by identity
+        for t in hf.values():
+            t.add_(1.0)
+        assert plan.copy(bucket, graphs) == []
+        torch.cuda.synchronize()
+        assert torch.equal(model.norm, hf["model.norm.weight"].to(torch.bfloat16)), step
+    assert (graphs.stats["eager"], graphs.stats["captured"], graphs.stats["reused"]) == (1, 1, 2)
+

@@ -37,7 +37,7 @@ from hybridrl.engine_support import (WeightedMean, check_same_count, engine_devi
                                      require_process_group, sampling_temperature)
 from hybridrl.engines import VALUES, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
 from hybridrl.sync_check import GREEDY_MARGIN, greedy_margins
-from hybridrl.weight_buckets import group_into_buckets
+from hybridrl.weight_buckets import ReusedBucket, group_into_buckets
 
 from hybridrl_fsdp.logprobs import chunked_log_probs
 from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter_rows
@@ -412,8 +412,9 @@ class LocalShards:
     out again while each bucket's parameters still have the local tensors kept, at the same addresses
     (optimiser steps update in place; ``offload``/``onload`` and loads swap them). Each bucket is checked
     just before it is handed out, in C (map over attrgetter, ``is`` and ``data_ptr``: ~0.2 us a tensor), so the
-    first bucket's copies start before the last one is checked. A bucket found moved is handed out fresh and
-    everything is rebuilt at the next call."""
+    first bucket's copies start before the last one is checked. A bucket that holds is the same
+    ``ReusedBucket`` object each time (an importer may know it by identity); one found moved is handed out
+    fresh, as a plain list, and everything is rebuilt at the next call."""
 
     def __init__(self) -> None:
         self._groups: list[_KeptBucket] | None = None
@@ -452,8 +453,8 @@ class LocalShards:
         params = dict(named)
         self._bucket_bytes = bucket_bytes
         self._checkable = all(_local_tensor(p) is not None for _, p in named)  # else built for one call only
-        self._groups = [_KeptBucket(bucket, [params[name] for name, _ in bucket] if self._checkable else None)
-                        for bucket in group_into_buckets(iter(items), bucket_bytes)]
+        self._groups = [_KeptBucket(ReusedBucket(bucket), [params[name] for name, _ in bucket]) if self._checkable
+                        else _KeptBucket(bucket, None) for bucket in group_into_buckets(iter(items), bucket_bytes)]
 
 
 class _KeptBucket:

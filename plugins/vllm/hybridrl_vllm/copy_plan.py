@@ -17,13 +17,21 @@ a colocated trainer updates its parameters in place, and vLLM's sleep maps the w
 virtual addresses. Which kernels the graph holds is measured, not assumed: the multi-tensor copy launches
 few kernels but moves a large matrix in small fixed chunks, a plain copy streams one tensor at full width;
 the bucket is recorded in each ``COPY_LAYOUTS`` and the one that replays fastest on this device is kept.
+
+Working out a bucket's key (names, addresses, dtypes: ~1 us a tensor in Python's C calls) is itself host
+work the device waits for between buckets. A bucket the exporter hands out again as the same object
+(``ReusedBucket``: FSDP's kept views of its live shards) is known by identity once its graph exists: the
+same items, their tensors at the same addresses, and its graph is replayed at once.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+import weakref
 from dataclasses import dataclass, field
-from operator import attrgetter, itemgetter
+from functools import partial
+from operator import attrgetter, is_, itemgetter
 from typing import Any, Hashable, Iterable, Mapping
 
 import torch
@@ -141,7 +149,10 @@ class CopyPlan:
     def copy(self, bucket: Iterable[tuple[str, torch.Tensor]], graphs: "GraphedCopies | None" = None) -> WeightBucket:
         """Copy the placed tensors of ``bucket`` (one fused multi-tensor copy, casting; replayed from a CUDA
         graph when ``graphs`` has one for it); return the rest."""
-        layout, srcs, rest = self._split(bucket if isinstance(bucket, list) else list(bucket))
+        if graphs is not None and graphs.replay_reused(bucket):
+            return []
+        items = bucket if isinstance(bucket, list) else list(bucket)
+        layout, srcs, rest = self._split(items)
         if not srcs:
             return rest
         if graphs is None:
@@ -149,6 +160,8 @@ class CopyPlan:
         else:  # ``_split`` put every source on the destinations' device already
             key = _key(layout.names, layout.dst_ptrs, srcs) if layout.dsts[0].is_cuda else None
             graphs.copy(key, layout.dsts, srcs)
+            if key is not None:
+                graphs.remember_reused(items, srcs, key)
         return rest
 
 
@@ -201,8 +214,9 @@ def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor], layout: str
 
 def distinct_layouts(srcs: list[torch.Tensor]) -> tuple[str, ...]:
     """The layouts of ``COPY_LAYOUTS`` that launch different kernels for these sources (no tensor large
-    enough: ``large_alone`` is ``multi_tensor``; one tensor: all three are the same)."""
-    if len(srcs) <= 1:
+    enough: ``large_alone`` is ``multi_tensor``; all large: it is ``per_tensor``). One tensor still has two:
+    the multi-tensor copy cuts it into fixed chunks over several kernels, a plain copy is one."""
+    if not srcs:
         return ("multi_tensor",)
     large = sum(1 for src in srcs if src.numel() >= LARGE_COPY_NUMEL)
     return ("multi_tensor", "per_tensor") if large in (0, len(srcs)) else COPY_LAYOUTS
@@ -229,8 +243,10 @@ class GraphedCopies:
 
     A key seen for the first time is copied eagerly and remembered; the second time it is recorded in each
     distinct layout, the fastest to replay is kept, and it is replayed from then on. Any capture failure turns
-    recording off for good (eager copies are always correct). ``stats`` counts what happened, and how many
-    kept graphs use each layout (``layout_<name>``)."""
+    recording off for good (eager copies are always correct). A ``ReusedBucket`` whose copies have a graph is
+    remembered by identity (``remember_reused``), weakly, and replayed without its key (``replay_reused``).
+    ``stats`` counts what happened (``reused``: replays known by identity, also counted in ``replayed``), and
+    how many kept graphs use each layout (``layout_<name>``)."""
 
     MAX_KEYS = 256  # unseen keys every update (fresh receive buffers) must not grow without bound
     MAX_GRAPHS = 64  # graphs of addresses that keep moving (a trainer offloaded between syncs) are dropped
@@ -240,8 +256,50 @@ class GraphedCopies:
         self.enabled = enabled
         self._graphs: dict[Hashable, Any] = {}
         self._seen: set[Hashable] = set()
-        self.stats = {"eager": 0, "captured": 0, "replayed": 0, "failed": 0,
+        self._reused: dict[int, _Reused] = {}  # id(bucket) -> what it held when its graph was found
+        self.stats = {"eager": 0, "captured": 0, "replayed": 0, "reused": 0, "failed": 0,
                       **{f"layout_{name}": 0 for name in COPY_LAYOUTS}}
+
+    def remember_reused(self, bucket: list[tuple[str, torch.Tensor]], srcs: list[torch.Tensor], key: Hashable) -> None:
+        """Know ``bucket`` by identity from now on, if it is a ``ReusedBucket`` (weakly referenceable: a
+        plain list is made afresh per update), ``key`` has a graph, and the graph reads the bucket's own
+        tensors (``srcs``: every one placed, none moved to another device first)."""
+        graph = self._graphs.get(key)
+        if graph is None or id(bucket) in self._reused:
+            return
+        if len(srcs) != len(bucket) or not all(map(is_, srcs, map(_TENSOR, bucket))):
+            return
+        try:
+            ref = weakref.ref(bucket, partial(self._forget, id(bucket)))
+        except TypeError:
+            return
+        self._reused[id(bucket)] = _Reused(ref, tuple(bucket), tuple(map(_DATA_PTR, srcs)), graph)
+
+    def replay_reused(self, bucket: Any) -> bool:
+        """Replay the graph of a remembered bucket that still holds the same items (names and tensor objects)
+        at the same addresses; False (and forgotten) otherwise."""
+        reused = self._reused.get(id(bucket))
+        if reused is None or reused.ref() is not bucket:
+            return False
+        if (len(bucket) != len(reused.items) or not all(map(is_, bucket, reused.items))
+                or tuple(map(_DATA_PTR, map(_TENSOR, bucket))) != reused.src_ptrs):
+            del self._reused[id(bucket)]
+            return False
+        reused.graph.replay()
+        self.stats["replayed"] += 1
+        self.stats["reused"] += 1
+        return True
+
+    @property
+    def remembered_buckets(self) -> int:
+        """How many buckets are known by identity now."""
+        return len(self._reused)
+
+    def _forget(self, ident: int, ref: weakref.ref) -> None:
+        """A remembered bucket was freed: drop its entry (and its references to the tensors)."""
+        reused = self._reused.get(ident)
+        if reused is not None and reused.ref is ref:
+            del self._reused[ident]
 
     def copy(self, key: Hashable | None, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         graph = self._graphs.get(key) if key is not None else None
@@ -259,6 +317,7 @@ class GraphedCopies:
             else:
                 if len(self._graphs) >= self.MAX_GRAPHS:
                     self._graphs.clear()
+                    self._reused.clear()
                 self._graphs[key] = graph
                 graph.replay()
                 self.stats["captured"] += 1
@@ -288,15 +347,29 @@ class GraphedCopies:
 
 
 def fastest(graphs: Mapping[str, Any], rounds: int) -> str:
-    """The name of the graph with the shortest replay (best of ``rounds``, taken in turns so that a slow
-    moment of the device falls on every candidate alike)."""
+    """The name of the graph with the shortest replay, from the call to the end of its kernels: launching a
+    graph of many multi-tensor kernels (each with kilobytes of arguments) takes host time a sync waits for too.
+    Best of ``rounds``, taken in turns so that a slow moment of the device falls on every candidate alike."""
     best: dict[str, float] = {}
     for _ in range(rounds):
         for name, graph in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
             graph.replay()
-            end.record()
-            end.synchronize()
-            best[name] = min(best.get(name, float("inf")), start.elapsed_time(end))
+            torch.cuda.synchronize()
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
     return min(best, key=best.__getitem__)
+
+
+@dataclass
+class _Reused:
+    """A remembered ``ReusedBucket``: a weak reference to it, its items and their tensors' addresses when its
+    graph was found, and the graph."""
+
+    ref: weakref.ref
+    items: tuple[tuple[str, torch.Tensor], ...]
+    src_ptrs: tuple[int, ...]
+    graph: Any
+
+
+_DATA_PTR = torch.Tensor.data_ptr
