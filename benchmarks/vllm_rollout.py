@@ -189,10 +189,12 @@ def _paired_ratio(samples: dict[str, list[float]], num: str, den: str) -> dict[s
 
 
 def _cycles(rollout: Any, actor: Any, mem: "Memory", device: str, bucket: int, small: Any, short: Any, count: int,
-            label: str, large: bool = True) -> dict[str, Any]:
+            label: str, large: bool = True, flat_copy: Callable[[], Any] | None = None) -> dict[str, Any]:
     """``count`` trainer-order cycles: wake, generate a little, sleep, reshard while asleep, wake. ``large``:
     the bridge's default (views copied in place go in buckets of at least ``VIEW_BUCKET_BYTES``); False
-    keeps ``bucket`` bytes per bucket."""
+    keeps ``bucket`` bytes per bucket. ``flat_copy``: timed right after each sync, in the same asleep window
+    (the device runs slower just after a sleep than in a loop of copies; after the sync it is at least as warm
+    as the sync was, so the ratio to it does not flatter the sync)."""
     from hybridrl.bridge import sync_in_process
 
     out: dict[str, Any] = {}
@@ -203,6 +205,7 @@ def _cycles(rollout: Any, actor: Any, mem: "Memory", device: str, bucket: int, s
         t_sleep, _ = timed(rollout.sleep, device)
         after = mem.mark(f"{label}_asleep_{k}")
         t_sync, stats = timed(lambda: sync_in_process(actor, rollout, bucket, views_in_large_buckets=large), device)
+        t_flat = timed(flat_copy, device)[0] if flat_copy is not None else None
         mem.mark(f"{label}_synced_{k}")
         t_wake, _ = timed(rollout.wake, device)
         mem.mark(f"{label}_awake_{k}")
@@ -211,6 +214,8 @@ def _cycles(rollout: Any, actor: Any, mem: "Memory", device: str, bucket: int, s
                             # the sync without mapping discarded weights back (a wake stage, level 2 only)
                             "reshard_without_weight_wake_s": t_sync - float(stats.get("wake_weights_s", 0.0)),
                             "import_parts": {k2: v for k2, v in stats.items() if k2 not in ("bytes", "buckets")}}
+        if t_flat is not None:
+            out[f"cycle{k}"]["flat_copy_after_sync_s"] = t_flat
     return out
 
 
@@ -219,8 +224,12 @@ def _steady(cycles: dict[str, Any], count: int, flat: float, cast_copy: float) -
     against the flat and cast copies of the same bytes."""
     steady = [cycles[f"cycle{k}"] for k in range(2, count)] or [cycles["cycle0"]]
     sync = statistics.median(c["reshard_asleep_s"] for c in steady)
-    return {"reshard_steady_s": sync, "reshard_vs_flat_copy": sync / flat, "reshard_vs_cast_copy": sync / cast_copy,
-            "reshard_without_weight_wake_steady_s": statistics.median(c["reshard_without_weight_wake_s"] for c in steady)}
+    out = {"reshard_steady_s": sync, "reshard_vs_flat_copy": sync / flat, "reshard_vs_cast_copy": sync / cast_copy,
+           "reshard_without_weight_wake_steady_s": statistics.median(c["reshard_without_weight_wake_s"] for c in steady)}
+    if all("flat_copy_after_sync_s" in c for c in steady):  # each sync against the flat copy of its own cycle
+        out["reshard_vs_flat_copy_same_cycle"] = statistics.median(
+            c["reshard_asleep_s"] / c["flat_copy_after_sync_s"] for c in steady)
+    return out
 
 
 def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
@@ -356,16 +365,19 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     # the bytes the engine holds (its dtype), whatever dtype the export travelled in
     nbytes = sum(p.numel() for p in actor.model.parameters()) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
     cycle["exported_bytes"] = int(stats["bytes"])
-    # the default level (auto: 1 while fresh, then 2); steady state from the third cycle on (the second
-    # records the copies' CUDA graphs)
-    cycle.update(_cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "default"))
-    # the same bytes in one flat device-to-device copy (the floor any reshard is measured against)
+    # the same bytes in one flat device-to-device copy (the floor any reshard is measured against): the best
+    # of five back to back, and once in each cycle right after its sync
     dev = torch.device(device)
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    copies = [timed(lambda: dst.copy_(src), device)[0] for _ in range(5)]
-    del src, dst
-    flat = min(copies)
+
+    def flat_copy() -> None:
+        dst.copy_(src)
+
+    # the default level (auto: 1 while fresh, then 2); steady state from the third cycle on (the second
+    # records the copies' CUDA graphs)
+    cycle.update(_cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "default", flat_copy=flat_copy))
+    flat = min(timed(flat_copy, device)[0] for _ in range(5))
     # and the least any sync from fp32 master weights must move: one cast-copy of as many values into the
     # engine's dtype (read 4 bytes, write 2 per value)
     numel = sum(p.numel() for p in actor.model.parameters())
@@ -380,13 +392,15 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         try:
             rollout.wake()
             rollout.state.level = "kv_cache"
-            kv = _cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "kv_only")
+            kv = _cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "kv_only", flat_copy=flat_copy)
             cycle["kv_only"] = {**kv, **_steady(kv, args.cycles, flat, cast_copy)}
             # the same with the configured bucket size, whatever the engines allow
-            kv_b = _cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "kv_only_buckets", large=False)
+            kv_b = _cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "kv_only_buckets",
+                           large=False, flat_copy=flat_copy)
             cycle["kv_only_buckets"] = {**kv_b, **_steady(kv_b, args.cycles, flat, cast_copy)}
         except Exception as exc:  # noqa: BLE001 - keep the rest of the figures
             cycle["kv_only"] = {"error": repr(exc)[:2000]}
+    del src, dst
     out["reshard_sleep_wake"] = cycle
     # agreement: rollout log-probs against the actor's on the same tokens (same weights after the sync)
     rollout.wake()

@@ -24,7 +24,9 @@ case $step in
   reshard-profile) python3 benchmarks/reshard_profile.py --out "$OUT/reshard_profile${TAG:-}.json" "$@" ;;
   gpu-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/vllm/test_copy_plan.py tests/fsdp/test_fsdp_cuda.py \
           "$@" 2>&1 | tee "$OUT/gpu_tests.log" ;;
-  sglang-tests) python3 -m pytest -q -s -p no:cacheprovider tests/sglang/test_sglang_engine.py tests/sglang/test_sglang_kit.py \
-          "$@" 2>&1 | tee "$OUT/sglang_tests.log" ;;
+  sglang-tests)  # one pytest per file: a run cut short by the device's time still reports the first file's failures
+          for f in tests/sglang/test_sglang_engine.py tests/sglang/test_sglang_kit.py; do
+            python3 -m pytest -q -s -p no:cacheprovider -rfE "$f" "$@"
+          done 2>&1 | tee "$OUT/sglang_tests.log" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
