@@ -253,7 +253,27 @@ def test_weight_load_choice():
     assert resolve_weight_load("auto", "cuda", quantized=False) == "direct"
     assert resolve_weight_load("auto", "cuda", quantized=True) == "layerwise"
     assert resolve_weight_load("auto", "cpu", quantized=False) == "layerwise"
-    assert resolve_weight_load("direct", "cpu", quantized=False) == "direct"
+    assert resolve_weight_load("direct", "cuda", quantized=False) == "direct"
+    assert resolve_weight_load("layerwise", "cuda", quantized=False) == "layerwise"
+
+
+def test_direct_weight_load_is_refused_where_it_cannot_work():
+    """On CPU vLLM repacks the linear weights and ``load_weights`` dies at the first sync (no ``weight_loader``);
+    a quantized model's weights are converted. Both are refused by name before any weights move."""
+    with pytest.raises(ValueError, match="weight_load='direct' needs CUDA"):
+        resolve_weight_load("direct", "cpu", quantized=False)
+    with pytest.raises(ValueError, match="weight_load='direct' cannot load a quantized model"):
+        resolve_weight_load("direct", "cuda", quantized=True)
+
+
+def test_the_rollout_refuses_direct_loads_on_cpu_before_starting_an_engine(tmp_path):
+    from hybridrl.engines import EngineContext
+    from hybridrl_vllm.engine import VLLMRollout
+
+    ctx = EngineContext(role="rollout", backend="vllm", model_path=str(tmp_path / "no-model"), rank=0, world_size=1,
+                        device="cpu", dtype="float32", seed=0, trainable=False, options={"weight_load": "direct"})
+    with pytest.raises(ValueError, match="weight_load='direct' needs CUDA"):  # not a missing model or vLLM
+        VLLMRollout(ctx)
 
 
 # --- tied weights --------------------------------------------------------------------------------------------

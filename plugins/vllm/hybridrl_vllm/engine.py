@@ -28,7 +28,7 @@ from hybridrl.rollout.common import special_ids
 
 from hybridrl_vllm import compat
 from hybridrl_vllm.copy_plan import CopyPlan, GraphedCopies, checksum
-from hybridrl_vllm.options import VLLMOptions, llm_kwargs, resolve_weight_load
+from hybridrl_vllm.options import VLLMOptions, check_weight_load, llm_kwargs, resolve_weight_load
 from hybridrl_vllm.packing import check_context, pack_responses, sampled_logprobs, unpad_prompts
 from hybridrl_vllm.parallel import ReplicaLayout
 from hybridrl_vllm.sampling import engine_seed, per_request_kwargs, resolve_seed_mode
@@ -130,6 +130,7 @@ class VLLMRollout(RolloutEngine):
             raise RuntimeError(f"the process group has {dist.get_world_size()} ranks, the rollout pool "
                                f"{ctx.world_size}: vLLM must join a group of exactly its pool")
         self.device = "cuda" if str(ctx.device).startswith("cuda") else "cpu"
+        check_weight_load(self.opts.weight_load, self.device)  # before the engine starts
         compat.prepare_process(self.device, ctx.rank, distributed)
         compat.check_version()
         from transformers import AutoConfig

@@ -16,7 +16,7 @@ Keys of ``roles.rollout`` (typed) and ``roles.rollout.options`` (free-form) that
 ``sleep_level``            1, 2, ``auto`` or ``kv_cache`` (weights stay resident; see ``hybridrl_vllm.sleep``)
 ``seed_mode``              ``request`` (one seed per row, reproducible), ``engine`` (one stream:
                            fast on GPU) or ``auto`` (request on CPU, engine on GPU)
-``weight_load``            ``auto``, ``direct`` (``load_weights`` into the live parameters) or
+``weight_load``            ``auto``, ``direct`` (``load_weights`` into the live parameters: CUDA, unquantized) or
                            ``layerwise`` (vLLM's in-place reload that re-runs weight processing:
                            needed where weights are repacked after loading, e.g. on CPU, or quantized)
 ``fast_import``            with ``direct`` loads, copy each tensor straight into its slice of the live
@@ -95,10 +95,26 @@ def _sleep_level(value: Any) -> int | str:
 def resolve_weight_load(choice: str, device: str, quantized: bool) -> str:
     """``direct`` only where the loaded tensors are the live ones: unquantized weights on CUDA. On CPU vLLM
     repacks linear weights after loading (and drops the originals), and quantization methods convert them;
-    there the in-place ``layerwise`` reload re-runs that processing."""
+    there the in-place ``layerwise`` reload re-runs that processing. ``direct`` asked for where it cannot
+    work is refused (``check_weight_load``)."""
+    check_weight_load(choice, device, quantized)
     if choice != "auto":
         return choice
     return "direct" if device == "cuda" and not quantized else "layerwise"
+
+
+def check_weight_load(choice: str, device: str, quantized: bool = False) -> None:
+    """Refuse ``weight_load='direct'`` on CPU or for a quantized model: ``load_weights`` into those parameters
+    fails at the first sync (on CPU the repacked linear layers have no ``weight_loader`` left) or writes
+    unconverted values. Called before the engine starts (device) and once it has loaded (quantization)."""
+    if choice != "direct":
+        return
+    if device != "cuda":
+        raise ValueError("weight_load='direct' needs CUDA: on CPU vLLM repacks the linear weights after loading "
+                         "and they can no longer be loaded in place; use 'layerwise' or 'auto'")
+    if quantized:
+        raise ValueError("weight_load='direct' cannot load a quantized model (its weights are converted after "
+                         "loading); use 'layerwise' or 'auto'")
 
 
 def llm_kwargs(opts: VLLMOptions, *, model_path: str, dtype: str, device: str, seed: int,
