@@ -539,7 +539,7 @@ def main() -> None:
     parser.add_argument("--backend", choices=["vllm", "sglang"], default="vllm")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen0.5b")
     parser.add_argument("--parts", default="micro,grpo")
-    parser.add_argument("--cycles", type=int, default=5, help="sleep/reshard/wake cycles per sleep level")
+    parser.add_argument("--cycles", type=int, default=9, help="sleep/reshard/wake cycles per sleep level (the median is over the third on)")
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--n-samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
