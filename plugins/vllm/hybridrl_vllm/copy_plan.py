@@ -148,7 +148,7 @@ class CopyPlan:
 
     def copy(self, bucket: Iterable[tuple[str, torch.Tensor]], graphs: "GraphedCopies | None" = None) -> WeightBucket:
         """Copy the placed tensors of ``bucket`` (one fused multi-tensor copy, casting; replayed from a CUDA
-        graph when ``graphs`` has one for it); return the rest."""
+        graph when ``graphs`` has one for it, at once when it knows the bucket by identity); return the rest."""
         if graphs is not None and graphs.replay_reused(bucket):
             return []
         items = bucket if isinstance(bucket, list) else list(bucket)
