@@ -13,7 +13,7 @@ import torch
 
 from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.engines import SamplingParams
-from hybridrl.testing.reference import ReferenceModel, sampling_log_probs
+from hybridrl.testing.reference import ReferenceModel, near_support_edge, sampling_log_probs
 
 MAX_LISTED = 8
 
@@ -102,7 +102,9 @@ def reference_problems(out: Batch, prompts: Sequence[Sequence[int]], ref: Refere
 
     Tokens, greedy: each is the reference argmax (or within ``tie_tolerance`` of its log-prob, a near-tie
     that numerical noise may break either way); sampled: each lies in the support of the sampling
-    distribution. Log-probs: equal to the reference's within ``logprob_atol``.
+    distribution, or within ``tie_tolerance`` of a top-k/top-p edge (``reference.near_support_edge``: the same
+    near-tie at the support's border; such a token's log-prob has no reference value and is not compared).
+    Log-probs: equal to the reference's within ``logprob_atol``.
 
     ``logit_rtol`` widens both tolerances of a row by that fraction of its largest reference logit: a 16-bit
     engine rounds logits (and the activations before them) relative to their size, 2**-8 per operation in
@@ -127,7 +129,7 @@ def reference_problems(out: Batch, prompts: Sequence[Sequence[int]], ref: Refere
                     tokens.append(f"row {i} step {t}: engine chose {tok}, the reference argmax is {best} "
                                   f"(log-prob gap {gap:.3g}); engine row {ids}")
                     break
-            elif not torch.isfinite(chosen[t]):
+            elif not torch.isfinite(chosen[t]) and not near_support_edge(logits[t], tok, params, eos_ids, t, row_tie):
                 tokens.append(f"row {i} step {t}: token {tok} has probability 0 under the sampling distribution "
                               f"(temperature={params.temperature}, top_k={params.top_k}, top_p={params.top_p}, "
                               f"min_new_tokens={params.min_new_tokens})")

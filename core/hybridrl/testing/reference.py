@@ -9,6 +9,7 @@ temperature, then top-k and top-p, renormalised; greedy: the log-softmax of the 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -90,6 +91,40 @@ def sampling_log_probs(logits: torch.Tensor, params: SamplingParams, eos_ids: Se
         return torch.log_softmax(logits, dim=-1)
     scaled = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
     return torch.log_softmax(scaled, dim=-1)
+
+
+def near_support_edge(logits: torch.Tensor, token: int, params: SamplingParams, eos_ids: Sequence[int], step: int,
+                      tolerance: float) -> bool:
+    """Whether ``token``, outside the top-k/top-p support that ``logits`` (one decoding step, unscaled) give, is
+    the support's next token in order of probability and within ``tolerance`` (in logits) of getting in: an
+    engine whose logits differ by that much may keep it. For top-k its log-prob is then no further below the
+    k-th largest; for top-p the probability before it falls short of ``top_p`` once scaled down by that much.
+    Only the first token past the edge: an engine that ignores the truncation draws further out too. An EOS
+    banned by ``min_new_tokens`` and greedy rows never are (exact rules)."""
+    if params.greedy or (step < params.min_new_tokens and token in eos_ids):
+        return False
+    row = logits.float().clone()
+    if step < params.min_new_tokens and eos_ids:
+        row[list(eos_ids)] = float("-inf")
+    scaled_tolerance = tolerance / params.temperature
+    logp = torch.log_softmax(row / params.temperature, dim=-1)
+    support = torch.isfinite(filter_top_k_top_p(logp[None], int(params.top_k or 0), params.top_p)[0])
+    outside = logp.masked_fill(support, float("-inf"))
+    if int(outside.argmax()) != token or bool(support[token]):
+        return False  # not the most likely token outside the support
+    k = int(params.top_k) if params.top_k else 0
+    if 0 < k < logp.shape[-1]:
+        kth = logp.topk(k).values[-1]
+        if logp[token] < kth - scaled_tolerance:
+            return False
+        # top-p then applies within the top-k, this token counted among them
+        logp = logp.masked_fill(logp < torch.minimum(kth, logp[token]), float("-inf"))
+    if params.top_p < 1.0:
+        probs = torch.softmax(logp, dim=-1)
+        before = float(probs[probs > probs[token]].sum())
+        if before * math.exp(-scaled_tolerance) >= params.top_p:
+            return False
+    return True
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,8 @@ class RolloutEngineContract(KitBase):
     attributes: ``device``, ``dtype``, ``engine_options``, ``logprob_atol``, ``greedy_tie_tolerance``."""
 
     #: a greedy token may differ from the reference argmax when their log-probs are closer than this (a
-    #: near-tie that numerical noise may break either way).
+    #: near-tie that numerical noise may break either way); a sampled token may be the first past a
+    #: top-k/top-p edge by as little (``hybridrl.testing.reference.near_support_edge``).
     greedy_tie_tolerance: float = 1e-4
     #: both tolerances widened by this fraction of a row's largest reference logit (16-bit engines; see
     #: ``hybridrl.testing.checks.reference_problems``).
