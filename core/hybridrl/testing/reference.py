@@ -10,6 +10,7 @@ temperature, then top-k and top-p, renormalised; greedy: the log-softmax of the 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -103,11 +104,9 @@ def near_support_edge(logits: torch.Tensor, token: int, params: SamplingParams, 
     banned by ``min_new_tokens`` and greedy rows never are (exact rules)."""
     if params.greedy or (step < params.min_new_tokens and token in eos_ids):
         return False
-    row = logits.float().clone()
-    if step < params.min_new_tokens and eos_ids:
-        row[list(eos_ids)] = float("-inf")
     scaled_tolerance = tolerance / params.temperature
-    logp = torch.log_softmax(row / params.temperature, dim=-1)
+    # the step's distribution before truncation (EOS banned as at this step, temperature applied)
+    logp = sampling_log_probs(logits[None], replace(params, top_k=0, top_p=1.0), eos_ids, first_step=step)[0]
     support = torch.isfinite(filter_top_k_top_p(logp[None], int(params.top_k or 0), params.top_p)[0])
     outside = logp.masked_fill(support, float("-inf"))
     if int(outside.argmax()) != token or bool(support[token]):

@@ -139,7 +139,7 @@ class CopyPlan:
             (rest if view is None or view.shape != tensor.shape else placed).append(i)
         dsts = [self.views[bucket[i][0]] for i in placed]
         layout = _Layout(placed, rest, dsts, tuple(bucket[i][0] for i in placed), [d.shape for d in dsts],
-                         tuple(d.data_ptr() for d in dsts), dsts[0].get_device() if dsts else -1)
+                         tuple(map(_DATA_PTR, dsts)), dsts[0].get_device() if dsts else -1)
         if keep:
             if len(self._layouts) >= self.MAX_LAYOUTS:
                 self._layouts.clear()
@@ -167,6 +167,7 @@ class CopyPlan:
 
 _NAME, _TENSOR = itemgetter(0), itemgetter(1)
 _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 @dataclass
@@ -231,11 +232,11 @@ def copy_key(names: tuple[str, ...], dsts: list[torch.Tensor], srcs: list[torch.
         return None
     if set(map(torch.Tensor.get_device, srcs)) != {dsts[0].get_device()}:
         return None
-    return _key(names, dst_ptrs if dst_ptrs is not None else tuple(map(torch.Tensor.data_ptr, dsts)), srcs)
+    return _key(names, dst_ptrs if dst_ptrs is not None else tuple(map(_DATA_PTR, dsts)), srcs)
 
 
 def _key(names: tuple[str, ...], dst_ptrs: tuple[int, ...], srcs: list[torch.Tensor]) -> Hashable:
-    return names, dst_ptrs, tuple(map(torch.Tensor.data_ptr, srcs)), tuple(map(_DTYPE, srcs))
+    return names, dst_ptrs, tuple(map(_DATA_PTR, srcs)), tuple(map(_DTYPE, srcs))
 
 
 class GraphedCopies:
@@ -371,5 +372,3 @@ class _Reused:
     src_ptrs: tuple[int, ...]
     graph: Any
 
-
-_DATA_PTR = torch.Tensor.data_ptr
