@@ -92,15 +92,28 @@ def main() -> None:
     result["foreach_copy_eager_ms"] = _median_ms(lambda: torch._foreach_copy_(dsts, srcs))
     # the whole model's copies recorded in each kernel layout the plugin chooses from (one graph each); the
     # plugin keeps, per bucket, whichever replays fastest (``copy_graphs_layout_*`` in the import stats)
-    def graphed(record) -> float:
+    def graphed(run) -> float:
+        run()  # Triton compiles the fused kernel here
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            record()
+            run()
         return _median_ms(graph.replay)
 
-    result["graph_ms"] = {layout: graphed(lambda layout=layout: cp.copy_tensors(dsts, srcs, layout))
-                          for layout in cp.COPY_LAYOUTS}
+    layouts = cp.distinct_layouts(srcs, dsts)
+    result["graph_ms"] = {layout: graphed(cp.copier(dsts, srcs, layout)) for layout in layouts}
+    if "fused" in layouts:  # the fused kernel's block size (values a program copies), against its default
+        from hybridrl_vllm import fused_copy
+
+        result["fused_block"] = fused_copy.BLOCK
+        result["fused_graph_ms_by_block"] = {block: graphed(fused_copy.FusedCopy(dsts, srcs, block))
+                                             for block in (1024, 2048, 4096, 8192, 16384)}
+    # the same values as one flat tensor each side, back to back: the floor the layouts are held against
+    numel = sum(p.numel() for p in actor.model.parameters())
+    master = torch.empty(numel, dtype=torch.float32, device="cuda")
+    served, served_again = (torch.empty(numel, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    result["flat_copy_ms"] = _median_ms(lambda: served_again.copy_(served))
+    result["cast_copy_ms"] = _median_ms(lambda: served.copy_(master))
     result["rpc_noop_ms"] = _median_ms(lambda: compat.run_on_workers(rollout.llm, lambda w: None), 50)
     # the trainer's order: generate a little, release the KV cache, sync; with a timeline of the sync's calls
     from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch, left_pad
@@ -141,9 +154,6 @@ def main() -> None:
         real, marked = wrap(owner, attr, label)
         originals.append((owner, attr, real))
         setattr(owner, attr, marked)
-    numel = sum(p.numel() for p in actor.model.parameters())
-    master = torch.empty(numel, dtype=torch.float32, device="cuda")
-    served = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
     cycles = []
     for k in range(12):
         rollout.wake()

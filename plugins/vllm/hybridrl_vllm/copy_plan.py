@@ -32,10 +32,12 @@ import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter, is_, itemgetter
-from typing import Any, Hashable, Iterable, Mapping
+from typing import Any, Callable, Hashable, Iterable, Mapping
 
 import torch
 from torch import nn
+
+from hybridrl_vllm import fused_copy
 
 WeightBucket = list[tuple[str, torch.Tensor]]
 log = logging.getLogger(__name__)
@@ -186,41 +188,54 @@ class _Layout:
 
 #: How a bucket's copies can be laid out in kernels: all in one multi-tensor copy; tensors of at least
 #: ``LARGE_COPY_NUMEL`` values each in a copy of its own and the rest in one multi-tensor copy; every tensor
-#: in a copy of its own.
-COPY_LAYOUTS = ("multi_tensor", "large_alone", "per_tensor")
+#: in a copy of its own; all in one grid of one Triton kernel (``fused_copy``: CUDA, contiguous pairs).
+COPY_LAYOUTS = ("multi_tensor", "large_alone", "per_tensor", "fused")
 LARGE_COPY_NUMEL = 1 << 20
 
 
-def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor], layout: str = "multi_tensor") -> None:
-    """``dst.copy_(src)`` for every pair (casting), in the kernels ``layout`` names; the values written do not
-    depend on it."""
+def copier(dsts: list[torch.Tensor], srcs: list[torch.Tensor], layout: str = "multi_tensor") -> Callable[[], None]:
+    """A call that does ``dst.copy_(src)`` for every pair (casting) in the kernels ``layout`` names; the values
+    written do not depend on it. The host work a layout needs (the fused kernel's tables) is done here, so the
+    call only launches kernels and can be recorded in a CUDA graph once it has run (Triton compiles then)."""
     if layout == "multi_tensor":
-        torch._foreach_copy_(dsts, srcs)
-    elif layout == "per_tensor":
-        for dst, src in zip(dsts, srcs):
-            dst.copy_(src)
-    elif layout == "large_alone":
-        small_dsts, small_srcs = [], []
-        for dst, src in zip(dsts, srcs):
-            if src.numel() >= LARGE_COPY_NUMEL:
-                dst.copy_(src)
-            else:
-                small_dsts.append(dst)
-                small_srcs.append(src)
-        if small_dsts:
-            torch._foreach_copy_(small_dsts, small_srcs)
-    else:
-        raise ValueError(f"unknown copy layout {layout!r}; one of {COPY_LAYOUTS}")
+        return partial(torch._foreach_copy_, dsts, srcs)
+    if layout == "per_tensor":
+        return partial(_copy_each, dsts, srcs)
+    if layout == "large_alone":
+        large = [i for i, src in enumerate(srcs) if src.numel() >= LARGE_COPY_NUMEL]
+        small = [i for i, src in enumerate(srcs) if src.numel() < LARGE_COPY_NUMEL]
+        plain = partial(_copy_each, [dsts[i] for i in large], [srcs[i] for i in large])
+        if not small:
+            return plain
+        multi = partial(torch._foreach_copy_, [dsts[i] for i in small], [srcs[i] for i in small])
+        return lambda: (plain(), multi())
+    if layout == "fused":
+        return fused_copy.FusedCopy(dsts, srcs)
+    raise ValueError(f"unknown copy layout {layout!r}; one of {COPY_LAYOUTS}")
 
 
-def distinct_layouts(srcs: list[torch.Tensor]) -> tuple[str, ...]:
+def _copy_each(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    for dst, src in zip(dsts, srcs):
+        dst.copy_(src)
+
+
+def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor], layout: str = "multi_tensor") -> None:
+    """``dst.copy_(src)`` for every pair (casting), in the kernels ``layout`` names, at once."""
+    copier(dsts, srcs, layout)()
+
+
+def distinct_layouts(srcs: list[torch.Tensor], dsts: list[torch.Tensor] | None = None) -> tuple[str, ...]:
     """The layouts of ``COPY_LAYOUTS`` that launch different kernels for these sources (no tensor large
     enough: ``large_alone`` is ``multi_tensor``; all large: it is ``per_tensor``). One tensor still has two:
-    the multi-tensor copy cuts it into fixed chunks over several kernels, a plain copy is one."""
+    the multi-tensor copy cuts it into fixed chunks over several kernels, a plain copy is one. ``fused`` only
+    with ``dsts`` given and every pair fit for it (``fused_copy.supports``)."""
     if not srcs:
         return ("multi_tensor",)
     large = sum(1 for src in srcs if src.numel() >= LARGE_COPY_NUMEL)
-    return ("multi_tensor", "per_tensor") if large in (0, len(srcs)) else COPY_LAYOUTS
+    layouts = ("multi_tensor", "per_tensor") if large in (0, len(srcs)) else ("multi_tensor", "large_alone", "per_tensor")
+    if dsts is not None and fused_copy.supports(dsts, srcs):
+        layouts += ("fused",)
+    return layouts
 
 
 def copy_key(names: tuple[str, ...], dsts: list[torch.Tensor], srcs: list[torch.Tensor],
@@ -252,6 +267,7 @@ class GraphedCopies:
     MAX_KEYS = 256  # unseen keys every update (fresh receive buffers) must not grow without bound
     MAX_GRAPHS = 64  # graphs of addresses that keep moving (a trainer offloaded between syncs) are dropped
     TIMING_ROUNDS = 3  # replays of each candidate when choosing (the copies are idempotent: same values)
+    _fused_failed = False  # the fused kernel could not be built in this process: not tried again
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -333,18 +349,44 @@ class GraphedCopies:
 
     @classmethod
     def _capture(cls, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple[str, Any]:
-        """(layout, graph) of the fastest recording of these copies on this device."""
+        """(layout, graph) of the fastest recording of these copies on this device. Each layout runs once
+        before it is recorded (the copies are idempotent: the same values; Triton compiles then). A fused
+        kernel that cannot be built here is left out, for good, and the other layouts still compete."""
         torch.cuda.synchronize()
         candidates = {}
-        for layout in distinct_layouts(srcs):
+        for layout in distinct_layouts(srcs, dsts):
+            if layout == "fused" and cls._fused_failed:
+                continue
+            try:
+                run = copier(dsts, srcs, layout)
+                run()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - an optional kernel; say why once
+                if layout != "fused":
+                    raise
+                cls._fused_failed = True
+                log.warning("the fused copy kernel failed here (%s); choosing among the other layouts", exc)
+                continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                copy_tensors(dsts, srcs, layout)
-            candidates[layout] = graph
+                run()
+            candidates[layout] = graph if layout != "fused" else _Recorded(graph, run)
         if len(candidates) == 1:
             return next(iter(candidates.items()))
         best = fastest(candidates, cls.TIMING_ROUNDS)
         return best, candidates[best]
+
+
+@dataclass
+class _Recorded:
+    """A graph together with what its kernels read besides the bucket's tensors (the fused copy's tables),
+    which must live as long as it can be replayed."""
+
+    graph: Any
+    keep: Any
+
+    def replay(self) -> None:
+        self.graph.replay()
 
 
 def fastest(graphs: Mapping[str, Any], rounds: int) -> str:
