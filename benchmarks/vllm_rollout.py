@@ -189,12 +189,14 @@ def _paired_ratio(samples: dict[str, list[float]], num: str, den: str) -> dict[s
 
 
 def _cycles(rollout: Any, actor: Any, mem: "Memory", device: str, bucket: int, small: Any, short: Any, count: int,
-            label: str, large: bool = True, flat_copy: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """``count`` trainer-order cycles: wake, generate a little, sleep, reshard while asleep, wake. ``large``:
-    the bridge's default (views copied in place go in buckets of at least ``VIEW_BUCKET_BYTES``); False
-    keeps ``bucket`` bytes per bucket. ``flat_copy``: timed right after each sync, in the same asleep window
-    (the device runs slower just after a sleep than in a loop of copies; after the sync it is at least as warm
-    as the sync was, so the ratio to it does not flatter the sync)."""
+            label: str, large: bool = True, flat_copy: Callable[[], Any] | None = None,
+            train: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """``count`` cycles in the trainer's order: wake, generate a little, sleep, ``train`` (an actor update:
+    what runs between the sleep and the sync in the loop; None: the sync right after the sleep, on a device
+    left idle through the sleep's host work), sync, wake. ``large``: the bridge's default (views copied in
+    place go in buckets of at least ``VIEW_BUCKET_BYTES``); False keeps ``bucket`` bytes per bucket.
+    ``flat_copy``: timed right after each sync, in the same asleep window (after the sync the device is at
+    least as warm as the sync found it, so the ratio to it does not flatter the sync)."""
     from hybridrl.bridge import sync_in_process
 
     out: dict[str, Any] = {}
@@ -204,6 +206,7 @@ def _cycles(rollout: Any, actor: Any, mem: "Memory", device: str, bucket: int, s
         before = mem.mark(f"{label}_before_sleep_{k}")
         t_sleep, _ = timed(rollout.sleep, device)
         after = mem.mark(f"{label}_asleep_{k}")
+        t_train = timed(train, device)[0] if train is not None else None
         t_sync, stats = timed(lambda: sync_in_process(actor, rollout, bucket, views_in_large_buckets=large), device)
         t_flat = timed(flat_copy, device)[0] if flat_copy is not None else None
         mem.mark(f"{label}_synced_{k}")
@@ -214,9 +217,32 @@ def _cycles(rollout: Any, actor: Any, mem: "Memory", device: str, bucket: int, s
                             # the sync without mapping discarded weights back (a wake stage, level 2 only)
                             "reshard_without_weight_wake_s": t_sync - float(stats.get("wake_weights_s", 0.0)),
                             "import_parts": {k2: v for k2, v in stats.items() if k2 not in ("bytes", "buckets")}}
+        if t_train is not None:
+            out[f"cycle{k}"]["train_s"] = t_train
         if t_flat is not None:
             out[f"cycle{k}"]["flat_copy_after_sync_s"] = t_flat
     return out
+
+
+def _small_update(actor: Any, rollout: Any, small: Any, short: Any) -> Callable[[], Any]:
+    """An actor update (GRPO objective, random advantages) on a few generated rows: the device work that
+    precedes a sync in the training loop."""
+    import torch
+
+    from hybridrl.algorithms.objective import PolicyObjective
+    from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
+    from hybridrl.config import AlgorithmConfig
+    from hybridrl.plugins import get_registry
+
+    rollout.wake()
+    rows = rollout.generate(small, short)
+    rows.update(small)
+    seq = rows.select(PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
+    seq.info["temperature"] = 1.0
+    seq.set(OLD_LOG_PROBS, actor.compute_log_probs(seq)["log_probs"])
+    seq.set(ADVANTAGES, torch.randn(seq[RESPONSE_MASK].shape, generator=torch.Generator().manual_seed(0)))
+    objective = PolicyObjective(AlgorithmConfig(name="grpo", kl=None), get_registry())
+    return lambda: actor.update(seq, objective)
 
 
 def _steady(cycles: dict[str, Any], count: int, flat: float, cast_copy: float) -> dict[str, float]:
@@ -376,7 +402,9 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
     # the default level (auto: 1 while fresh, then 2); steady state from the third cycle on (the second
     # records the copies' CUDA graphs)
-    cycle.update(_cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "default", flat_copy=flat_copy))
+    train = _small_update(actor, rollout, small, short)
+    cycle.update(_cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "default",
+                         flat_copy=flat_copy, train=train))
     flat = min(timed(flat_copy, device)[0] for _ in range(5))
     # and the least any sync from fp32 master weights must move: one cast-copy of as many values into the
     # engine's dtype (read 4 bytes, write 2 per value)
@@ -392,12 +420,21 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         try:
             rollout.wake()
             rollout.state.level = "kv_cache"
-            kv = _cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "kv_only", flat_copy=flat_copy)
+            kv = _cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "kv_only",
+                         flat_copy=flat_copy, train=train)
             cycle["kv_only"] = {**kv, **_steady(kv, args.cycles, flat, cast_copy)}
             # the same with the configured bucket size, whatever the engines allow
             kv_b = _cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "kv_only_buckets",
-                           large=False, flat_copy=flat_copy)
+                           large=False, flat_copy=flat_copy, train=train)
             cycle["kv_only_buckets"] = {**kv_b, **_steady(kv_b, args.cycles, flat, cast_copy)}
+            # every tensor in one bucket: the host's per-bucket work once, the copies in one go
+            kv_1 = _cycles(rollout, actor, mem, device, max(bucket, int(stats["bytes"])), small, short, args.cycles,
+                           "kv_only_one_bucket", large=False, flat_copy=flat_copy, train=train)
+            cycle["kv_only_one_bucket"] = {**kv_1, **_steady(kv_1, args.cycles, flat, cast_copy)}
+            # the sync straight after the sleep (no update between): a device idle through the sleep's host work
+            kv_c = _cycles(rollout, actor, mem, device, bucket, small, short, args.cycles, "kv_only_after_sleep",
+                           flat_copy=flat_copy)
+            cycle["kv_only_after_sleep"] = {**kv_c, **_steady(kv_c, args.cycles, flat, cast_copy)}
         except Exception as exc:  # noqa: BLE001 - keep the rest of the figures
             cycle["kv_only"] = {"error": repr(exc)[:2000]}
     del src, dst
