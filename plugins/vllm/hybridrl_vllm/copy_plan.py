@@ -7,16 +7,17 @@ tensor-parallel rank, CUDA), the place of each Hugging Face tensor is a fixed sl
 parameter of the same name, or a slice along dim 0 of a packed one (``qkv_proj`` <- q, k, v;
 ``gate_up_proj`` <- gate, up, in the model's ``packed_modules_mapping`` order). A ``CopyPlan`` maps each name
 to that slice once, is checked against what ``load_weights`` actually wrote (``verify``), and afterwards a
-bucket is one ``torch._foreach_copy_`` (casting on the fly), with ``load_weights`` only for names it could
-not place.
+bucket is one fused copy (casting on the fly), with ``load_weights`` only for names it could not place.
 
 Even fused, ~300 copies cost more in launches than in bytes at this size. On CUDA, ``GraphedCopies`` records
 a bucket's copies into a CUDA graph the second time the same bucket (same names at the same source and
 destination addresses) arrives and replays it from then on: one launch per bucket. The addresses are stable:
 a colocated trainer updates its parameters in place, and vLLM's sleep maps the weights back at the same
 virtual addresses. Which kernels the graph holds is measured, not assumed: the multi-tensor copy launches
-few kernels but moves a large matrix in small fixed chunks, a plain copy streams one tensor at full width;
-the bucket is recorded in each ``COPY_LAYOUTS`` and the one that replays fastest on this device is kept.
+few kernels but moves a large matrix in small fixed chunks, a plain copy streams one tensor at full width,
+the fused Triton kernel (``fused_copy``) covers every tensor of the bucket in one grid; the bucket is recorded
+in each of ``COPY_LAYOUTS`` that applies and the one that replays fastest on this device is kept (on an H200,
+the fused kernel for the 0.5B model's buckets of many tensors: 0.72 ms for all of them against 0.86 ms).
 
 Working out a bucket's key (names, addresses, dtypes: ~1 us a tensor in Python's C calls) is itself host
 work the device waits for between buckets. A bucket the exporter hands out again as the same object
