@@ -27,6 +27,9 @@ def test_blocks_cover_every_value_once_and_offsets_count_elements_from_the_first
     for t, n in enumerate(plan.numels):  # each tensor's blocks start at 0, 4, 8 ... and reach its end
         starts = [s for tt, s in covered if tt == t]
         assert starts == list(range(0, n, 4))
+    # from given bases (the fused copy's own one-value tensors) instead of the first pair
+    based = plan_blocks([1024, 1424], [4096, 4116], [10, 1], 4, 2, block=4, src_base=1024 + 4 * 8, dst_base=96)
+    assert based.src_offsets == (-8, 92) and based.dst_offsets == ((4096 - 96) // 2, (4116 - 96) // 2)
 
 
 def test_alignment_is_the_largest_vector_every_offset_allows():
@@ -130,3 +133,18 @@ def test_a_recorded_fused_copy_reads_each_updates_values_after_its_builder_is_go
         torch.cuda.synchronize()
         assert all(torch.equal(d, s.to(torch.bfloat16)) for d, s in zip(dsts, srcs)), step
     assert graphs.stats["layout_fused"] == 1 and graphs.stats["replayed"] == 2
+
+
+def test_a_fused_copy_keeps_no_reference_to_the_tensors_it_copies():
+    """Graphs hold their fused copy for as long as they may replay; the tables must not keep an exporter's
+    tensors (or the engine's) alive with them, or a trainer that moves its weights would leave the old ones
+    allocated."""
+    import weakref
+
+    srcs = [torch.randn(10), torch.randn(3)]
+    dsts = [torch.zeros(10, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.bfloat16)]
+    refs = [weakref.ref(t) for t in srcs + dsts]
+    copy = FusedCopy(dsts, srcs)  # built anywhere; only its call needs the kernel
+    del srcs, dsts
+    gc.collect()
+    assert copy.launches == 1 and all(ref() is None for ref in refs)

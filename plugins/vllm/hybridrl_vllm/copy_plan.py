@@ -7,7 +7,8 @@ tensor-parallel rank, CUDA), the place of each Hugging Face tensor is a fixed sl
 parameter of the same name, or a slice along dim 0 of a packed one (``qkv_proj`` <- q, k, v;
 ``gate_up_proj`` <- gate, up, in the model's ``packed_modules_mapping`` order). A ``CopyPlan`` maps each name
 to that slice once, is checked against what ``load_weights`` actually wrote (``verify``), and afterwards a
-bucket is one fused copy (casting on the fly), with ``load_weights`` only for names it could not place.
+bucket is one ``torch._foreach_copy_`` (casting on the fly), with ``load_weights`` only for names it could
+not place.
 
 Even fused, ~300 copies cost more in launches than in bytes at this size. On CUDA, ``GraphedCopies`` records
 a bucket's copies into a CUDA graph the second time the same bucket (same names at the same source and

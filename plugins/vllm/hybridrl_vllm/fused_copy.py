@@ -56,19 +56,22 @@ def _align(offsets: Sequence[int], element_size: int) -> int:
 
 
 def plan_blocks(src_ptrs: Sequence[int], dst_ptrs: Sequence[int], numels: Sequence[int], src_size: int,
-                dst_size: int, block: int = BLOCK) -> BlockPlan:
+                dst_size: int, block: int = BLOCK, src_base: int | None = None,
+                dst_base: int | None = None) -> BlockPlan:
     """The tables of one launch for tensors at byte addresses ``src_ptrs`` / ``dst_ptrs`` (element sizes
-    ``src_size`` / ``dst_size``) of ``numels`` values each; the bases are the first pair's addresses. Empty
-    tensors get no block. Raises ``ValueError`` for an address that is not a whole number of elements from
-    its base (the kernel can only step in elements)."""
+    ``src_size`` / ``dst_size``) of ``numels`` values each, in elements from the addresses ``src_base`` /
+    ``dst_base`` (default: the first pair's). Empty tensors get no block. Raises ``ValueError`` for an address
+    that is not a whole number of elements from its base (the kernel can only step in elements)."""
     if not (len(src_ptrs) == len(dst_ptrs) == len(numels)) or not numels:
         raise ValueError("plan_blocks needs one source address, destination address and size per tensor")
     src_offsets, dst_offsets = [], []
-    for ptrs, size, out in ((src_ptrs, src_size, src_offsets), (dst_ptrs, dst_size, dst_offsets)):
+    for ptrs, size, base, out in ((src_ptrs, src_size, src_base, src_offsets),
+                                  (dst_ptrs, dst_size, dst_base, dst_offsets)):
+        base = ptrs[0] if base is None else base
         for ptr in ptrs:
-            delta = ptr - ptrs[0]
+            delta = ptr - base
             if delta % size:
-                raise ValueError(f"address {ptr:#x} is not a whole number of {size}-byte elements from {ptrs[0]:#x}")
+                raise ValueError(f"address {ptr:#x} is not a whole number of {size}-byte elements from {base:#x}")
             out.append(delta // size)
     first_block, block_tensor = [], []
     for i, numel in enumerate(numels):
@@ -99,9 +102,10 @@ def fits(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> bool:
 
 
 class FusedCopy:
-    """``dst.copy_(src)`` for fixed pairs, one kernel per (source dtype, destination dtype) group. Holds the
-    tables on the device (and the tensors they point into) for as long as it lives: keep it with any graph
-    that recorded a call."""
+    """``dst.copy_(src)`` for fixed pairs, one kernel per (source dtype, destination dtype) group. Holds its
+    tables on the device for as long as it lives (keep it with any graph that recorded a call), but no
+    reference to the pairs: the offsets count from one-value tensors of its own, so an importer keeping it
+    never keeps an exporter's tensors alive."""
 
     def __init__(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], block: int = BLOCK) -> None:
         if not fits(dsts, srcs):
@@ -113,15 +117,18 @@ class FusedCopy:
                 groups.setdefault((s.dtype, d.dtype), []).append(i)
         self.block = block
         self.warps = max(1, min(16, block // 1024))  # 32 values a thread at the default block
-        self._tensors = (list(dsts), list(srcs))
         self._launches: list[tuple[Any, ...]] = []
         device = dsts[0].device
-        for members in groups.values():
+        for (src_dtype, dst_dtype), members in groups.items():
             ds, ss = [dsts[i] for i in members], [srcs[i] for i in members]
+            # the bases: allocations of their own, so aligned for the widest vector
+            src_base = torch.empty(1, dtype=src_dtype, device=device)
+            dst_base = torch.empty(1, dtype=dst_dtype, device=device)
             plan = plan_blocks([s.data_ptr() for s in ss], [d.data_ptr() for d in ds], [d.numel() for d in ds],
-                               ss[0].element_size(), ds[0].element_size(), block)
+                               ss[0].element_size(), ds[0].element_size(), block,
+                               src_base.data_ptr(), dst_base.data_ptr())
             as_tensor = lambda xs, dtype: torch.tensor(xs, dtype=dtype, device=device)  # noqa: E731
-            self._launches.append((ss[0], ds[0], as_tensor(plan.src_offsets, torch.int64),
+            self._launches.append((src_base, dst_base, as_tensor(plan.src_offsets, torch.int64),
                                    as_tensor(plan.dst_offsets, torch.int64), as_tensor(plan.numels, torch.int64),
                                    as_tensor(plan.first_block, torch.int32), as_tensor(plan.block_tensor, torch.int32),
                                    len(plan.block_tensor), plan.src_align, plan.dst_align))
