@@ -101,6 +101,14 @@ def _moved(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]
     return out
 
 
+def _on_model_b(setup) -> None:
+    """Engine and reference both on model B. The engine starts from model A and only the sync tests load B, so a
+    test that relies on B (its EOS, its distributions) loads it itself: it then passes or fails alone, under ``-k``
+    or after an earlier test failed half-way (which may leave moved weights in the engine or the reference)."""
+    _sync(setup["engine"], setup["state_b"])
+    setup["reference"].load(setup["state_b"].items())
+
+
 def _problems(out: Batch, ref: ReferenceModel, params: SamplingParams, eos: int) -> list[str]:
     tokens, log_probs = reference_problems(out, PROMPTS, ref, params, [eos], *TOLERANCE)
     return tokens + log_probs
@@ -196,6 +204,7 @@ def test_release_and_resume_around_an_update(setup):
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 8, 1.0), (1.3, 0, 1.0), (1.0, 0, 0.9)])
 def test_sampled_logprobs_are_those_of_the_sampling_distribution(setup, temperature, top_k, top_p):
     engine, reference, eos = setup["engine"], setup["reference"], setup["eos"]
+    _on_model_b(setup)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=WIDTH,
                             ignore_eos=True, seed=5)
     assert not _problems(engine.generate(_batch(PROMPTS), params), reference, params, eos)
@@ -204,6 +213,7 @@ def test_sampled_logprobs_are_those_of_the_sampling_distribution(setup, temperat
 
 def test_min_new_tokens_and_ignore_eos(setup):
     engine, reference, eos = setup["engine"], setup["reference"], setup["eos"]
+    _on_model_b(setup)
     batch = _batch(PROMPTS)
     assert int(engine.generate(batch, GREEDY)[RESPONSE_MASK].sum(1).min()) < 4, \
         "no row stops early: min_new_tokens would be untested"
