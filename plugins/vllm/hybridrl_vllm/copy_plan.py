@@ -372,6 +372,8 @@ class GraphedCopies:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 run()
+            # only the fused copy's tables must outlive the capture; the other calls hold the bucket's tensors,
+            # which a kept graph must not keep alive (the fused copy holds no tensor of the pairs)
             candidates[layout] = graph if layout != "fused" else _Recorded(graph, run)
         if len(candidates) == 1:
             return next(iter(candidates.items()))
