@@ -42,8 +42,8 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from hybridrl.bridge import sync_in_process
-    from hybridrl.distributed import free_port, init_process_group
+    from hybridrl.weights.bridges import sync_in_process
+    from hybridrl.runtime.distributed import free_port, init_process_group
     from hybridrl.engines import EngineContext
     from hybridrl_fsdp.engine import FSDPEngine
     from hybridrl_vllm.engine import VLLMRollout

@@ -50,7 +50,7 @@ def build_model(shape: str, dtype: str, out: Path) -> Path:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from hybridrl.tokenizer import build_char_tokenizer
+    from hybridrl.data.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     cfg = Qwen2Config(**SHAPES[shape], tie_word_embeddings=True, use_sliding_window=False,
@@ -67,7 +67,7 @@ def build_model(shape: str, dtype: str, out: Path) -> Path:
 
 def prompt_rows(prompts_per_step: int, n_samples: int) -> tuple[list[list[int]], list[str]]:
     """The GRPO run's first prompts (the reverse task, character tokens), each repeated ``n_samples`` times."""
-    from hybridrl.tokenizer import build_char_tokenizer
+    from hybridrl.data.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     lines = (ROOT / "examples" / "data" / "reverse2.jsonl").read_text().splitlines()[:prompts_per_step]
@@ -197,7 +197,7 @@ def _cycles(rollout: Any, actor: Any, mem: "Memory", device: str, bucket: int, s
     place go in buckets of at least ``VIEW_BUCKET_BYTES``); False keeps ``bucket`` bytes per bucket.
     ``flat_copy``: timed right after each sync, in the same asleep window (after the sync the device is at
     least as warm as the sync found it, so the ratio to it does not flatter the sync)."""
-    from hybridrl.bridge import sync_in_process
+    from hybridrl.weights.bridges import sync_in_process
 
     out: dict[str, Any] = {}
     for k in range(count):
@@ -232,7 +232,7 @@ def _small_update(actor: Any, rollout: Any, small: Any, short: Any) -> Callable[
     from hybridrl.algorithms.objective import PolicyObjective
     from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
     from hybridrl.config import AlgorithmConfig
-    from hybridrl.plugins import get_registry
+    from hybridrl.plugins.discovery import get_registry
 
     rollout.wake()
     rows = rollout.generate(small, short)
@@ -262,8 +262,8 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     import torch
 
     from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, left_pad
-    from hybridrl.bridge import sync_in_process
-    from hybridrl.distributed import free_port, init_process_group
+    from hybridrl.weights.bridges import sync_in_process
+    from hybridrl.runtime.distributed import free_port, init_process_group
     from hybridrl.engines import EngineContext, SamplingParams
     from hybridrl_fsdp.engine import FSDPEngine
 
@@ -469,11 +469,11 @@ def grpo_in_process(args: argparse.Namespace, actor: Any, rollout: Any, mem: Mem
     from hybridrl.algorithms.objective import PolicyObjective, resolve_algorithm
     from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK,
                                 Batch, left_pad)
-    from hybridrl.bridge import sync_in_process
+    from hybridrl.weights.bridges import sync_in_process
     from hybridrl.config import AlgorithmConfig
     from hybridrl.engines import SamplingParams
-    from hybridrl.plugins import get_registry
-    from hybridrl.tokenizer import build_char_tokenizer
+    from hybridrl.plugins.discovery import get_registry
+    from hybridrl.data.tokenizer import build_char_tokenizer
 
     registry = get_registry()
     algo_cfg = AlgorithmConfig(name="grpo", n_samples=args.n_samples, kl=None)

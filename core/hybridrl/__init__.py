@@ -4,7 +4,7 @@ The core defines roles, placement and the resharding interfaces; training and in
 pluggy plugins found through the ``hybridrl`` entry-point group.
 """
 
-from hybridrl.hookspecs import hookimpl
+from hybridrl.plugins.hookspecs import hookimpl
 
 __all__ = ["hookimpl", "__version__"]
 __version__ = "0.1.0"

@@ -7,12 +7,12 @@ import re
 import sys
 
 from hybridrl.config import ConfigError, RunConfig, load_config
-from hybridrl.placement import ClusterSpec
-from hybridrl.registry import RegistryError
+from hybridrl.placement.plan import ClusterSpec
+from hybridrl.plugins.registry import RegistryError
 
 
 def _registry(cfg: RunConfig | None = None):
-    from hybridrl.plugins import get_registry
+    from hybridrl.plugins.discovery import get_registry
 
     return get_registry(tuple(cfg.plugins) if cfg else ())
 
@@ -25,8 +25,8 @@ def parse_cluster(text: str, device: str) -> ClusterSpec:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from hybridrl.cluster import detect_cluster
-    from hybridrl.preflight import check_config
+    from hybridrl.runtime.cluster import detect_cluster
+    from hybridrl.run.preflight import check_config
 
     cfg = load_config(args.config, args.overrides)
     cluster = parse_cluster(args.cluster, args.device) if args.cluster else detect_cluster(cfg.cluster)
@@ -43,7 +43,7 @@ def _memory_table(args: argparse.Namespace, cfg: RunConfig, plan) -> str:
     """The memory estimate per device, or why there is none (it never fails the plan)."""
     from pathlib import Path
 
-    from hybridrl.memory import (MemoryEstimateError, device_memory_bytes, estimate_memory, model_shape,
+    from hybridrl.placement.memory import (MemoryEstimateError, device_memory_bytes, estimate_memory, model_shape,
                                  model_shapes_by_role, render_memory)
 
     here = Path(args.config).resolve().parent
@@ -59,7 +59,7 @@ def _memory_table(args: argparse.Namespace, cfg: RunConfig, plan) -> str:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from hybridrl.report import ReportError, write_report
+    from hybridrl.observe.report import ReportError, write_report
 
     try:
         written = write_report(args.run, args.out)
@@ -72,11 +72,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from hybridrl.checkpoint import CheckpointError
-    from hybridrl.cluster import detect_cluster
-    from hybridrl.faults import BadStepsError, WorkerDiedError
-    from hybridrl.preflight import prepare_run
-    from hybridrl.trainer import Trainer
+    from hybridrl.run.checkpoint import CheckpointError
+    from hybridrl.runtime.cluster import detect_cluster
+    from hybridrl.run.faults import BadStepsError, WorkerDiedError
+    from hybridrl.run.preflight import prepare_run
+    from hybridrl.run.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
     setup = prepare_run(cfg, _registry(cfg), detect_cluster(cfg.cluster))
@@ -100,7 +100,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from hybridrl.export import ExportError, export_checkpoint
+    from hybridrl.run.export import ExportError, export_checkpoint
 
     try:
         out = export_checkpoint(args.run, args.out, step=args.step, dtype=args.dtype)
@@ -112,7 +112,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from hybridrl.plugins import describe_plugins
+    from hybridrl.plugins.discovery import describe_plugins
 
     registry = _registry()
     rows = describe_plugins()

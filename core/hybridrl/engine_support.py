@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.batch import Batch
-from hybridrl.distributed import all_reduce_sum
+from hybridrl.runtime.distributed import all_reduce_sum
 from hybridrl.engines import EngineContext
 
 
@@ -19,7 +19,7 @@ def require_process_group(ctx: EngineContext, engine: str) -> None:
     """The host owns the process group; an engine that created its own would hide a launch bug."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{engine} needs the default torch.distributed process group: call "
-                           "hybridrl.distributed.init_process_group(rank, world_size, ...) before building it")
+                           "hybridrl.runtime.distributed.init_process_group(rank, world_size, ...) before building it")
     if dist.get_world_size() != ctx.world_size or dist.get_rank() != ctx.rank:
         raise RuntimeError(f"process group is rank {dist.get_rank()} of {dist.get_world_size()} but the engine "
                            f"context says rank {ctx.rank} of {ctx.world_size}")

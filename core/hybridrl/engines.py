@@ -2,7 +2,7 @@
 
 A backend plugin implements one of these and registers it with ``registry.add_train_engine`` /
 ``registry.add_rollout``. The core never imports a backend; it only calls these methods, inside the worker
-process that hosts the role (see ``hybridrl.worker``).
+process that hosts the role (see ``hybridrl.runtime.worker``).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class TrainEngine(ABC):
     def compute_greedy_margins(self, batch: Batch) -> Batch:
         """``greedy_margin`` ``(B, R)``: at each response position, the largest logit minus the response
         token's (temperature 1; 0: the token is an argmax), float32 on CPU, 0 at padded positions. Read by the
-        trainer's sync check (``hybridrl.sync_check``, helper ``greedy_margins``); optional."""
+        trainer's sync check (``hybridrl.weights.sync_check``, helper ``greedy_margins``); optional."""
         raise NotImplementedError(f"{type(self).__name__} does not score greedy margins")
 
     def compute_scores(self, batch: Batch) -> Batch:
@@ -160,7 +160,7 @@ class TrainEngine(ABC):
         """Everything needed to continue training into folder ``path`` (created if missing): sharded weights,
         optimiser and lr-schedule state, this rank's RNG. Collective: every rank writes its own part (``path``
         is on a filesystem all ranks share). The driver publishes the folder atomically after all returned
-        (``hybridrl.checkpoint``). Engines that cannot leave this, and ``trainer.save_every`` is refused."""
+        (``hybridrl.run.checkpoint``). Engines that cannot leave this, and ``trainer.save_every`` is refused."""
         raise NotImplementedError(f"{type(self).__name__} (backend '{self.ctx.backend}') does not save checkpoints")
 
     def load_checkpoint(self, path: str) -> None:

@@ -48,7 +48,7 @@ def test_unknown_estimator_fails_before_work_and_names_the_plugin_one(sample_sit
 
 def test_plugin_preset_resolves_in_a_fresh_process(sample_site):
     code = ("from hybridrl.algorithms.objective import resolve_algorithm; from hybridrl.config import AlgorithmConfig; "
-            "from hybridrl.plugins import get_registry; "
+            "from hybridrl.plugins.discovery import get_registry; "
             "a = resolve_algorithm(AlgorithmConfig(name='sample_reinforce'), get_registry()); print(a.advantage, a.loss_agg)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(sample_site), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

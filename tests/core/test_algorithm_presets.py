@@ -10,10 +10,10 @@ import pytest
 from hybridrl.algorithms.objective import PolicyObjective, apply_preset, resolve_algorithm
 from hybridrl.algorithms.plugin import PRESETS
 from hybridrl.config import AlgorithmConfig, ConfigError, load_config
-from hybridrl.placement import ClusterSpec
-from hybridrl.plugins import get_registry
-from hybridrl.preflight import check_config, with_algorithm_roles
-from hybridrl.registry import Registry, RegistryError
+from hybridrl.placement.plan import ClusterSpec
+from hybridrl.plugins.discovery import get_registry
+from hybridrl.run.preflight import check_config, with_algorithm_roles
+from hybridrl.plugins.registry import Registry, RegistryError
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 CPU2 = ClusterSpec(1, 2, "cpu", declared=True)
@@ -21,7 +21,7 @@ CPU2 = ClusterSpec(1, 2, "cpu", declared=True)
 
 def test_every_core_component_is_registered_by_the_core_plugin():
     registry = get_registry()
-    core = {f"{e.category}:{e.name}" for e in registry.named.values() if e.plugin == "core-algorithms"}
+    core = {f"{e.category}:{e.name}" for e in registry.named.values() if e.plugin == "hybridrl.algorithms.plugin"}
     for name in ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax"):
         assert f"advantage:{name}" in core
     assert {"policy_loss:ppo_clip", "policy_loss:gspo", "kl_estimator:k1", "kl_estimator:k2", "kl_estimator:k3",

@@ -19,7 +19,7 @@ from hybridrl.algorithms.objective import PolicyObjective, ValueObjective
 from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.config import AlgorithmConfig
 from hybridrl.engines import LossScale
-from hybridrl.plugins import get_registry
+from hybridrl.plugins.discovery import get_registry
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float32)
 SCORES = [1.0, 0.0, 0.5, 0.25, 0.75]
@@ -165,7 +165,7 @@ def test_old_log_prob_pass_is_skipped_only_where_it_equals_the_update(overrides,
     from pathlib import Path
 
     from hybridrl.config import load_config
-    from hybridrl.trainer import old_log_probs_needed
+    from hybridrl.run.trainer import old_log_probs_needed
 
     root = Path(__file__).resolve().parents[2]
     cfg = load_config(root / "examples" / "quickstart.yaml", [f"{k}={v}" for k, v in overrides.items()])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl.bridge import sync_in_process
+from hybridrl.weights.bridges import sync_in_process
 
 
 class Exporter:
@@ -65,7 +65,7 @@ class GroupingExporter(Exporter):
         self.asked: list[int] = []
 
     def export_weights_transient(self, bucket_bytes: int):
-        from hybridrl.weight_buckets import group_into_buckets
+        from hybridrl.weights.buckets import group_into_buckets
 
         self.asked.append(bucket_bytes)
         return group_into_buckets(iter(self.weights.items()), bucket_bytes)
@@ -89,7 +89,7 @@ class InPlaceImporter(Importer):
 
 
 def test_views_copied_in_place_travel_in_large_buckets_and_anything_else_keeps_the_bucket_size(monkeypatch):
-    import hybridrl.bridge as bridge
+    import hybridrl.weights.bridges as bridge
 
     monkeypatch.setattr(bridge, "VIEW_BUCKET_BYTES", 64)  # the test's two tensors: 16 and 48 bytes
     for views, in_place, large in [(True, True, True), (True, False, False), (False, True, False)]:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl import checkpoint as ckpt
-from hybridrl.faults import BadStepGuard, BadStepsError, bad_step_reasons
+from hybridrl.run import checkpoint as ckpt
+from hybridrl.run.faults import BadStepGuard, BadStepsError, bad_step_reasons
 
 
 def fake_trainer_write(step: int):

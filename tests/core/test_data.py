@@ -5,10 +5,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from hybridrl.config import DataConfig
-from hybridrl.data import DataError, PromptLoader, PromptRow, load_rows, tokenize_rows
-from hybridrl.registry import Registry
+from hybridrl.data.loading import DataError, PromptLoader, PromptRow, load_rows, tokenize_rows
+from hybridrl.plugins.registry import Registry
 from hybridrl.tasks.reverse import make_reverse_rows
-from hybridrl.tokenizer import build_char_tokenizer
+from hybridrl.data.tokenizer import build_char_tokenizer
 
 
 def _jsonl(path, lines):

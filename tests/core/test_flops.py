@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hybridrl.flops import PEAK_ENV, forward_flops, peak_flops, phase_perf, train_flops
-from hybridrl.memory import shape_from_hf_config
+from hybridrl.observe.flops import PEAK_ENV, forward_flops, peak_flops, phase_perf, train_flops
+from hybridrl.placement.memory import shape_from_hf_config
 
 
 def tiny_model(tied: bool):

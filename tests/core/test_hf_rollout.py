@@ -7,7 +7,7 @@ from hybridrl.config import TinyModelConfig
 from hybridrl.engines import EngineContext, SamplingParams
 from hybridrl.rollout.hf import HFRollout, filter_logits
 from hybridrl.tasks.tiny_model import build_tiny_model
-from hybridrl.tokenizer import load_tokenizer
+from hybridrl.data.tokenizer import load_tokenizer
 
 CFG = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
                       max_position=64, seed=0)
@@ -286,7 +286,7 @@ def test_sleep_and_wake_are_noops_on_cpu(engine, tok):
 
 
 def test_engine_is_found_through_the_registry(model_dir):
-    from hybridrl.plugins import get_registry
+    from hybridrl.plugins.discovery import get_registry
 
     cls = get_registry().backend("rollout", "hf").load()
     assert cls is HFRollout

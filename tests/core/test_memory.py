@@ -10,10 +10,10 @@ import torch
 
 from hybridrl.cli import main
 from hybridrl.config import TinyModelConfig, load_config
-from hybridrl.memory import (GIB, estimate_memory, model_shape, read_hf_config, shape_from_hf_config,
+from hybridrl.placement.memory import (GIB, estimate_memory, model_shape, read_hf_config, shape_from_hf_config,
                              tiny_shape)
-from hybridrl.placement import ClusterSpec, plan_placement, resolve_backends
-from hybridrl.plugins import get_registry
+from hybridrl.placement.plan import ClusterSpec, plan_placement, resolve_backends
+from hybridrl.plugins.discovery import get_registry
 
 ROOT = Path(__file__).resolve().parents[2]
 COLOCATED = ROOT / "examples" / "qwen7b-colocated.yaml"
@@ -86,7 +86,7 @@ def test_kv_bytes_per_token_match_a_real_cache():
 
 
 def test_mixture_of_experts_is_refused_with_a_reason():
-    from hybridrl.memory import MemoryEstimateError
+    from hybridrl.placement.memory import MemoryEstimateError
 
     with pytest.raises(MemoryEstimateError, match="mixture-of-experts"):
         shape_from_hf_config({"model_type": "qwen2_moe", "num_experts": 8, "hidden_size": 8, "num_attention_heads": 2,

@@ -8,9 +8,9 @@ import pytest
 
 from hybridrl.cli import main
 from hybridrl.config import ConfigError, load_config
-from hybridrl.placement import ClusterSpec, plan_placement, resolve_backends
-from hybridrl.plugins import get_registry
-from hybridrl.registry import Registry
+from hybridrl.placement.plan import ClusterSpec, plan_placement, resolve_backends
+from hybridrl.plugins.discovery import get_registry
+from hybridrl.plugins.registry import Registry
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")
 SPLIT_2x8 = ["pools={train: {nodes: 2, devices_per_node: 4}, gen: {nodes: 2, devices_per_node: 4}}",

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from hybridrl.config import load_config
-from hybridrl.placement import ClusterSpec
-from hybridrl.plugins import build_registry, describe_plugins, plugin_manager
-from hybridrl.preflight import check_config
-from hybridrl.registry import Registry, RegistryError, check_requirement
+from hybridrl.placement.plan import ClusterSpec
+from hybridrl.plugins.discovery import build_registry, describe_plugins, plugin_manager
+from hybridrl.run.preflight import check_config
+from hybridrl.plugins.registry import Registry, RegistryError, check_requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = Path(__file__).parent / "sample_plugin"
@@ -22,10 +22,10 @@ QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 
 def test_core_defaults_register_through_the_hooks():
     rows = {r.name: r for r in describe_plugins()}
-    assert "rollout:hf" in rows["core-rollout"].registers
+    assert "rollout:hf" in rows["hybridrl.rollout.plugin"].registers
     assert "train:fsdp" in rows["fsdp"].registers
     assert rows["fsdp"].distribution == "hybridrl-fsdp"
-    assert "advantage:grpo" in rows["core-algorithms"].registers
+    assert "advantage:grpo" in rows["hybridrl.algorithms.plugin"].registers
 
 
 def test_missing_engine_is_reported_with_hint_and_refused_on_load():

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from hybridrl.config import ConfigError, load_config
-from hybridrl.placement import ClusterSpec
-from hybridrl.plugins import get_registry
-from hybridrl.preflight import prepare_run
+from hybridrl.placement.plan import ClusterSpec
+from hybridrl.plugins.discovery import get_registry
+from hybridrl.run.preflight import prepare_run
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
@@ -75,7 +75,7 @@ CASES = {
 
 def grpo_checkpoint(tmp_path: Path) -> Path:
     """A checkpoint as a GRPO run with an FSDP actor leaves it (its contents are not read by the pre-flight)."""
-    from hybridrl import checkpoint as ckpt
+    from hybridrl.run import checkpoint as ckpt
 
     def write(folder: Path) -> dict:
         (folder / "actor").mkdir()
@@ -107,7 +107,7 @@ def test_bad_checkpoint_settings_are_config_errors(override: str, key: str, reas
 
 
 def test_a_missing_tracker_package_is_found_before_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hybridrl.tracking import WandbTracker
+    from hybridrl.observe.tracking import WandbTracker
 
     monkeypatch.setattr(WandbTracker, "requires", {"hybridrl_no_such_package": "no-such-package"})
     found = problems(tmp_path, ["trainer.trackers=[jsonl, wandb]"])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl.cli import main
-from hybridrl.report import PLOTS, device_time, write_report
+from hybridrl.observe.report import PLOTS, device_time, write_report
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"

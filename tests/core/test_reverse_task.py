@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.registry import Registry
+from hybridrl.plugins.registry import Registry
 from hybridrl.tasks import plugin as task_plugin
 from hybridrl.tasks.reverse import answer_for, main, make_reverse_rows, reverse_reward
-from hybridrl.tokenizer import build_char_tokenizer
+from hybridrl.data.tokenizer import build_char_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,7 +97,7 @@ def test_plugin_registers_reward_and_dataset():
 
 
 def test_plugin_is_found_through_entry_points():
-    from hybridrl.plugins import get_registry
+    from hybridrl.plugins.discovery import get_registry
 
     registry = get_registry()
     assert "reverse" in registry.names("reward")

@@ -1,4 +1,4 @@
-"""The trainer's sync check (``hybridrl.sync_check``): margins, the metrics read from them, the rows checked."""
+"""The trainer's sync check (``hybridrl.weights.sync_check``): margins, the metrics read from them, the rows checked."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch
 from hybridrl.engines import SamplingParams
-from hybridrl.sync_check import SyncCheck, greedy_margins
+from hybridrl.weights.sync_check import SyncCheck, greedy_margins
 
 
 def test_greedy_margins_are_zero_at_the_argmax_and_the_gap_elsewhere():

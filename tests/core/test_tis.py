@@ -13,7 +13,7 @@ from hybridrl.algorithms.objective import PolicyObjective
 from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.config import AlgorithmConfig
 from hybridrl.engines import LossScale
-from hybridrl.plugins import get_registry
+from hybridrl.plugins.discovery import get_registry
 
 MASK = [[1, 1, 1], [1, 1, 0]]
 NEW = [[-1.0, -0.4, -2.0], [-0.3, -1.5, -9.0]]  # the policy being trained

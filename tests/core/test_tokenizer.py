@@ -3,8 +3,8 @@ import string
 
 import pytest
 
-from hybridrl import tokenizer as tk
-from hybridrl.tokenizer import build_char_tokenizer, load_tokenizer
+from hybridrl.data import tokenizer as tk
+from hybridrl.data.tokenizer import build_char_tokenizer, load_tokenizer
 
 
 def test_special_tokens_come_first():

@@ -7,9 +7,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from hybridrl.collective import WeightChannel
-from hybridrl.distributed import free_port
-from hybridrl.weight_buckets import ALIGN, describe_bucket, pack_bucket, unpack_bucket
+from hybridrl.weights.channel import WeightChannel
+from hybridrl.runtime.distributed import free_port
+from hybridrl.weights.buckets import ALIGN, describe_bucket, pack_bucket, unpack_bucket
 
 
 def sample_bucket(seed: int = 0) -> list[tuple[str, torch.Tensor]]:

@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.checkpoint import LATEST, checkpoints_root, is_complete, latest_checkpoint
-from hybridrl.cluster import detect_cluster
+from hybridrl.run.checkpoint import LATEST, checkpoints_root, is_complete, latest_checkpoint
+from hybridrl.runtime.cluster import detect_cluster
 from hybridrl.config import load_config
-from hybridrl.faults import BadStepsError, WorkerDiedError
-from hybridrl.plugins import get_registry
-from hybridrl.preflight import prepare_run
-from hybridrl.trainer import Trainer
+from hybridrl.run.faults import BadStepsError, WorkerDiedError
+from hybridrl.plugins.discovery import get_registry
+from hybridrl.run.preflight import prepare_run
+from hybridrl.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
@@ -122,7 +122,7 @@ def test_periodic_saves_keep_the_newest(full_run) -> None:
 def test_export_loads_in_transformers_with_the_actors_logits(full_run, tmp_path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hybridrl.tokenizer import load_tokenizer
+    from hybridrl.data.tokenizer import load_tokenizer
 
     out = tmp_path / "hf"
     proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "export", str(full_run["out"]), "--out", str(out)],
@@ -153,7 +153,7 @@ def test_export_of_a_missing_step_names_the_steps_there(full_run, tmp_path, caps
 def test_a_failed_save_leaves_the_previous_checkpoint_loadable(full_run, resumed_run, monkeypatch) -> None:
     import errno
 
-    from hybridrl import checkpoint
+    from hybridrl.run import checkpoint
 
     trainer: Trainer = resumed_run["trainer"]
     root = checkpoints_root(resumed_run["out"])

@@ -42,7 +42,7 @@ def _cuda_bytes(engine) -> int:
 
 
 def main(port: int, tmp: Path) -> None:
-    from hybridrl.distributed import init_process_group
+    from hybridrl.runtime.distributed import init_process_group
     from hybridrl_fsdp.engine import FSDPEngine
 
     init_process_group(0, 1, "127.0.0.1", port, "cuda", timeout_s=120)

@@ -21,7 +21,7 @@ OPTIONS = {"micro_batch": 2, "lr": 2e-3, "grad_clip": 1.0}
 
 def main(rank: int, world_size: int, port: int, model_path: str, out: str) -> None:
     torch.set_num_threads(1)  # two ranks share two cores
-    from hybridrl.distributed import init_process_group
+    from hybridrl.runtime.distributed import init_process_group
     from hybridrl_fsdp.engine import FSDPEngine
 
     init_process_group(rank, world_size, "127.0.0.1", port, "cpu", timeout_s=120)

@@ -27,7 +27,7 @@ def tiny_model_untied(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def process_group() -> None:
     """A 1-rank gloo group for the whole session (the default group is global to the pytest process; one
     already made by another test module is reused and left alone)."""
-    from hybridrl.distributed import free_port, init_process_group
+    from hybridrl.runtime.distributed import free_port, init_process_group
 
     if dist.is_initialized():
         if dist.get_world_size() != 1:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from hybridrl.distributed import free_port
+from hybridrl.runtime.distributed import free_port
 
 WORKER = Path(__file__).with_name("_fsdp_ckpt_worker.py")
 

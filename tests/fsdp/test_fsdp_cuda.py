@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.distributed import free_port
+from hybridrl.runtime.distributed import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

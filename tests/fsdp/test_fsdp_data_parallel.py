@@ -12,7 +12,7 @@ import torch
 from _fsdp_helpers import make_batch
 from _fsdp_worker import GLOBAL_BATCH, OPTIONS, STEPS
 from hybridrl.batch import ADVANTAGES, RESPONSE_MASK, sequence_tensors
-from hybridrl.distributed import free_port
+from hybridrl.runtime.distributed import free_port
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 ATOL = 1e-5

@@ -113,7 +113,7 @@ def test_greedy_margins_match_the_full_logits(process_group, tiny_model: Path) -
     response token is the argmax (here: the argmax itself is put in as the response), 0 at padding."""
     from transformers import AutoModelForCausalLM
 
-    from hybridrl.sync_check import GREEDY_MARGIN
+    from hybridrl.weights.sync_check import GREEDY_MARGIN
 
     engine = FSDPEngine(context(tiny_model, trainable=False, micro_batch=3))
     batch = make_batch(5, seed=4)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _fsdp_helpers import PolicyGradient, context, make_batch
-from hybridrl.weight_buckets import ReusedBucket
+from hybridrl.weights.buckets import ReusedBucket
 from hybridrl_fsdp.engine import FSDPEngine
 
 

@@ -107,7 +107,7 @@ def test_update_with_token_budget_equals_plain_update(process_group, tiny_model:
 def test_two_ranks_with_different_bin_counts_match_one_rank(tiny_model: Path, tmp_path: Path) -> None:
     """Rank 0 gets the long rows (many bins), rank 1 the short ones (few): they must agree on a count
     (no hang) and give the single process's log-probs and step."""
-    from hybridrl.distributed import free_port
+    from hybridrl.runtime.distributed import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = {}
@@ -131,7 +131,7 @@ def test_two_ranks_with_different_bin_counts_match_one_rank(tiny_model: Path, tm
 
 def _rank_main(rank: int, world: int, port: int, model: str, out: str) -> None:
     torch.set_num_threads(1)
-    from hybridrl.distributed import init_process_group
+    from hybridrl.runtime.distributed import init_process_group
     from hybridrl_fsdp.engine import FSDPEngine
     from hybridrl_fsdp.micro_batching import pack_by_tokens, real_lengths
 

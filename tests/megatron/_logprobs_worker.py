@@ -16,7 +16,7 @@ from _lp_cases import case  # noqa: E402
 
 
 def main(rank: int, world: int, port: int, out: str) -> None:
-    from hybridrl.distributed import init_process_group
+    from hybridrl.runtime.distributed import init_process_group
     from hybridrl_megatron.logprobs import vocab_parallel_greedy_margins, vocab_parallel_log_probs
 
     init_process_group(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)

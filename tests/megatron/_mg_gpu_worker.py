@@ -69,7 +69,7 @@ def check(cond: bool, what: str) -> None:
 
 
 def main(port: int, tmp: Path) -> None:
-    from hybridrl.distributed import init_process_group
+    from hybridrl.runtime.distributed import init_process_group
     from hybridrl_megatron.engine import MegatronEngine
 
     init_process_group(0, 1, "127.0.0.1", port, "cuda", timeout_s=300)

@@ -35,7 +35,7 @@ def main(rank: int, world_size: int, port: int, scenarios: list[dict]) -> None:
     torch.set_num_threads(1)  # the ranks share two cores
     from megatron.core import parallel_state
 
-    from hybridrl.distributed import init_process_group
+    from hybridrl.runtime.distributed import init_process_group
 
     init_process_group(rank, world_size, "127.0.0.1", port, "cpu", timeout_s=300)
     for scenario in scenarios:

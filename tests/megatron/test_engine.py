@@ -65,7 +65,7 @@ def test_greedy_margins_equal_transformers(engine_cls, qwen2_tied: Path) -> None
     """``compute_greedy_margins`` (the trainer's sync check): max logit minus the response token's, over the real
     vocabulary (the padded ids left out), 0 at padding; micro-batches of 2 over 5 rows."""
     from hybridrl.batch import RESPONSE_IDS, sequence_tensors
-    from hybridrl.sync_check import GREEDY_MARGIN
+    from hybridrl.weights.sync_check import GREEDY_MARGIN
 
     engine = engine_cls(context(qwen2_tied, micro_batch=2))
     batch = make_batch(5, seed=6)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _mg_markers import needs_megatron
-from hybridrl.distributed import free_port
+from hybridrl.runtime.distributed import free_port
 
 pytestmark = [pytest.mark.gpu, *needs_megatron,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

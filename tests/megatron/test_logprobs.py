@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from _lp_cases import PADDED, case, reference
-from hybridrl.distributed import free_port
+from hybridrl.runtime.distributed import free_port
 from hybridrl_megatron.logprobs import vocab_parallel_greedy_margins, vocab_parallel_log_probs
 
 WORKER = Path(__file__).with_name("_logprobs_worker.py")

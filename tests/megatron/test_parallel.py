@@ -24,7 +24,7 @@ from _mg_helpers import (PlainCritic, assert_close, context, hf_model, hf_respon
                          make_batch, plain_critic_training, plain_training)
 from _mg_markers import needs_megatron
 from _mg_worker import BASE_OPTIONS, GLOBAL_BATCH, STEPS
-from hybridrl.distributed import free_port
+from hybridrl.runtime.distributed import free_port
 
 pytestmark = needs_megatron
 

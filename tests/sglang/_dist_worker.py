@@ -51,7 +51,7 @@ def _sglang_receive(pg, names, dtypes, shapes) -> list[tuple[str, torch.Tensor]]
 
 def main() -> None:
     role, port, out, engine_dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    from hybridrl.weight_buckets import describe_bucket
+    from hybridrl.weights.buckets import describe_bucket
     from hybridrl_sglang.distributed import broadcast_buckets, open_group, receive_layout
 
     buckets = _bucket_state(0)

@@ -27,7 +27,7 @@ from hybridrl.testing.checks import reference_problems
 from hybridrl.testing.batches import prompt_batch
 from hybridrl.testing.models import set_eos
 from hybridrl.testing.reference import ReferenceModel
-from hybridrl.weight_buckets import describe_bucket, pack_bucket, unpack_bucket
+from hybridrl.weights.buckets import describe_bucket, pack_bucket, unpack_bucket
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gpu]
 
@@ -65,7 +65,7 @@ def _save_qwen2(path: Path, seed: int) -> Path:
             p.copy_(_bf16_values(p))
     model.generation_config = GenerationConfig(eos_token_id=1, pad_token_id=0)
     model.save_pretrained(path)
-    from hybridrl.tokenizer import build_char_tokenizer
+    from hybridrl.data.tokenizer import build_char_tokenizer
 
     build_char_tokenizer().save_pretrained(path)
     return path
@@ -242,7 +242,7 @@ def test_split_mode_update_weights_from_distributed(setup):
     and receive the buckets with ``update_weights_from_distributed``; the engine runs on the second GPU."""
     import threading
 
-    from hybridrl.distributed import free_port
+    from hybridrl.runtime.distributed import free_port
     from hybridrl_sglang.distributed import GROUP_NAME, broadcast_buckets, open_group
     from hybridrl_sglang.engine import SGLangRollout
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch, left_pad
-from hybridrl.distributed import free_port
+from hybridrl.runtime.distributed import free_port
 from hybridrl.engines import EngineContext, SamplingParams
 from hybridrl.rollout.hf import filter_logits
-from hybridrl.weight_buckets import describe_bucket, pack_bucket, unpack_bucket
+from hybridrl.weights.buckets import describe_bucket, pack_bucket, unpack_bucket
 
 from hybridrl_sglang import buckets as bk
 from hybridrl_sglang import compat

@@ -127,8 +127,8 @@ def test_smoke_script_runs_end_to_end(smoke, tmp_path: Path, monkeypatch: pytest
     module, engines = smoke
     out = tmp_path / "smoke.json"
     # views of a "cuda" receive buffer: on the dry run the buffer is made on CPU
-    real_pack = __import__("hybridrl.weight_buckets", fromlist=["pack_bucket"]).pack_bucket
-    monkeypatch.setattr("hybridrl.weight_buckets.pack_bucket", lambda b, s, device: real_pack(b, s, "cpu"))
+    real_pack = __import__("hybridrl.weights.buckets", fromlist=["pack_bucket"]).pack_bucket
+    monkeypatch.setattr("hybridrl.weights.buckets.pack_bucket", lambda b, s, device: real_pack(b, s, "cpu"))
     monkeypatch.setattr(sys, "argv", ["smoke", "--out", str(out), "--model-dir", str(tmp_path / "m"), "--prompts", "3",
                                       "--width", "6", "--batch", "4", "--tokens", "5", "--bucket-mb", "0.05",
                                       "--deadline", "600"])

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from hybridrl.plugins import build_registry, plugin_manager
+from hybridrl.plugins.discovery import build_registry, plugin_manager
 from hybridrl.testing import bridge_contract as bridge
 from hybridrl.testing import rollout_contract as rollout
 from hybridrl.testing import train_contract as train

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hybridrl.weight_buckets import ReusedBucket
+from hybridrl.weights.buckets import ReusedBucket
 from hybridrl_vllm import copy_plan
 from hybridrl_vllm.copy_plan import COPY_LAYOUTS, CopyPlan, GraphedCopies, checksum, copy_key, copy_tensors, distinct_layouts
 

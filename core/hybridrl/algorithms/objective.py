@@ -19,7 +19,7 @@ from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_M
                             Batch)
 from hybridrl.config import AlgorithmConfig
 from hybridrl.engines import VALUES, LossScale
-from hybridrl.registry import Registry, RegistryError
+from hybridrl.plugins.registry import Registry, RegistryError
 
 
 #: preset keys that describe the algorithm rather than set an ``AlgorithmConfig`` field.

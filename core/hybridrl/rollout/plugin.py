@@ -1,13 +1,13 @@
-"""The core's embedded rollout backend: ``hf`` (plain transformers), registered through entry point ``core-rollout``."""
+"""The core's embedded rollout backend: ``hf`` (plain transformers), registered directly by the host (``plugins.discovery.CORE_PLUGINS``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hybridrl.hookspecs import hookimpl
+from hybridrl.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from hybridrl.registry import Registry
+    from hybridrl.plugins.registry import Registry
 
 
 @hookimpl

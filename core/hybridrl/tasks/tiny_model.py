@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hybridrl.config import TinyModelConfig
-from hybridrl.tokenizer import build_char_tokenizer
+from hybridrl.data.tokenizer import build_char_tokenizer
 
 #: the file that marks a folder as built by ``build_tiny_model`` and records what it was built from.
 MARKER = "hybridrl_tiny.json"

@@ -1,7 +1,7 @@
 """``hybridrl.testing``: the conformance kit for backend authors.
 
 It proves that a registered backend meets the contracts the core relies on (``hybridrl.engines``,
-``hybridrl.bridge``), against tiny models the kit builds itself and a plain transformers forward pass.
+``hybridrl.weights.bridges``), against tiny models the kit builds itself and a plain transformers forward pass.
 
 Two ways to run it (see docs/plugins.md):
 

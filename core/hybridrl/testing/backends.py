@@ -13,14 +13,15 @@ import pytest
 import torch
 
 from hybridrl.engines import EngineContext, RolloutEngine, TrainEngine
-from hybridrl.registry import BackendEntry, RegistryError, load_object
+from hybridrl.plugins.registry import BackendEntry, RegistryError, load_object
+from hybridrl.roles import role_spec
 
 Kind = Literal["train", "rollout"]
 BASE_CLASS: dict[str, type] = {"train": TrainEngine, "rollout": RolloutEngine}
 
 
 def registry():
-    from hybridrl.plugins import get_registry
+    from hybridrl.plugins.discovery import get_registry
 
     return get_registry()
 
@@ -70,7 +71,7 @@ def ensure_process_group(device: str) -> None:
     earlier in this process is reused; a multi-rank one means the kit cannot run here."""
     import torch.distributed as dist
 
-    from hybridrl.distributed import free_port, init_process_group
+    from hybridrl.runtime.distributed import free_port, init_process_group
 
     if dist.is_initialized():
         if dist.get_world_size() != 1:
@@ -81,7 +82,7 @@ def ensure_process_group(device: str) -> None:
 
 def role_options(role: str, **overrides: Any) -> dict[str, Any]:
     """The options a real run hands the role's engine (the typed role keys with their defaults, see
-    ``hybridrl.launch.role_options``), with ``overrides`` on top."""
+    ``hybridrl.runtime.launch.role_options``), with ``overrides`` on top."""
     from hybridrl.config import ActorConfig, RefConfig, RolloutConfig
 
     model = {"actor": ActorConfig, "ref": RefConfig, "rollout": RolloutConfig}[role]
@@ -97,5 +98,5 @@ def build_engine(kind: Kind, name: str, model_path: str, device: str, dtype: str
     ensure_process_group(device)
     role = role or ("actor" if kind == "train" else "rollout")
     ctx = EngineContext(role=role, backend=name, model_path=str(model_path), rank=0, world_size=1, device=device,
-                        dtype=dtype, seed=0, trainable=role in ("actor", "critic"), options=dict(options or {}))
+                        dtype=dtype, seed=0, trainable=role_spec(role).trainable, options=dict(options or {}))
     return cls(ctx)

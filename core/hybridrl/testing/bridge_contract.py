@@ -1,4 +1,4 @@
-"""``BridgeContract``: a (trainer, rollout) backend pair joined by ``hybridrl.bridge.sync_in_process``.
+"""``BridgeContract``: a (trainer, rollout) backend pair joined by ``hybridrl.weights.bridges.sync_in_process``.
 
 After one real update the trainer holds weights that neither engine started from; after a sync the rollout
 must hold exactly those (by name where it exposes ``named_weights``, and by behaviour always: its greedy
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.bridge import sync_in_process
+from hybridrl.weights.bridges import sync_in_process
 from hybridrl.engines import SamplingParams
 from hybridrl.testing import backends
 from hybridrl.testing.batches import PolicyGradientLoss, prompt_batch, sequence_batch

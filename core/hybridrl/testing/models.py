@@ -56,7 +56,7 @@ class KitModels:
 
 
 def _tokenizer():
-    from hybridrl.tokenizer import build_char_tokenizer
+    from hybridrl.data.tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
 

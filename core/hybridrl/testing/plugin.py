@@ -45,7 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--hybridrl-option expects KEY=VALUE, got '{text}'")
     if not names:
         return
-    from hybridrl.plugins import get_registry
+    from hybridrl.plugins.discovery import get_registry
 
     try:
         selection = select(names, set(get_registry().backends))

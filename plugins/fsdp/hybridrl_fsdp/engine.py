@@ -1,7 +1,7 @@
 """``FSDPEngine``: a Hugging Face causal LM sharded with PyTorch FSDP2 (``fully_shard``).
 
 The engine runs inside a process whose default ``torch.distributed`` group is already initialised by the
-host (``hybridrl.distributed.init_process_group``): every rank of that group is one data-parallel shard.
+host (``hybridrl.runtime.distributed.init_process_group``): every rank of that group is one data-parallel shard.
 Master weights, gradients and AdamW state are fp32; on CUDA the forward/backward run in ``ctx.dtype``
 through FSDP2's ``MixedPrecisionPolicy`` (gradients reduced in fp32).
 
@@ -32,12 +32,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, SCORES, Batch, sequence_tensors
-from hybridrl.distributed import all_reduce_sum
+from hybridrl.runtime.distributed import all_reduce_sum
 from hybridrl.engine_support import (WeightedMean, check_same_count, engine_device, raise_if_counts_differ,
                                      require_process_group, sampling_temperature)
 from hybridrl.engines import VALUES, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
-from hybridrl.sync_check import GREEDY_MARGIN, greedy_margins
-from hybridrl.weight_buckets import ReusedBucket, group_into_buckets
+from hybridrl.weights.sync_check import GREEDY_MARGIN, greedy_margins
+from hybridrl.weights.buckets import ReusedBucket, group_into_buckets
+from hybridrl.roles import role_spec
 
 from hybridrl_fsdp.logprobs import chunked_log_probs
 from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter_rows
@@ -48,8 +49,6 @@ SUPPORTED_OUTPUTS = frozenset({LOG_PROBS, ENTROPY})
 HEAD_OUTPUTS = {"lm": SUPPORTED_OUTPUTS, "value": frozenset({VALUES}), "reward": frozenset()}
 #: the torch.distributed.checkpoint folder inside a checkpoint directory.
 DCP_DIR = "dcp"
-#: the head a role gets unless ``options.head`` says otherwise.
-ROLE_HEADS = {"critic": "value", "reward": "reward"}
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ class FSDPSettings:
             gradient_checkpointing=bool(options.get("gradient_checkpointing", False)),
             attn_implementation=options.get("attn_implementation"),
             max_tokens_per_micro_batch=None if budget is None else int(budget),
-            head=str(options.get("head") or ROLE_HEADS.get(role, "lm")),
+            head=str(options.get("head") or role_spec(role).head or "lm"),
         )
         if settings.head not in HEAD_OUTPUTS:
             raise ValueError(f"unknown head '{settings.head}' (known: {', '.join(HEAD_OUTPUTS)})")

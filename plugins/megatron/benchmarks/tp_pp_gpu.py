@@ -162,7 +162,7 @@ def worker(rank: int, cfg: dict, layouts: list[str]) -> None:
         torch.set_num_threads(1)  # the two ranks share the cores
     from megatron.core import parallel_state
 
-    from hybridrl.distributed import init_process_group
+    from hybridrl.runtime.distributed import init_process_group
 
     work = Path(cfg["work"])
     init_process_group(rank, cfg["world"], "127.0.0.1", cfg["port"], device, timeout_s=cfg["collective_timeout"])

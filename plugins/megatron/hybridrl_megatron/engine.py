@@ -33,8 +33,8 @@ from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, Batc
 from hybridrl.engine_support import (WeightedMean, check_same_count, engine_device, require_process_group,
                                      sampling_temperature)
 from hybridrl.engines import VALUES, DataParallelInfo, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
-from hybridrl.sync_check import GREEDY_MARGIN
-from hybridrl.weight_buckets import group_into_buckets
+from hybridrl.weights.sync_check import GREEDY_MARGIN
+from hybridrl.weights.buckets import group_into_buckets
 
 from hybridrl_megatron.convert import VALUE_HEAD_NAMES, HFCheckpoint, padded_vocab_size, write_hf_checkpoint
 from hybridrl_megatron.cpu_compat import install_rng_tracker, maybe_cpu

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from hybridrl.roles import role_spec
+
 
 HEADS = ("lm", "value")
-#: the head a role gets unless ``options.head`` says otherwise (the reward model's is not supported here).
-ROLE_HEADS = {"critic": "value", "reward": "reward"}
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class MegatronSettings:
             pipeline_parallel=optional_int("pipeline_parallel"),
             vocab_multiple=int(options.get("vocab_multiple", cls.vocab_multiple)),
             recompute=bool(options.get("recompute", options.get("gradient_checkpointing", False))),
-            head=str(options.get("head") or ROLE_HEADS.get(role, "lm")),
+            head=str(options.get("head") or role_spec(role).head or "lm"),
         )
         problems = []
         if settings.head not in HEADS:

@@ -247,7 +247,7 @@ def main() -> int:
         a.save_pretrained(str(folder), safe_serialization=True)
         tokenizer = "saved"
         try:  # the engine runs without one (skip_tokenizer_init); saved so the folder is a complete checkpoint
-            from hybridrl.tokenizer import build_char_tokenizer
+            from hybridrl.data.tokenizer import build_char_tokenizer
 
             build_char_tokenizer().save_pretrained(str(folder))
         except Exception as exc:  # noqa: BLE001
@@ -336,7 +336,7 @@ def main() -> int:
                 "retaken_gb": round((free1 - free2) / 2**30, 2), "same_greedy_after_wake": tokens == ctx["greedy_a"]}
 
     def sync(state_key: str, views: bool) -> dict[str, Any]:
-        from hybridrl.weight_buckets import describe_bucket, pack_bucket, unpack_bucket
+        from hybridrl.weights.buckets import describe_bucket, pack_bucket, unpack_bucket
 
         e = ctx["engine"]
         buckets = export_buckets(ctx[state_key], int(args.bucket_mb * 2**20))

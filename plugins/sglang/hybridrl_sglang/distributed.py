@@ -1,7 +1,7 @@
 """Split mode through SGLang's own weight-update group (opt-in: ``roles.rollout.options.weight_sync=distributed``).
 
 The default split path is the core's ``BroadcastBridge``: the rollout worker receives each bucket into a buffer
-on its GPU (``hybridrl.collective.WeightChannel``) and ``SGLangRollout.import_weights`` hands that buffer to the
+on its GPU (``hybridrl.weights.channel.WeightChannel``) and ``SGLangRollout.import_weights`` hands that buffer to the
 schedulers by CUDA IPC, zero copy. This module is the alternative where the schedulers themselves join the
 group (``init_weights_update_group``) and receive each bucket with ``update_weights_from_distributed(load_format=
 "flattened_bucket")``: no receive buffer or CUDA context in the worker process, and tensor-parallel ranks each
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
-from hybridrl.bridge import BroadcastBridge
+from hybridrl.weights.bridges import BroadcastBridge
 
 if TYPE_CHECKING:
-    from hybridrl.controller import WorkerGroup
+    from hybridrl.runtime.group import WorkerGroup
 
 GROUP_NAME = "hybridrl-sglang-weights"
 #: per bucket: ``(name, dtype name, shape)`` in the order of the flat buffer.
@@ -40,7 +40,7 @@ def _element_size(dtype_name: str) -> int:
 
 
 def receive_layout(specs: Sequence[Any], engine_dtype: str) -> Layout:
-    """The flat layout of every bucket of the trainer's manifest (``hybridrl.weight_buckets.BucketSpec``s):
+    """The flat layout of every bucket of the trainer's manifest (``hybridrl.weights.buckets.BucketSpec``s):
     floating-point tensors travel in the engine's dtype; within a bucket, larger elements first (stable), so
     each tensor's byte offset is a multiple of its element size in a padding-free concatenation."""
     layout: Layout = []

@@ -15,15 +15,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from hybridrl import checkpoint as ckpt
-from hybridrl.faults import BadStepGuard, StopRequest, WorkerDiedError, describe_dead_worker, is_worker_death, \
+from hybridrl.roles import trainable_roles
+from hybridrl.run import checkpoint as ckpt
+from hybridrl.run.faults import BadStepGuard, StopRequest, WorkerDiedError, describe_dead_worker, is_worker_death, \
     stop_on_interrupt
 
 if TYPE_CHECKING:
-    from hybridrl.trainer import Trainer
+    from hybridrl.run.trainer import Trainer
 
-#: roles whose engines are trained (their state is checkpointed); the others are rebuilt from the model.
-TRAINABLE_ROLES = ("actor", "critic")
 
 
 class RunState:
@@ -44,7 +43,7 @@ class RunState:
         return ckpt.resolve_resume(self.tcfg.resume, self.out)
 
     def roles(self) -> list[str]:
-        return [r for r in TRAINABLE_ROLES if r in self.trainer.groups]
+        return [r for r in trainable_roles() if r in self.trainer.groups]
 
     def restore(self, folder: Path) -> None:
         """Load every trainer's state and the driver's; call before the first weight sync."""
@@ -83,7 +82,7 @@ class RunState:
 
     # --- save -----------------------------------------------------------------------------------------
     def save(self) -> Path:
-        """A complete checkpoint of the state after ``trainer.step`` steps (see ``hybridrl.checkpoint``)."""
+        """A complete checkpoint of the state after ``trainer.step`` steps (see ``hybridrl.run.checkpoint``)."""
         t = self.trainer
 
         def write(tmp: Path) -> dict[str, Any]:
@@ -151,6 +150,6 @@ class RunState:
 
 
 def _actor_options(trainer: "Trainer") -> dict[str, Any]:
-    from hybridrl.launch import role_options
+    from hybridrl.runtime.launch import role_options
 
     return role_options(trainer.cfg, "actor")

@@ -2,8 +2,8 @@
 
 gen [-> gen_baseline (ReMax)] -> reward -> ref -> old_log_prob [-> values (critic)] -> adv
 [-> update_critic] -> update_actor -> reshard. ``generate_batch`` and ``train_on`` are the two halves that both
-the synchronous step and the pipelined one (``hybridrl.pipeline``) are made of. Scoring lives in
-``hybridrl.rewarding``, the algorithm pieces in ``hybridrl.algorithms``.
+the synchronous step and the pipelined one (``hybridrl.run.pipeline``) are made of. Scoring lives in
+``hybridrl.rewards.scorer``, the algorithm pieces in ``hybridrl.algorithms``.
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from hybridrl.algorithms.objective import ValueObjective, resolve_algorithm
 from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, REF_LOG_PROBS, RESPONSE_IDS,
                             RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, SCORES, TOKEN_REWARDS, Batch,
                             first_row_of_each_group, left_pad)
-from hybridrl.bridge import transport_for
-from hybridrl.controller import WorkerGroup, average_metrics
+from hybridrl.weights.bridges import transport_for
+from hybridrl.runtime.group import WorkerGroup, average_metrics
 from hybridrl.engines import VALUES, SamplingParams
-from hybridrl.flops import step_perf_metrics
-from hybridrl.launch import build_engines, start_worker_groups
-from hybridrl.pipeline import GenerationJob, needs_sync, staleness_of
-from hybridrl.preflight import RunSetup
-from hybridrl.run_state import RunState
-from hybridrl.rewarding import RewardScorer, on_last_token
-from hybridrl.sync_check import GREEDY_MARGIN, SyncCheck
-from hybridrl.timing import PhaseTimer
+from hybridrl.observe.flops import step_perf_metrics
+from hybridrl.runtime.launch import build_engines, start_worker_groups
+from hybridrl.run.pipeline import GenerationJob, needs_sync, staleness_of
+from hybridrl.run.preflight import RunSetup
+from hybridrl.run.state import RunState
+from hybridrl.rewards.scorer import RewardScorer, on_last_token
+from hybridrl.weights.sync_check import GREEDY_MARGIN, SyncCheck
+from hybridrl.observe.timing import PhaseTimer
 
 
 SEQUENCE_KEYS = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
@@ -72,7 +72,7 @@ class Trainer:
     """Drives the worker groups through training steps and logs every phase."""
 
     def __init__(self, setup: RunSetup) -> None:
-        from hybridrl.data import PromptLoader
+        from hybridrl.data.loading import PromptLoader
 
         self.setup = setup
         self.cfg = setup.cfg
@@ -97,7 +97,7 @@ class Trainer:
         self.last_batch: Batch | None = None
         self.trackers: list[Any] = []
         self.step = 0
-        self.run_state = RunState(self)  # checkpoints, resume, faults (hybridrl.run_state)
+        self.run_state = RunState(self)  # checkpoints, resume, faults (hybridrl.run.state)
         self.actor_version = 0  # actor updates so far
         self.rollout_version = 0  # the actor version whose weights the rollout holds
         self.next_generation: GenerationJob | None = None  # pipelined: the batch being generated ahead
@@ -172,7 +172,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One step: synchronous (generate, then train, then reshard), or pipelined (``trainer.pipelined``:
-        the next batch is generated while this one trains, see ``hybridrl.pipeline``)."""
+        the next batch is generated while this one trains, see ``hybridrl.run.pipeline``)."""
         if self.cfg.trainer.pipelined:
             return self.pipelined_step()
         log, step_start = StepLog(), time.perf_counter()
@@ -186,7 +186,7 @@ class Trainer:
 
     def pipelined_step(self) -> dict[str, float]:
         """Train on the batch generated during the previous step while the rollout generates the next one.
-        The order (collect, sync if needed, submit next, train) is explained in ``hybridrl.pipeline``."""
+        The order (collect, sync if needed, submit next, train) is explained in ``hybridrl.run.pipeline``."""
         assert not self.rollout_colocated, "pre-flight refuses trainer.pipelined with a colocated rollout"
         log, step_start = StepLog(), time.perf_counter()
         bound = self.cfg.trainer.max_staleness
@@ -354,7 +354,7 @@ class Trainer:
 
     def check_sync(self, batch: Batch) -> dict[str, float]:
         """The rollout's greedy tokens on a few of ``batch``'s prompts against the actor's argmax
-        (``hybridrl.sync_check``); warns when a token is off by more than a near-tie."""
+        (``hybridrl.weights.sync_check``); warns when a token is off by more than a near-tie."""
         prompts = self.sync_check.prompts(batch)
         generated = self.groups["rollout"].run("rollout", "generate", prompts, self.sync_check.params(self.sampling))
         prompts.update(generated)

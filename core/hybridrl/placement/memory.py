@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hybridrl.config import RunConfig
-from hybridrl.placement import PlacementPlan
+from hybridrl.placement.plan import PlacementPlan
+from hybridrl.roles import STEP_PHASES, phase_owner, role_spec
 
 GIB = float(2**30)
 #: default device memory (GiB) for a cuda cluster whose memory was not declared.
@@ -157,7 +158,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 def tiny_shape(tiny: Any) -> ModelShape:
     """The shape of the model ``model.tiny`` builds (a tied-embedding Qwen2 over the character vocabulary)."""
-    from hybridrl.tokenizer import build_char_tokenizer
+    from hybridrl.data.tokenizer import build_char_tokenizer
 
     return ModelShape("qwen2", len(build_char_tokenizer()), tiny.hidden_size, tiny.num_layers, tiny.num_heads,
                       tiny.num_kv_heads, tiny.hidden_size // tiny.num_heads, tiny.intermediate_size,
@@ -242,10 +243,6 @@ class MemoryEstimate:
     warnings: list[str] = field(default_factory=list)
 
 
-#: the phase of a step in which each pooled role works, in step order (see ``Trainer.train_step``).
-ROLE_PHASES = (("gen", "rollout", "generate"), ("reward", "reward", "forward"), ("ref", "ref", "forward"),
-               ("values", "critic", "forward"), ("old_log_prob", "actor", "forward"),
-               ("update_critic", "critic", "train"), ("update_actor", "actor", "train"))
 
 
 def _tokens(cfg: RunConfig, micro_batch: int | None, max_tokens: int | None) -> tuple[float, float]:
@@ -275,7 +272,7 @@ def train_role_memory(cfg: RunConfig, role: str, pool: str, shape: ModelShape, d
     options = getattr(getattr(cfg.roles, role, None), "options", {}) or {}
     tokens, resp_tokens = _tokens(cfg, _role_setting(cfg, role, "micro_batch"),
                                   _role_setting(cfg, role, "max_tokens_per_micro_batch"))
-    vocab = shape.vocab_size if role in ("actor", "ref") else 1  # critic and reward model: a scalar head
+    vocab = shape.vocab_size if role_spec(role).vocab_head else 1  # critic and reward model: a scalar head
     per_layer = shape.saved_per_token_layer() * compute_bytes
     forward_activations = tokens * per_layer + resp_tokens * vocab * (compute_bytes + 4)  # one layer, logits
     mem = RoleMemory(role, pool, "train" if trainable else "frozen", f"1/{dp} FSDP")
@@ -345,9 +342,9 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
         if role == "rollout":
             roles.append(rollout_memory(cfg, pool, role_shape, group.world_size, dtype_bytes, device_bytes,
                                         group.roles[role]))
-        elif role in ("actor", "critic", "ref", "reward"):
+        elif role_spec(role).kind == "train":
             roles.append(train_role_memory(cfg, role, pool, role_shape, group.world_size, compute_bytes,
-                                           trainable=role in ("actor", "critic")))
+                                           trainable=role_spec(role).trainable))
     by_role = {m.role: m for m in roles}
     pools: list[PoolMemory] = []
     warnings: list[str] = []
@@ -360,9 +357,11 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
         colocated = len(members) > 1
         phases: dict[str, float] = {}
         largest: dict[str, RoleMemory] = {}  # phase -> the role holding the most memory in it
-        for phase, worker, mode in ROLE_PHASES:
-            if worker not in by_role:
+        for phase in STEP_PHASES:
+            owner = phase_owner(phase)
+            if owner is None or owner[0] not in by_role:
                 continue
+            worker, mode = owner[0], owner[1].mode
             held: dict[str, float] = {}
             for m in members:
                 if m.role == worker:
@@ -461,22 +460,4 @@ def model_shapes_by_role(cfg: RunConfig, base_dirs: Sequence[str | Path] = ()) -
                 except MemoryEstimateError:
                     pass
                 break
-    return out
-
-
-# --- measured -----------------------------------------------------------------------------------------
-
-def peak_memory_metrics(groups: dict[str, Any]) -> dict[str, float]:
-    """``memory/<role>/peak_mb``: the largest peak over the ranks of the processes hosting each role, to set
-    against the estimate. Roles fused into one process share its memory and report the same number. CUDA:
-    torch's peak allocated bytes; CPU: the process's peak resident set."""
-    out: dict[str, float] = {}
-    seen: dict[int, float] = {}
-    for role, group in groups.items():
-        if id(group) not in seen:
-            try:
-                seen[id(group)] = float(max(group.call_all("peak_memory_mb")))
-            except Exception:  # noqa: BLE001 - a metric must never stop training
-                continue
-        out[f"memory/{role}/peak_mb"] = seen[id(group)]
     return out

@@ -6,11 +6,9 @@ and all problems are reported at once.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -251,7 +249,7 @@ class TrainerConfig(Strict):
     max_staleness: int = Field(1, ge=1, description="pipelined: at most this many actor updates between the weights "
                                                     "that generated a batch and the weights it trains")
     sync_check_every: int = Field(0, ge=0, description="every N steps, check that the rollout's greedy tokens are the "
-                                                       "actor's argmax after the weight sync (hybridrl.sync_check; "
+                                                       "actor's argmax after the weight sync (hybridrl.weights.sync_check; "
                                                        "0: never; synchronous steps only)")
 
     @field_validator("trackers")
@@ -279,65 +277,3 @@ class RunConfig(Strict):
             if cfg is not None and (name != "reward" or cfg.model is not None):
                 out[name] = cfg
         return out
-
-
-# --- loading --------------------------------------------------------------------------------------
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``a.b.c=value`` -> (["a","b","c"], value parsed as YAML)."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError([(text, "override must look like key.path=value")])
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for i, part in enumerate(path[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError([(".".join(path[: i + 1]), f"is a {type(child).__name__}, cannot set '{path[i + 1]}' in it")])
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def _format_errors(err: ValidationError) -> list[tuple[str, str]]:
-    problems = []
-    for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
-            reason = "unknown key"
-        elif e["type"] == "missing":
-            reason = "required key missing"
-        else:
-            reason = e["msg"].removeprefix("Value error, ")
-            if "input" in e and e["type"] not in ("model_type", "dict_type") and not isinstance(e["input"], dict):
-                reason += f" (got {e['input']!r})"
-        problems.append((path, reason))
-    return problems
-
-
-def load_config(path: str | Path | None, overrides: list[str] | None = None, base: dict[str, Any] | None = None) -> RunConfig:
-    """Read YAML (or start from ``base``), apply dotted overrides, validate. Raises ``ConfigError``."""
-    data: dict[str, Any] = dict(base or {})
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError([("<file>", f"config file '{p}' not found")])
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError([("<file>", f"{p} is not valid YAML: {exc}")]) from None
-        if not isinstance(loaded, dict):
-            raise ConfigError([("<file>", f"{p} must hold a mapping at the top level")])
-        data.update(loaded)
-    data = apply_overrides(data, list(overrides or []))
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(_format_errors(err)) from None

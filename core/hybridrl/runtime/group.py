@@ -11,7 +11,7 @@ from typing import Any
 
 from hybridrl.batch import Batch
 from hybridrl.engines import DataParallelInfo
-from hybridrl.placement import ProcessGroupPlan
+from hybridrl.placement.plan import ProcessGroupPlan
 
 
 @dataclass

@@ -15,7 +15,7 @@ import os
 from functools import lru_cache
 from typing import Any, Iterable
 
-from hybridrl.memory import ModelShape
+from hybridrl.placement.memory import ModelShape
 
 #: dense bf16/fp16 tensor-core peak FLOP/s by GPU name (first match wins: the specific names first).
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
@@ -89,7 +89,7 @@ def detect_device_name(device: str) -> str | None:
 
 @lru_cache(maxsize=4)
 def _shape_of(model_path: str) -> ModelShape:
-    from hybridrl.memory import read_hf_config, shape_from_hf_config
+    from hybridrl.placement.memory import read_hf_config, shape_from_hf_config
 
     return shape_from_hf_config(read_hf_config(model_path))
 
@@ -120,7 +120,7 @@ def step_perf_metrics(trainer: Any, batch: Any, metrics: dict[str, float]) -> di
     """MFU and achieved TFLOP/s per phase, and the peak memory of each role's processes, for one step
     (called at the end of ``Trainer.train_step``; never fails the step)."""
     from hybridrl.batch import PROMPT_MASK, RESPONSE_MASK
-    from hybridrl.memory import peak_memory_metrics
+    from hybridrl.observe.memory import peak_memory_metrics
 
     out: dict[str, float] = {}
     try:

@@ -1,4 +1,6 @@
-"""Plugin discovery: a pluggy manager fed by the ``hybridrl`` entry-point group, and the registry it fills."""
+"""Plugin discovery: a pluggy manager holding the core's own defaults (registered directly, so a source checkout
+that is not installed still has them) and every plugin of the ``hybridrl`` entry-point group, and the registry
+their hooks fill. Hook implementations are validated: a misspelt hook name is an error, not silence."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ from functools import lru_cache
 
 import pluggy
 
-from hybridrl import hookspecs
-from hybridrl.registry import Registry
+from hybridrl.plugins import hookspecs
+from hybridrl.plugins.registry import Registry
 
 HOOKS = (
     "hybridrl_register_backends",
@@ -19,19 +21,32 @@ HOOKS = (
     "hybridrl_register_trackers",
     "hybridrl_register_datasets",
 )
+#: the core's default plugins: they register through the same hooks as any third-party plugin.
+CORE_PLUGINS = (
+    "hybridrl.algorithms.plugin",
+    "hybridrl.rollout.plugin",
+    "hybridrl.tasks.plugin",
+    "hybridrl.observe.tracking",
+    "hybridrl.weights.bridges",
+)
 # Extra plugin modules, comma separated, for code that is importable but not pip-installed.
 EXTRA_PLUGINS_ENV = "HYBRIDRL_PLUGINS"
 
 
 def plugin_manager(extra_modules: tuple[str, ...] = ()) -> pluggy.PluginManager:
+    """The core's defaults, the installed plugins, then ``HYBRIDRL_PLUGINS`` and ``extra_modules``; raises
+    ``pluggy.PluginValidationError`` for a hook implementation that matches no hook (a misspelt name)."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
+    for name in CORE_PLUGINS:
+        pm.register(importlib.import_module(name), name=name)
     pm.load_setuptools_entrypoints(hookspecs.PROJECT)
     env_modules = tuple(m for m in os.environ.get(EXTRA_PLUGINS_ENV, "").split(",") if m.strip())
     for name in (*env_modules, *extra_modules):
         name = name.strip()
         if pm.get_plugin(name) is None:
             pm.register(importlib.import_module(name), name=name)
+    pm.check_pending()
     return pm
 
 
@@ -72,7 +87,12 @@ def describe_plugins(extra_modules: tuple[str, ...] = ()) -> list[PluginInfo]:
         if name is None or name == hookspecs.__name__:
             continue
         dist = dists.get(name)
-        dist_name = dist.metadata["Name"] if dist else "(not installed)"
-        version = dist.version if dist else "-"
+        if name in CORE_PLUGINS:  # registered directly, part of the core distribution
+            from hybridrl import __version__
+
+            dist_name, version = "hybridrl", __version__
+        else:
+            dist_name = dist.metadata["Name"] if dist else "(not installed)"
+            version = dist.version if dist else "-"
         rows.append(PluginInfo(name, dist_name, version, registry.by_plugin(name)))
     return sorted(rows, key=lambda r: (r.distribution, r.name))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from hybridrl.registry import Registry
+    from hybridrl.plugins.registry import Registry
 
 PROJECT = "hybridrl"
 hookspec = pluggy.HookspecMarker(PROJECT)

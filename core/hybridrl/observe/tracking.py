@@ -100,7 +100,7 @@ class TensorBoardTracker:
     """Scalars in ``<out>/tensorboard`` (``tensorboard --logdir <out>/tensorboard``); the config as a text
     summary at step 0."""
 
-    #: module -> pip name, checked before the run starts (``hybridrl.run_checks.tracker_problems``).
+    #: module -> pip name, checked before the run starts (``hybridrl.run.checks.tracker_problems``).
     requires = {"tensorboard": "tensorboard"}
 
     def __init__(self, out_dir: str, config: dict[str, Any] | None = None, resume: bool = False) -> None:
@@ -127,7 +127,7 @@ class WandbTracker:
     out folder's). ``WANDB_MODE=offline`` works without a network (``wandb sync`` uploads later). A resumed
     run continues the same W&B run (its id is kept in ``<out>/wandb_run_id``)."""
 
-    #: module -> pip name, checked before the run starts (``hybridrl.run_checks.tracker_problems``).
+    #: module -> pip name, checked before the run starts (``hybridrl.run.checks.tracker_problems``).
     requires = {"wandb": "wandb"}
 
     def __init__(self, out_dir: str, config: dict[str, Any] | None = None, resume: bool = False) -> None:
@@ -154,7 +154,7 @@ class MlflowTracker:
     unless ``MLFLOW_TRACKING_URI`` names another; experiment ``$MLFLOW_EXPERIMENT_NAME`` or ``hybridrl``. The
     config goes in once as flattened params and as the artifact ``config.json``."""
 
-    #: module -> pip name, checked before the run starts (``hybridrl.run_checks.tracker_problems``).
+    #: module -> pip name, checked before the run starts (``hybridrl.run.checks.tracker_problems``).
     requires = {"mlflow": "mlflow-skinny"}
 
     MAX_BATCH = 100  # params/metrics per request the tracking API accepts

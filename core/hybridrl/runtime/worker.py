@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from hybridrl.batch import Batch
-from hybridrl.bridge import sync_in_process
-from hybridrl.collective import WeightChannel, bucket_specs
-from hybridrl.distributed import free_port, init_process_group, node_ip
+from hybridrl.weights.bridges import sync_in_process
+from hybridrl.weights.channel import WeightChannel, bucket_specs
+from hybridrl.runtime.distributed import free_port, init_process_group, node_ip
 from hybridrl.engines import DataParallelInfo, EngineContext, RolloutEngine, TrainEngine
-from hybridrl.plugins import get_registry
-from hybridrl.placement import ROLE_KIND
+from hybridrl.plugins.discovery import get_registry
+from hybridrl.roles import role_spec
 
 
 class RoleWorker:
@@ -49,7 +49,7 @@ class RoleWorker:
     def build(self, role: str, backend: str, ctx_fields: dict[str, Any]) -> DataParallelInfo:
         """Construct the role's engine (the backend is loaded here, in the worker, never in the driver)."""
         registry = get_registry(self.extra_plugins)
-        entry = registry.backend(ROLE_KIND.get(role, "train"), backend)  # type: ignore[arg-type]
+        entry = registry.backend(role_spec(role).kind, backend)
         engine_cls = entry.load()
         ctx = EngineContext(role=role, backend=backend, rank=self.rank, world_size=self.world_size,
                             device=self.device, **ctx_fields)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from hybridrl.atomic_dir import replaced_atomically
+from hybridrl.run.atomic_dir import replaced_atomically
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, SCORES, Batch
 
 #: marks a folder built by ``build_tiny_reward_model`` and records its config.
@@ -72,7 +72,7 @@ def build_tiny_reward_model(cfg: Any, out_dir: str | Path) -> Path:
     built from a ``TinyModelConfig`` and saved as an HF checkpoint; reused when built from the same config.
     Random weights: it tests the plumbing, it does not judge answers."""
     from hybridrl.tasks.tiny_model import _check
-    from hybridrl.tokenizer import build_char_tokenizer
+    from hybridrl.data.tokenizer import build_char_tokenizer
 
     _check(cfg)
     out = Path(out_dir)

@@ -5,19 +5,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hybridrl.cluster import create_placement_group, ensure_ray
+from hybridrl.runtime.cluster import create_placement_group, ensure_ray
 from hybridrl.config import RunConfig
-from hybridrl.controller import WorkerGroup
-from hybridrl.placement import PlacementPlan
-from hybridrl.worker import RoleWorker
+from hybridrl.runtime.group import WorkerGroup
+from hybridrl.placement.plan import PlacementPlan
+from hybridrl.roles import role_spec
+from hybridrl.runtime.worker import RoleWorker
 
 TRAIN_ROLE_FIELDS = {"pool", "backend", "options"}
 
 
-#: settings a role takes from the actor when it leaves them unset.
-INHERITED_FROM_ACTOR = {"ref": ("micro_batch", "max_tokens_per_micro_batch"),
-                        "critic": ("micro_batch", "mini_batch", "lr", "max_tokens_per_micro_batch"),
-                        "reward": ("micro_batch", "max_tokens_per_micro_batch")}
 
 
 def role_options(cfg: RunConfig, role: str) -> dict[str, Any]:
@@ -28,7 +25,7 @@ def role_options(cfg: RunConfig, role: str) -> dict[str, Any]:
     else:
         options = rcfg.model_dump(exclude=TRAIN_ROLE_FIELDS)
     options.update(rcfg.options)
-    for key in INHERITED_FROM_ACTOR.get(role, ()):
+    for key in role_spec(role).inherits:
         if options.get(key) is None:
             options[key] = getattr(cfg.roles.actor, key)
     return options
@@ -81,5 +78,5 @@ def build_engines(cfg: RunConfig, plan: PlacementPlan, groups: dict[str, WorkerG
         backend = plan.group_of(role).roles[role]
         path = (role_model_paths or {}).get(role, model_path)
         fields = {"model_path": path, "dtype": cfg.model.dtype, "seed": cfg.trainer.seed,
-                  "trainable": role in ("actor", "critic"), "options": role_options(cfg, role)}
+                  "trainable": role_spec(role).trainable, "options": role_options(cfg, role)}
         groups[role].build(role, backend, fields)

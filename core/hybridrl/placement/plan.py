@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridrl.config import ConfigError, RunConfig
-from hybridrl.registry import BackendEntry, Registry, RegistryError
+from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError
+from hybridrl.roles import role_spec
 
-# Which registry kind each role's backend comes from; the reward role runs in the driver unless pooled.
-ROLE_KIND = {"actor": "train", "ref": "train", "critic": "train", "rollout": "rollout", "reward": "train"}
 
-#: the phases of a step (``timing/<phase>``) in which each role works, for the plan's per-device view.
-ROLE_PHASES = {"actor": ("old_log_prob", "update_actor", "reshard-send"), "ref": ("ref",),
-               "critic": ("values", "update_critic"), "rollout": ("gen", "reshard-recv"), "reward": ("reward",)}
+def role_phase_names(role: str) -> tuple[str, ...]:
+    """The phases of a step (``timing/<phase>``) in which ``role`` works, with its part of the weight sync."""
+    spec = role_spec(role)
+    return tuple(p.name for p in spec.phases) + ((f"reshard-{spec.reshard}",) if spec.reshard else ())
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class PlacementPlan:
                 cells = []
                 for group in self.groups:
                     if group.pool == pool:
-                        cells += [f"{r}[{', '.join(ROLE_PHASES.get(r, ('?',)))}]" for r in group.roles]
+                        cells += [f"{r}[{', '.join(role_phase_names(r) or ('?',))}]" for r in group.roles]
                 out.append((str(device), ", ".join(cells)))
         return out
 
@@ -150,7 +150,7 @@ def resolve_backends(cfg: RunConfig, registry: Registry, check_engines: bool = T
             problems.append((f"roles.{role}.backend", "required for a role placed on a pool"))
             continue
         try:
-            entry = registry.backend(ROLE_KIND.get(role, "train"), name)  # type: ignore[arg-type]
+            entry = registry.backend(role_spec(role).kind, name)
         except RegistryError as exc:
             problems.append((f"roles.{role}.backend", str(exc)))
             continue
@@ -167,8 +167,7 @@ def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, Bac
     actor_pool = cfg.roles.actor.pool or default_pool
     role_pool: dict[str, str] = {}
     for role, rcfg in cfg.role_configs().items():
-        # The critic and the reward model default to the actor's pool (colocated with it).
-        pool = rcfg.pool or (actor_pool if role in ("critic", "reward") else default_pool)
+        pool = rcfg.pool or (actor_pool if role_spec(role).default_pool == "actor" else default_pool)
         if pool not in cfg.pools:
             problems.append((f"roles.{role}.pool", f"unknown pool '{pool}' (pools: {', '.join(cfg.pools) or 'none'})"))
             continue

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from hybridrl import checkpoint as ckpt
-from hybridrl.atomic_dir import replaced_atomically
+from hybridrl.run import checkpoint as ckpt
+from hybridrl.run.atomic_dir import replaced_atomically
 
 #: files of the source model folder that are not copied (the weights and config are written anew).
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -65,9 +65,9 @@ def actor_weights(state_dir: Path, backend: str, model_path: str, options: dict[
     one-rank gloo group of this process), loaded, exported."""
     import torch.distributed as dist
 
-    from hybridrl.distributed import free_port, init_process_group
+    from hybridrl.runtime.distributed import free_port, init_process_group
     from hybridrl.engines import EngineContext
-    from hybridrl.plugins import get_registry
+    from hybridrl.plugins.discovery import get_registry
 
     engine_cls = get_registry().backend("train", backend).load()
     own_group = not dist.is_initialized()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from hybridrl import hookimpl
 
 if TYPE_CHECKING:
-    from hybridrl.controller import WorkerGroup
+    from hybridrl.runtime.group import WorkerGroup
     from hybridrl.engines import RolloutEngine, TrainEngine
 
 

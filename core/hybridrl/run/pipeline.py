@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybridrl.batch import Batch
-from hybridrl.controller import PendingRun
+from hybridrl.runtime.group import PendingRun
 
 if TYPE_CHECKING:
     from hybridrl.config import RunConfig
-    from hybridrl.placement import PlacementPlan
+    from hybridrl.placement.plan import PlacementPlan
 
 
 @dataclass

@@ -126,7 +126,7 @@ def load_rows(cfg: DataConfig, registry: Any = None) -> Rows:
             raise DataError(f"data file '{path}': unsupported extension '{path.suffix}' (use .jsonl or .parquet)")
     elif cfg.dataset is not None:
         if registry is None:
-            from hybridrl.plugins import get_registry
+            from hybridrl.plugins.discovery import get_registry
 
             registry = get_registry()
         rows = _from_dataset(cfg, registry)

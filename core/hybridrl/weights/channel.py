@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from hybridrl.weight_buckets import BucketSpec, describe_bucket, pack_bucket, unpack_bucket
+from hybridrl.weights.buckets import BucketSpec, describe_bucket, pack_bucket, unpack_bucket
 
 
 class WeightChannel:

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hybridrl.config import ConfigError, CriticConfig, RunConfig
-from hybridrl.pipeline import pipelining_problems
-from hybridrl.placement import ClusterSpec, PlacementPlan, plan_placement, resolve_backends
-from hybridrl.registry import BackendEntry, Registry, RegistryError, load_object
+from hybridrl.run.pipeline import pipelining_problems
+from hybridrl.placement.plan import ClusterSpec, PlacementPlan, plan_placement, resolve_backends
+from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError, load_object
+from hybridrl.roles import trainable_roles
 
 
 #: ``algorithm.tis_cap`` of a pipelined run that leaves it unset.
@@ -111,7 +112,7 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
     except RegistryError as exc:
         problems.append(("algorithm.name", str(exc)))
     batch_size = cfg.data.prompts_per_step * cfg.algorithm.n_samples
-    for role in ("actor", "critic"):
+    for role in trainable_roles():
         rcfg = getattr(cfg.roles, role)
         if rcfg is not None and rcfg.mini_batch and batch_size % rcfg.mini_batch:
             problems.append((f"roles.{role}.mini_batch", f"{rcfg.mini_batch} does not divide the batch of {batch_size} "
@@ -162,7 +163,7 @@ def _reward_problems(cfg: RunConfig, registry: Registry) -> list[tuple[str, str]
 
 def prepare_model(cfg: RunConfig) -> tuple[str, Any]:
     """The HF checkpoint folder every role loads (building the tiny model when asked) and its tokenizer."""
-    from hybridrl.tokenizer import load_tokenizer
+    from hybridrl.data.tokenizer import load_tokenizer
 
     if cfg.model.tiny is not None:
         from hybridrl.tasks.tiny_model import build_tiny_model
@@ -184,7 +185,7 @@ def role_model_paths(cfg: RunConfig) -> dict[str, str]:
     model = cfg.roles.reward.model
     if model is not None:
         if model.tiny is not None:
-            from hybridrl.rewarding import build_tiny_reward_model
+            from hybridrl.rewards.scorer import build_tiny_reward_model
 
             paths["reward"] = str(build_tiny_reward_model(model.tiny, Path(cfg.trainer.out) / "reward_model"))
         else:
@@ -195,13 +196,12 @@ def role_model_paths(cfg: RunConfig) -> dict[str, str]:
 def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec) -> RunSetup:
     """Every check, with every problem collected: config, placement, files, packages, checkpoints; then, when
     the model and data are there, the tokenised prompts, the context length and a probe of the reward."""
-    from hybridrl import run_checks
-    from hybridrl.data import DataError, load_rows, tokenize_rows
-    from hybridrl.run_state import TRAINABLE_ROLES
+    from hybridrl.run import checks as run_checks
+    from hybridrl.data.loading import DataError, load_rows, tokenize_rows
 
     backends, plan, problems = check_config(cfg, registry, cluster)
     run_cfg, notes = with_algorithm_roles(cfg, registry)
-    trained = {r: b.name for r, b in backends.items() if r in TRAINABLE_ROLES}
+    trained = {r: b.name for r, b in backends.items() if r in trainable_roles()}
     problems += run_checks.tracker_problems(cfg, registry) + run_checks.checkpoint_problems(cfg, registry, trained)
     rows = None
     try:

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from hybridrl.config import ClusterConfig
-from hybridrl.placement import ClusterSpec
+from hybridrl.placement.plan import ClusterSpec
 
 
 def local_device_kind(requested: str) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hybridrl.config import RunConfig
-from hybridrl.registry import Registry, RegistryError
+from hybridrl.plugins.registry import Registry, RegistryError
 
 Problems = list[tuple[str, str]]
 
@@ -46,7 +46,7 @@ def tracker_problems(cfg: RunConfig, registry: Registry) -> Problems:
 def checkpoint_problems(cfg: RunConfig, registry: Registry, trained: dict[str, str]) -> Problems:
     """``trainer.out`` usable, ``trainer.resume`` pointing at a checkpoint, and, when ``save_every`` asks
     for checkpoints, train backends (role -> backend of the trained roles) that can write them."""
-    from hybridrl import checkpoint as ckpt
+    from hybridrl.run import checkpoint as ckpt
     from hybridrl.engines import TrainEngine
 
     problems: Problems = []
@@ -74,7 +74,7 @@ def checkpoint_problems(cfg: RunConfig, registry: Registry, trained: dict[str, s
 
 def _resume_fit_problems(folder: Path, trained: dict[str, str]) -> Problems:
     """The checkpoint must hold every trained role, saved by the same backend (formats differ)."""
-    from hybridrl import checkpoint as ckpt
+    from hybridrl.run import checkpoint as ckpt
 
     try:
         saved = json.loads((folder / ckpt.DRIVER_SUMMARY).read_text()).get("roles", {})
