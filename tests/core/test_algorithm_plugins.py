@@ -58,8 +58,10 @@ def test_plugin_preset_resolves_in_a_fresh_process(sample_site):
 
 def test_training_steps_with_the_plugin_estimator(sample_site, tmp_path):
     out = tmp_path / "run"
+    # The reverse reward is 0 for every sample of the untrained model (no advantage, no gradient): a reward that
+    # differs between samples makes the plugin estimator's advantages, and so the update, non-zero.
     proc = cli(sample_site, "train", str(QUICKSTART), *SMALL, "algorithm.advantage=sample_batch_mean",
-               f"trainer.out={out}")
+               "roles.reward.fn=sample_digit_share", f"trainer.out={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["actor/grad_norm"] > 0 for r in rows)

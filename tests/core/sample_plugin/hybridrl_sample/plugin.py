@@ -7,6 +7,12 @@ def length_reward(prompt: str, response: str, **meta) -> float:
     return min(len(response), 4) / 4.0
 
 
+def digit_share(prompt: str, response: str, **meta) -> float:
+    """The share of digits in the response: it differs between the samples of an untrained model, so an
+    advantage estimator has something to work with from the first step."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
 def half_k1(log_probs, ref_log_probs):
     return 0.5 * (log_probs - ref_log_probs)
 
@@ -31,6 +37,7 @@ def hybridrl_register_backends(registry):
 @hookimpl
 def hybridrl_register_rewards(registry):
     registry.add_reward("sample_length", length_reward)
+    registry.add_reward("sample_digit_share", digit_share)
 
 
 @hookimpl
