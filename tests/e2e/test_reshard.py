@@ -16,8 +16,10 @@ from pathlib import Path
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 
+# The entropy bonus moves the weights even when every sample of the untrained model scores 0 (no advantage),
+# so each reshard has new weights to carry.
 SMALL = ["trainer.steps=2", "data.prompts_per_step=4", "algorithm.n_samples=4", "trainer.progress=false",
-         "trainer.trackers=[jsonl]", "roles.actor.lr=1e-2"]
+         "trainer.trackers=[jsonl]", "roles.actor.lr=1e-2", "algorithm.entropy_coef=0.01"]
 LAYOUTS = {
     "colocated-1": [],
     "colocated-2": ["pools.main.devices_per_node=2"],

@@ -32,7 +32,7 @@ WORKER = Path(__file__).with_name("_mg_worker.py")
 ATOL = 1e-4  # logits and log-probs, fp32
 #: after STEPS AdamW steps of lr 1e-2: Adam divides each gradient by its own size, so an element whose gradient
 #: is near zero turns summation-order rounding into a visible share of one step.
-WEIGHT_ATOL = 1e-4
+WEIGHT_ATOL = 3e-4  # 3% of one step: a wrongly sharded or missed gradient is off by whole steps
 
 
 def launch(world_size: int, scenarios: list[dict], timeout: float = 300) -> None:
@@ -99,7 +99,7 @@ def check_run(results: list[dict], ref: Reference, layout: tuple[int, int, int])
 
     # every rank exports the full, identical weights, equal to plain training's
     moved = max(float((ref.weights[n] - ref.initial[n]).abs().max()) for n in ref.weights)
-    assert moved > 100 * WEIGHT_ATOL
+    assert moved > 50 * WEIGHT_ATOL  # the weights moved far more than the tolerance allows
     first = results[0]["exported"]
     assert first.keys() == ref.weights.keys()
     for name in ref.weights:
