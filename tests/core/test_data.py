@@ -89,14 +89,14 @@ def test_missing_prompt_key_names_the_line(tmp_path):
 
 def test_non_string_prompt_names_the_line(tmp_path):
     f = _jsonl(tmp_path / "d.jsonl", ['{"prompt": "a"}', '{"prompt": 12}'])
-    with pytest.raises(DataError, match=r"line 2: 'prompt' must be a string, got int"):
+    with pytest.raises(DataError, match=r"line 2: 'prompt' must be a string or a list of \{role, content\} messages, got int"):
         load_rows(DataConfig(train=str(f)))
 
 
 def test_parquet_errors_name_the_row(tmp_path):
     f = tmp_path / "d.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": "a"}, {"prompt": None}]), f)
-    with pytest.raises(DataError, match=r"d\.parquet, row 2: 'prompt' must be a string, got NoneType"):
+    with pytest.raises(DataError, match=r"d\.parquet, row 2: 'prompt' must be a string or a list of \{role, content\} messages, got NoneType"):
         load_rows(DataConfig(train=str(f)))
     bad = tmp_path / "bad.parquet"
     bad.write_text("not parquet")

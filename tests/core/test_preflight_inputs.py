@@ -19,6 +19,7 @@ QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 CPU2 = ClusterSpec(1, 2, "cpu")
 GOOD_ROW = '{"prompt": "reverse 12 ->", "answer": "21"}'
 NO_PROMPT_ROW = '{"q": 1}'
+CHAT_ROW = '{"prompt": [{"role": "user", "content": "reverse 12 ->"}], "answer": "21"}'
 
 
 def problems(tmp_path: Path, overrides: list[str]) -> dict[str, str]:
@@ -68,6 +69,14 @@ CASES = {
         lambda t: ["pools.gen={nodes: 1, devices_per_node: 1}", "roles.rollout.pool=gen",
                    "roles.ref.pool=main", "trainer.pipelined=true", "roles.rollout.log_probs=false"],
         "roles.rollout.log_probs", "needs the rollout's log-probs"),
+    "tiny tokenizer folder missing": (lambda t: [f"model.tiny.tokenizer={t}/no_tok"], "model.tiny.tokenizer",
+                                      "no_tok' is neither char nor char_chat nor a folder"),
+    "chat prompts on a tokenizer without a template": (
+        lambda t: [f"data.train={data_file(t, [GOOD_ROW, CHAT_ROW])}"], "data",
+        "line 2: 'prompt' is a chat but the tokenizer"),
+    "chat template file missing": (lambda t: ["model.tiny.tokenizer=char_chat", f"data.chat_template={t}/t.jinja",
+                                              f"data.train={data_file(t, [CHAT_ROW])}"], "data.chat_template",
+                                   "t.jinja' is not a file"),
     "resume without a critic": (lambda t: [f"trainer.resume={grpo_checkpoint(t)}", "algorithm.name=ppo"],
                                 "trainer.resume", "holds no critic state"),
 }
@@ -120,6 +129,15 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
                                 "trainer.trackers=[jsonl, nope]"])
     assert {"roles.reward.fn", "roles.rollout.max_new_tokens", "trainer.resume", "roles.rollout.backend",
             "trainer.trackers"} <= set(found)
+
+
+def test_chat_prompts_reach_the_reward_rendered(tmp_path: Path) -> None:
+    cfg = load_config(QUICKSTART, [f"trainer.out={tmp_path / 'run'}", "model.tiny.tokenizer=char_chat",
+                                   f"data.train={data_file(tmp_path, [CHAT_ROW])}", "data.system_prompt=be brief",
+                                   "data.max_prompt_len=40"])
+    setup = prepare_run(cfg, get_registry(), CPU2)
+    assert setup.prompts[0].prompt == "<|system|>be brief<eos><|user|>reverse 12 -><eos><|assistant|>"
+    assert setup.tokenizer.chat_template is not None
 
 
 def test_overlong_prompts_can_be_dropped_and_counted(tmp_path: Path) -> None:

@@ -34,6 +34,9 @@ class TinyModelConfig(Strict):
     intermediate_size: int = Field(256, gt=0)
     max_position: int = Field(128, gt=0)
     seed: int = 0
+    tokenizer: str = Field("char", min_length=1, description="char: the bundled character tokenizer; char_chat: "
+                                                             "it with role tokens and a chat template; or a folder "
+                                                             "holding a saved tokenizer (its vocabulary sizes the model)")
 
 
 class ModelConfig(Strict):
@@ -52,7 +55,12 @@ class DataConfig(Strict):
     train: str | None = Field(None, description="jsonl or parquet file of prompts")
     dataset: str | None = Field(None, description="name of a registered dataset instead of a file")
     dataset_args: dict[str, Any] = Field(default_factory=dict)
-    prompt_key: str = "prompt"
+    prompt_key: str = Field("prompt", description="the field holding the prompt: text or {role, content} messages")
+    chat_template: str = Field("auto", min_length=1, description="auto: message prompts get the tokenizer's chat "
+                                                                 "template with the generation prompt; none: no "
+                                                                 "template; or a Jinja template file")
+    system_prompt: str | None = Field(None, description="a system message prepended to every chat (a text "
+                                                        "prompt then becomes a user message)")
     max_prompt_len: int = Field(512, gt=0)
     long_prompts: Literal["error", "drop"] = "error"
     prompts_per_step: int = Field(32, gt=0)
@@ -62,6 +70,8 @@ class DataConfig(Strict):
     def _one_source(self) -> "DataConfig":
         if (self.train is None) == (self.dataset is None):
             raise ValueError("give exactly one of data.train (a file) or data.dataset (a registered name)")
+        if self.chat_template == "none" and self.system_prompt is not None:
+            raise ValueError("data.system_prompt needs a chat template: data.chat_template is none")
         return self
 
 

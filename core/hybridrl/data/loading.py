@@ -15,12 +15,18 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from hybridrl.config import DataConfig
+from hybridrl.data.chat import PromptFormatError, PromptFormatter, prompt_problem
 
 log = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
-    """The prompt data cannot be used (missing file, bad line, missing prompt field, empty, too long ...)."""
+    """The prompt data cannot be used (missing file, bad line, missing prompt field, empty, too long ...).
+    ``key``: the config key the problem is reported under, when it is not the data file's."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class Rows(list):
@@ -38,11 +44,13 @@ class Rows(list):
 
 @dataclass
 class PromptRow:
-    """One prompt: its text, its token ids, and the other fields of its row (``answer`` ...)."""
+    """One prompt: the text the model is given (a chat rendered by its template), its token ids, the other
+    fields of its row (``answer`` ...), and the chat it came from (None for a text prompt)."""
 
     prompt: str
     token_ids: list[int]
     meta: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, str]] | None = None
 
 
 class PromptRows(list):
@@ -112,7 +120,8 @@ def _from_dataset(cfg: DataConfig, registry: Any) -> Rows:
 
 def load_rows(cfg: DataConfig, registry: Any = None) -> Rows:
     """Raw rows (dicts) from ``cfg.train`` (``.jsonl`` / ``.parquet``) or the registered dataset ``cfg.dataset``
-    called with ``cfg.dataset_args``. Checks that every row has a non-empty string under ``cfg.prompt_key``."""
+    called with ``cfg.dataset_args``. Checks that every row has a prompt under ``cfg.prompt_key``: a non-empty
+    string or a list of ``{role, content}`` messages (``hybridrl.data.chat``)."""
     if cfg.train is not None:
         path = Path(cfg.train)
         if not path.is_file():
@@ -139,18 +148,26 @@ def load_rows(cfg: DataConfig, registry: Any = None) -> Rows:
     for i, row in enumerate(rows):
         if key not in row:
             raise DataError(f"{_where(rows, i)}: no '{key}' field (data.prompt_key); fields: {sorted(row)}")
-        prompt = row[key]
-        if not isinstance(prompt, str):
-            raise DataError(f"{_where(rows, i)}: '{key}' must be a string, got {type(prompt).__name__}")
-        if not prompt:
-            raise DataError(f"{_where(rows, i)}: '{key}' is an empty string")
+        problem = prompt_problem(row[key])
+        if problem is not None:
+            raise DataError(f"{_where(rows, i)}: '{key}' {problem}")
     return rows
 
 
 # --- tokenizing -----------------------------------------------------------------------------------
 
+def prompt_formatter(tokenizer: Any, cfg: DataConfig) -> PromptFormatter:
+    """The formatter of ``cfg.chat_template`` / ``cfg.system_prompt``; a ``DataError`` names a bad template file."""
+    try:
+        return PromptFormatter(tokenizer, cfg.chat_template, cfg.system_prompt)
+    except PromptFormatError as exc:
+        raise DataError(str(exc).removeprefix("data.chat_template: ").removeprefix("data.system_prompt "),
+                        key="data.chat_template") from None
+
+
 def tokenize_rows(rows: list[dict[str, Any]], tokenizer: Any, cfg: DataConfig) -> PromptRows:
-    """Tokenize the prompt of every row (the tokenizer's own special-token convention, e.g. a BOS).
+    """Format (chats through their template, ``hybridrl.data.chat``) and tokenize the prompt of every row;
+    text prompts keep the tokenizer's own special-token convention (e.g. a BOS).
 
     Prompts longer than ``cfg.max_prompt_len`` tokens raise a ``DataError`` naming the first one and the count
     (``cfg.long_prompts == "error"``) or are dropped, with the count logged and kept in ``.dropped`` ("drop").
@@ -158,18 +175,26 @@ def tokenize_rows(rows: list[dict[str, Any]], tokenizer: Any, cfg: DataConfig) -
     if not rows:
         raise DataError(f"{getattr(rows, 'source', '<rows>')}: the dataset is empty")
     key = cfg.prompt_key
-    prompts = [row[key] for row in rows]
-    encoded = tokenizer(prompts)["input_ids"]
+    formatter = prompt_formatter(tokenizer, cfg)
+    texts: list[str] = []
+    chats: list[list[dict[str, str]] | None] = []
+    for i, row in enumerate(rows):
+        try:
+            text, messages = formatter.format(row[key])
+        except PromptFormatError as exc:
+            raise DataError(f"{_where(rows, i)}: '{key}' {exc}") from None
+        texts.append(text)
+        chats.append(messages)
+    encoded = formatter.encode(texts, [m is not None for m in chats])
     out: list[PromptRow] = []
     too_long: list[int] = []
-    for i, (row, prompt, ids) in enumerate(zip(rows, prompts, encoded)):
-        ids = list(ids)
+    for i, (row, text, messages, ids) in enumerate(zip(rows, texts, chats, encoded)):
         if len(ids) > cfg.max_prompt_len:
             too_long.append(i)
             continue
         if not ids:
             raise DataError(f"{_where(rows, i)}: the prompt encodes to zero tokens")
-        out.append(PromptRow(prompt, ids, {k: v for k, v in row.items() if k != key}))
+        out.append(PromptRow(text, ids, {k: v for k, v in row.items() if k != key}, messages))
     if too_long:
         first = too_long[0]
         n_first = len(encoded[first])

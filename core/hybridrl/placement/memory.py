@@ -157,10 +157,14 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 
 def tiny_shape(tiny: Any) -> ModelShape:
-    """The shape of the model ``model.tiny`` builds (a tied-embedding Qwen2 over the character vocabulary)."""
-    from hybridrl.data.tokenizer import build_char_tokenizer
+    """The shape of the model ``model.tiny`` builds (a tied-embedding Qwen2 over its tokenizer's vocabulary)."""
+    from hybridrl.tasks.tiny_model import tiny_tokenizer
 
-    return ModelShape("qwen2", len(build_char_tokenizer()), tiny.hidden_size, tiny.num_layers, tiny.num_heads,
+    try:
+        vocab = len(tiny_tokenizer(tiny))
+    except (OSError, ValueError) as exc:
+        raise MemoryEstimateError(f"model.tiny.tokenizer: {exc}") from None
+    return ModelShape("qwen2", vocab, tiny.hidden_size, tiny.num_layers, tiny.num_heads,
                       tiny.num_kv_heads, tiny.hidden_size // tiny.num_heads, tiny.intermediate_size,
                       tie_word_embeddings=True, qkv_bias=True)
 

@@ -68,11 +68,10 @@ class RewardScorer:
 
 
 def build_tiny_reward_model(cfg: Any, out_dir: str | Path) -> Path:
-    """A small random ``Qwen2ForSequenceClassification`` (one label) with the bundled character tokenizer,
-    built from a ``TinyModelConfig`` and saved as an HF checkpoint; reused when built from the same config.
-    Random weights: it tests the plumbing, it does not judge answers."""
-    from hybridrl.tasks.tiny_model import _check
-    from hybridrl.data.tokenizer import build_char_tokenizer
+    """A small random ``Qwen2ForSequenceClassification`` (one label) with the tokenizer of ``cfg.tokenizer``
+    (the bundled character one by default), built from a ``TinyModelConfig`` and saved as an HF checkpoint;
+    reused when built from the same config. Random weights: it tests the plumbing, it does not judge answers."""
+    from hybridrl.tasks.tiny_model import _check, tiny_tokenizer
 
     _check(cfg)
     out = Path(out_dir)
@@ -85,7 +84,7 @@ def build_tiny_reward_model(cfg: Any, out_dir: str | Path) -> Path:
             raise FileExistsError(f"'{out}' is not empty and was not built by build_tiny_reward_model") from None
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    tokenizer = build_char_tokenizer()
+    tokenizer = tiny_tokenizer(cfg)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                          num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                          num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position,

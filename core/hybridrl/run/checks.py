@@ -17,6 +17,11 @@ Problems = list[tuple[str, str]]
 
 
 def model_problems(cfg: RunConfig) -> Problems:
+    if cfg.model.tiny is not None:
+        from hybridrl.tasks.tiny_model import tokenizer_problem
+
+        problem = tokenizer_problem(cfg.model.tiny)
+        return [] if problem is None else [("model.tiny.tokenizer", problem)]
     if cfg.model.path is None:
         return []
     path = Path(cfg.model.path)

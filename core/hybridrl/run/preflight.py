@@ -158,6 +158,10 @@ def _reward_problems(cfg: RunConfig, registry: Registry) -> list[tuple[str, str]
         if model.tiny is not None and cfg.model.tiny is None:
             problems.append(("roles.reward.model.tiny", "a tiny reward model uses the bundled character tokenizer, "
                                                         "so the policy must be model.tiny too"))
+        elif model.tiny is not None and model.tiny.tokenizer != cfg.model.tiny.tokenizer:
+            problems.append(("roles.reward.model.tiny.tokenizer",
+                             f"'{model.tiny.tokenizer}' differs from model.tiny.tokenizer='{cfg.model.tiny.tokenizer}' "
+                             "(a reward model scores the policy's token ids: it needs the same tokenizer)"))
     return problems
 
 
@@ -218,14 +222,15 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec) -> Run
         try:
             prompts = tokenize_rows(rows, tokenizer, cfg.data)
         except DataError as exc:
-            problems.append(("data", str(exc)))
+            problems.append((exc.key or "data", str(exc)))
     if prompts:
         problems += run_checks.context_problems(cfg, model_path, max(len(p.token_ids) for p in prompts))
     reward_fn = None
     if run_cfg.roles.reward.fn is not None and not any(k == "roles.reward.fn" for k, _ in problems):
         reward_fn = resolve_reward(run_cfg.roles.reward.fn, registry)
-        if rows:
-            problems += run_checks.reward_probe_problems(reward_fn, run_cfg.roles.reward.fn, rows[0],
+        if prompts:  # the first prompt as the reward will see it (a chat rendered by its template)
+            first = {**prompts[0].meta, cfg.data.prompt_key: prompts[0].prompt}
+            problems += run_checks.reward_probe_problems(reward_fn, run_cfg.roles.reward.fn, first,
                                                          cfg.data.prompt_key)
     if problems:
         raise ConfigError(problems)

@@ -1,4 +1,5 @@
-"""A tiny Qwen2 causal LM built in code (no download) with the bundled character tokenizer.
+"""A tiny Qwen2 causal LM built in code (no download) with the bundled character tokenizer (or its chat
+variant, or any saved tokenizer: ``model.tiny.tokenizer``).
 
 ``build_tiny_model(cfg, out_dir)`` writes an ordinary Hugging Face checkpoint folder (safetensors weights,
 ``config.json``, ``generation_config.json`` and the tokenizer), so every backend loads it like any other model.
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from hybridrl.config import TinyModelConfig
-from hybridrl.data.tokenizer import build_char_tokenizer
+from hybridrl.data.tokenizer import build_char_tokenizer, load_tokenizer
 
 #: the file that marks a folder as built by ``build_tiny_model`` and records what it was built from.
 MARKER = "hybridrl_tiny.json"
@@ -26,13 +27,47 @@ MARKER = "hybridrl_tiny.json"
 FORMAT_VERSION = 1
 
 
+#: ``model.tiny.tokenizer`` values naming the bundled tokenizers (anything else is a tokenizer folder).
+BUNDLED_TOKENIZERS = ("char", "char_chat")
+
+
+def tiny_tokenizer(cfg: TinyModelConfig) -> Any:
+    """The tokenizer a tiny model is built with: the bundled character one (``char``), its chat variant
+    (``char_chat``), or the one saved in the folder ``cfg.tokenizer``."""
+    if cfg.tokenizer in BUNDLED_TOKENIZERS:
+        return build_char_tokenizer(chat=cfg.tokenizer == "char_chat")
+    folder = Path(cfg.tokenizer)
+    if not folder.is_dir():
+        raise ValueError(f"tiny model: tokenizer '{cfg.tokenizer}' is neither {' nor '.join(BUNDLED_TOKENIZERS)} "
+                         "nor a folder")
+    return load_tokenizer(folder)
+
+
+def tokenizer_problem(cfg: TinyModelConfig) -> str | None:
+    """Why ``cfg.tokenizer`` cannot be used, or None (checked before anything is built)."""
+    if cfg.tokenizer in BUNDLED_TOKENIZERS:
+        return None
+    folder = Path(cfg.tokenizer)
+    if not folder.is_dir():
+        return f"'{folder}' is neither {' nor '.join(BUNDLED_TOKENIZERS)} nor a folder"
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return f"'{folder}' holds no tokenizer (no tokenizer.json or tokenizer_config.json)"
+    return None
+
+
 def _spec(cfg: TinyModelConfig, tokenizer: Any) -> dict[str, Any]:
     vocab = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]))
-    return {
+    config = cfg.model_dump(mode="json")
+    spec = {
         "format": FORMAT_VERSION,
-        "config": cfg.model_dump(mode="json"),
+        "config": config,
         "vocab_sha256": hashlib.sha256(vocab.encode()).hexdigest(),
     }
+    if cfg.tokenizer != "char":  # the plain char model's spec stays as it was (its folders are reused)
+        spec["chat_template_sha256"] = hashlib.sha256(str(getattr(tokenizer, "chat_template", "")).encode()).hexdigest()
+    else:
+        del config["tokenizer"]
+    return spec
 
 
 def _read_marker(folder: Path) -> dict[str, Any] | None:
@@ -101,7 +136,7 @@ def build_tiny_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
     """
     _check(cfg)
     out = Path(out_dir)
-    tokenizer = build_char_tokenizer()
+    tokenizer = tiny_tokenizer(cfg)
     spec = _spec(cfg, tokenizer)
     if _read_marker(out) == spec:
         return out
