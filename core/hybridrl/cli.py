@@ -89,7 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 1
     finally:
         trainer.shutdown()
-    if trainer.run_state.interrupted:
+    if trainer.interrupted:
         return 130
     if history:
         last = history[-10:]
@@ -177,6 +177,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hybridrl.observe.console import enable_console
+
+    enable_console()
     args = parse_args(build_parser(), argv)
     try:
         return args.func(args)

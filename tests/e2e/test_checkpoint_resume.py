@@ -26,6 +26,7 @@ from hybridrl.config import load_config
 from hybridrl.run.faults import BadStepsError, WorkerDiedError
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.run.preflight import prepare_run
+from hybridrl.observe.tracking import build_trackers
 from hybridrl.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,11 +86,11 @@ def resumed_run(ray_local, tmp_path_factory):
         before = first.fit()
     finally:
         first.shutdown()
-    state = {"out": out, "before": before, "interrupted": first.run_state.interrupted,
+    state = {"out": out, "before": before, "interrupted": first.interrupted,
              "checkpoints": sorted(p.name for p in checkpoints_root(out).iterdir())}
     second = make_trainer(out)
     try:
-        state.update(trainer=second, resumed_from=second.run_state.resumed_from, start_step=second.step,
+        state.update(trainer=second, resumed_from=second.checkpointer.resumed_from, start_step=second.step,
                      after=second.fit())
         yield state
     finally:
@@ -164,10 +165,10 @@ def test_a_failed_save_leaves_the_previous_checkpoint_loadable(full_run, resumed
     with monkeypatch.context() as patch:
         patch.setattr(checkpoint, "save_driver_state", disk_full)
         with pytest.raises(OSError, match="No space left"):
-            trainer.run_state.save()
+            trainer.save()
     assert sorted(p.name for p in root.iterdir()) == [LATEST, "step_000002"]
     assert (root / LATEST).read_text() == "step_000002"
-    trainer.run_state.restore(root / "step_000002")  # the previous checkpoint loads into the running workers
+    trainer.checkpointer.restore(root / "step_000002", trainer, trainer.groups)  # the previous checkpoint loads into the running workers
     trainer.sync_weights()
     assert trainer.step == 2
     again = computed(trainer.train_step())  # and step 3 comes out as in the uninterrupted run
@@ -181,9 +182,10 @@ def test_nan_steps_are_skipped_reported_and_stop_the_run(resumed_run) -> None:
     weights = trainer.groups["actor"].call_all("weights", "actor")[0]
     good_fn, start = trainer.scorer.reward_fn, trainer.step
     trainer.cfg.trainer.steps = start + 5
-    trainer.run_state.guard.max_bad = 2
+    trainer.guard.bad.max_bad = 2
     trainer.scorer.reward_fn = lambda *args, **kwargs: float("nan")
-    trainer.trackers = trainer.run_state.make_trackers()  # fit closed them; a resumed run's append
+    trainer.trackers = build_trackers(trainer.registry, trainer.cfg.trainer.trackers, trainer.cfg.trainer.out,
+                                      {}, resume=True)  # fit closed them; a resumed run's append
     try:
         with pytest.raises(BadStepsError, match=r"2 bad steps in a row .*trainer.max_bad_steps=2"):
             trainer.fit()
@@ -203,7 +205,7 @@ def test_dead_worker_is_named_and_the_checkpoint_survives(resumed_run) -> None:
 
     trainer: Trainer = resumed_run["trainer"]
     out = resumed_run["out"]
-    trainer.run_state.guard.in_row = 0
+    trainer.guard.bad.in_row = 0
     trainer.trackers = []
     ray.kill(trainer.groups["actor"].workers[0])
     with pytest.raises(WorkerDiedError) as err:
