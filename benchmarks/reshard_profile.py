@@ -58,7 +58,7 @@ def main() -> None:
     bucket = int(args.bucket_mb * 2**20)
     result: dict = {"shape": args.shape, "bucket_mb": args.bucket_mb}
     rollout.sleep()
-    for _ in range(4):  # learn the plan, record the graphs, settle
+    for _ in range(4):  # learn the plan, copy eagerly, record the graphs, replay
         sync_in_process(actor, rollout, bucket)
     result["sync_ms"] = _median_ms(lambda: sync_in_process(actor, rollout, bucket))
     result["import_stats_last"] = rollout.import_stats()
@@ -76,38 +76,26 @@ def main() -> None:
     from hybridrl_vllm import copy_plan as cp
 
     graphs = compat.run_on_workers(rollout.llm, lambda w: w._hybridrl_copy_graphs)[0]
+    kept = [g for g in graphs._previous.values() if g is not None]  # the last update's recorded copies
 
     def replay() -> None:
-        for g in graphs._graphs.values():
+        for g in kept:
             g.replay()
 
     result["graph_replay_only_ms"] = _median_ms(replay)
-    result["graphs"] = len(graphs._graphs)
+    result["graphs"] = len(kept)
     plan = compat.run_on_workers(rollout.llm, lambda w: w._hybridrl_copy_plan)[0]
     dsts, srcs = [], []
     for b in buckets:
-        d, s, _, _ = plan.split(b)
-        dsts += d
-        srcs += s
+        split = plan.split(b)
+        dsts += split.dsts
+        srcs += split.srcs
     result["foreach_copy_eager_ms"] = _median_ms(lambda: torch._foreach_copy_(dsts, srcs))
-    # the whole model's copies recorded in each kernel layout the plugin chooses from (one graph each); the
-    # plugin keeps, per bucket, whichever replays fastest (``copy_graphs_layout_*`` in the import stats)
-    def graphed(run) -> float:
-        run()  # Triton compiles the fused kernel here
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        return _median_ms(graph.replay)
-
-    layouts = cp.distinct_layouts(srcs, dsts)
-    result["graph_ms"] = {layout: graphed(cp.copier(dsts, srcs, layout)) for layout in layouts}
-    if "fused" in layouts:  # the fused kernel's block size (values a program copies), against its default
-        from hybridrl_vllm import fused_copy
-
-        result["fused_block"] = fused_copy.BLOCK
-        result["fused_graph_ms_by_block"] = {block: graphed(fused_copy.FusedCopy(dsts, srcs, block))
-                                             for block in (1024, 2048, 4096, 8192, 16384)}
+    # the whole model's copies recorded in one graph: what the per-bucket graphs are held against
+    whole = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(whole):
+        torch._foreach_copy_(dsts, srcs)
+    result["foreach_copy_one_graph_ms"] = _median_ms(whole.replay)
     # the same values as one flat tensor each side, back to back: the floor the layouts are held against
     numel = sum(p.numel() for p in actor.model.parameters())
     master = torch.empty(numel, dtype=torch.float32, device="cuda")
@@ -145,10 +133,8 @@ def main() -> None:
                 marks.append((label + "_out", time.perf_counter()))
         return real, marked
 
-    fine = [(cp.CopyPlan, "_split", "split"), (cp.GraphedCopies, "copy", "graphs"), (compat, "run_on_workers", "rpc"),
-            (cp.GraphedCopies, "replay_reused", "reused"),
-            (actor._local_shards, "buckets", "shards_buckets"), (torch.cuda.CUDAGraph, "replay", "replay"),
-            (cp, "copy_key", "key")]
+    fine = [(cp.CopyPlan, "split", "split"), (cp.GraphedCopies, "copy", "graphs"), (compat, "run_on_workers", "rpc"),
+            (torch.cuda.CUDAGraph, "replay", "replay"), (cp, "copy_key", "key")]
     originals = []
     for owner, attr, label in fine:
         real, marked = wrap(owner, attr, label)
@@ -169,7 +155,7 @@ def main() -> None:
         marks.clear()
         rollout.import_weights, actor.export_weights_transient = import_marked, export_marked
         large = k < 6  # the bridge's default (views in large buckets) first, then the configured buckets
-        # (in two blocks: the exporter keeps its buckets for one size, a switch rebuilds them once)
+        # (in two blocks: the copy graphs are per bucket, a switch of size records them again)
         t0 = time.perf_counter()
         sync_in_process(actor, rollout, bucket, views_in_large_buckets=large)
         torch.cuda.synchronize()

@@ -136,8 +136,7 @@ class TrainEngine(ABC):
     def export_weights_transient(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """Like ``export_weights`` for an importer that copies each bucket before asking for the next one
         (the colocated in-process bridge): tensors may be views of the live weights and in any dtype the
-        importer can cast from, so an engine can skip its own copy. An engine that hands the same buckets out
-        again at every update yields them as ``weight_buckets.ReusedBucket``. Default: ``export_weights``."""
+        importer can cast from, so an engine can skip its own copy. Default: ``export_weights``."""
         return self.export_weights(bucket_bytes)
 
     def transient_export_holds_views(self) -> bool:

@@ -77,8 +77,8 @@ def test_sync_check_passes_after_real_syncs_and_catches_a_wrong_rollout(tmp_path
         gen = torch.Generator().manual_seed(0)
         noisy = [(name, t + torch.randn(t.shape, generator=gen)) for name, t in weights(trainer, "actor")[0].items()]
         rollout = trainer.groups["rollout"]
-        rollout.call_all("call", "rollout", "import_weights", noisy)
-        rollout.call_all("call", "rollout", "finish_weight_import")
+        rollout.broadcast("rollout", "import_weights", noisy)
+        rollout.broadcast("rollout", "finish_weight_import")
         broken = trainer.check_sync(trainer.prompt_batch())
         assert broken["sync_check/off_argmax"] > 0 and broken["sync_check/argmax_fraction"] < 0.9, broken
     finally:

@@ -33,6 +33,7 @@ from hybridrl_sglang.parallel import ReplicaLayout, engine_devices
 from hybridrl_sglang.sampling import (BAN, Phase, engine_seed, mix_seed, per_request, phase_sampling, phases,
                                       top_logprobs_wanted)
 from hybridrl_sglang.sleep import KV_CACHE, WEIGHTS, MemoryState
+from hybridrl.runtime.group import Result
 
 
 # --- options ------------------------------------------------------------------------------------------------
@@ -396,14 +397,14 @@ def test_bridge_defaults_to_the_core_broadcast_bridge():
     calls = []
 
     class Group:
-        def call_all(self, method, *args):
-            calls.append((method, args))
-            return ["channel"]
+        def broadcast(self, role, method, *args):
+            calls.append((role, method, args))
+            return Result(["channel"], 0.0)
 
     bridge = SGLangBroadcastBridge()
     bridge.fallback = type("F", (), {"sync": lambda self, *a: calls.append(("fallback", a)) or {"bytes": 1.0}})()
     assert bridge.sync(Group(), "actor", Group(), "rollout", 64) == {"bytes": 1.0}
-    assert calls[0] == ("call", ("rollout", "weight_sync_mode")) and calls[1][0] == "fallback"
+    assert calls[0] == ("rollout", "weight_sync_mode", ()) and calls[1][0] == "fallback"
 
 
 # --- the engine against a fake sglang.Engine -----------------------------------------------------------------

@@ -11,11 +11,15 @@ includes every overhead of the phase.
 
 from __future__ import annotations
 
+import logging
+
 import os
 from functools import lru_cache
 from typing import Any, Iterable
 
 from hybridrl.placement.memory import ModelShape
+
+log = logging.getLogger(__name__)
 
 #: dense bf16/fp16 tensor-core peak FLOP/s by GPU name (first match wins: the specific names first).
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
@@ -116,28 +120,26 @@ def phase_perf(shape: ModelShape, seq_lens: list[int], seconds: dict[str, float]
     return out
 
 
-def step_perf_metrics(trainer: Any, batch: Any, metrics: dict[str, float]) -> dict[str, float]:
-    """MFU and achieved TFLOP/s per phase, and the peak memory of each role's processes, for one step
-    (called at the end of ``Trainer.train_step``; never fails the step)."""
+def step_perf_metrics(model_path: str, plan: Any, dtype: str, epochs: int, batch: Any,
+                      metrics: dict[str, float]) -> dict[str, float]:
+    """MFU and achieved TFLOP/s per phase for one step, from the model at ``model_path``, the placement
+    ``plan`` (devices per role), the step's token counts and its ``timing/*`` metrics (called at the end of
+    ``Trainer.train_step``; never fails the step)."""
     from hybridrl.batch import PROMPT_MASK, RESPONSE_MASK
-    from hybridrl.observe.memory import peak_memory_metrics
 
-    out: dict[str, float] = {}
     try:
-        shape = _shape_of(trainer.setup.model_path)
+        shape = _shape_of(model_path)
         lengths = (batch[PROMPT_MASK].sum(-1) + batch[RESPONSE_MASK].sum(-1)).tolist()
-        plan = trainer.setup.plan
         devices = {role: plan.group_of(role).world_size for role in plan.role_pool}
         devices["all"] = sum(len(d) for d in plan.pools.values())
         seconds = {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")}
-        peak = peak_flops(detect_device_name(plan.cluster.device), trainer.cfg.model.dtype)
-        out.update(phase_perf(shape, [int(n) for n in lengths], seconds, devices, peak, trainer.cfg.algorithm.epochs))
+        peak = peak_flops(detect_device_name(plan.cluster.device), dtype)
+        return phase_perf(shape, [int(n) for n in lengths], seconds, devices, peak, epochs)
     except Exception as exc:  # noqa: BLE001 - a metric must never stop training
         if not _warned:
             _warned.append(True)
-            print(f"hybridrl: no FLOP metrics ({type(exc).__name__}: {exc})", flush=True)
-    out.update(peak_memory_metrics(trainer.groups))
-    return out
+            log.warning("no FLOP metrics (%s: %s)", type(exc).__name__, exc)
+        return {}
 
 
 _warned: list[bool] = []

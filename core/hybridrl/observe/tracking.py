@@ -8,6 +8,7 @@ once. ``console`` and ``jsonl`` need nothing; ``tensorboard`` writes ``<out>/ten
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import numbers
@@ -204,6 +205,17 @@ class MlflowTracker:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def build_trackers(registry: Any, names: list[str], out_dir: str, config: dict[str, Any], resume: bool) -> list[Tracker]:
+    """The configured trackers (``trainer.trackers``); a resumed run appends to what they already logged.
+    Every registered tracker takes ``(out_dir, config)``; one that also takes ``resume`` is told so."""
+    trackers = []
+    for name in names:
+        cls = registry.get("tracker", name)
+        kwargs = {"resume": True} if resume and "resume" in inspect.signature(cls).parameters else {}
+        trackers.append(cls(out_dir, config, **kwargs))
+    return trackers
 
 
 @hookimpl

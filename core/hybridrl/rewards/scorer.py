@@ -8,6 +8,7 @@ Also builds the tiny random reward model the tests and examples use (no download
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,11 +35,21 @@ def on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return token_rewards * mask
 
 
+@dataclass(frozen=True)
+class Scored:
+    """A scored batch: ``scores`` (B,), the decoded ``texts``, the ``parts`` (``rule`` and/or ``model`` scores)
+    and the reward model's compute seconds (None without a model)."""
+
+    scores: torch.Tensor
+    texts: list[str]
+    parts: dict[str, torch.Tensor]
+    model_compute_s: float | None = None
+
+
 class RewardScorer:
     """Scores batches that hold ``prompt``, ``meta``, prompt and response tensors.
 
-    ``model_group``: the worker group of the reward role (None without a reward model); ``compute_s`` is the
-    model's compute time of the last call."""
+    ``model_group``: the worker group of the reward role (None without a reward model)."""
 
     def __init__(self, tokenizer: Any, reward_fn: Callable[..., float] | None, model_group: Any = None,
                  model_coef: float = 1.0) -> None:
@@ -46,25 +57,23 @@ class RewardScorer:
         self.reward_fn = reward_fn
         self.model_group = model_group
         self.model_coef = model_coef
-        self.compute_s = 0.0
 
-    def __call__(self, batch: Batch) -> tuple[torch.Tensor, list[str], dict[str, torch.Tensor]]:
-        """``(scores (B,), decoded texts, parts)``; ``parts`` has ``rule`` and/or ``model`` scores."""
+    def __call__(self, batch: Batch) -> Scored:
         texts = decode_responses(self.tokenizer, batch)
         parts: dict[str, torch.Tensor] = {}
         if self.reward_fn is not None:
             parts["rule"] = torch.tensor([float(self.reward_fn(batch["prompt"][i], text, **batch["meta"][i]))
                                           for i, text in enumerate(texts)], dtype=torch.float32)
-        self.compute_s = 0.0
+        model_compute_s = None
         if self.model_group is not None:
             keys = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
-            out = self.model_group.run("reward", "compute_scores", batch.select(*keys))
-            parts["model"] = out[SCORES].float()
-            self.compute_s = self.model_group.last_compute_s
+            result = self.model_group.call("reward", "compute_scores", batch.select(*keys))
+            parts["model"] = result.value[SCORES].float()
+            model_compute_s = result.compute_s
         total = torch.zeros(len(batch), dtype=torch.float32)
         for name, part in parts.items():
             total = total + (self.model_coef * part if name == "model" else part)
-        return total, texts, parts
+        return Scored(total, texts, parts, model_compute_s)
 
 
 def build_tiny_reward_model(cfg: Any, out_dir: str | Path) -> Path:

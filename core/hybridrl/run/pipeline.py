@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybridrl.batch import Batch
-from hybridrl.runtime.group import PendingRun
+from hybridrl.runtime.group import PendingCall
 
 if TYPE_CHECKING:
     from hybridrl.config import RunConfig
@@ -42,7 +42,7 @@ class GenerationJob:
     batch: Batch
     step: int
     version: int
-    pending: PendingRun
+    pending: PendingCall
 
 
 class StalenessError(RuntimeError):

@@ -3,12 +3,15 @@
 gen [-> gen_baseline (ReMax)] -> reward -> ref -> old_log_prob [-> values (critic)] -> adv
 [-> update_critic] -> update_actor -> reshard. ``generate_batch`` and ``train_on`` are the two halves that both
 the synchronous step and the pipelined one (``hybridrl.run.pipeline``) are made of. Scoring lives in
-``hybridrl.rewards.scorer``, the algorithm pieces in ``hybridrl.algorithms``.
+``hybridrl.rewards``, the algorithm pieces in ``hybridrl.algorithms``, checkpoints and fault handling in
+``hybridrl.run.state``. The trainer is ``Stateful``: ``state_dict`` is what a checkpoint keeps of the driver.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,22 +21,27 @@ import torch
 
 from hybridrl.algorithms.advantages import AdvantageInputs
 from hybridrl.algorithms.kl_control import build_kl_controller
-from hybridrl.algorithms.objective import ValueObjective, resolve_algorithm
+from hybridrl.algorithms.objective import PolicyObjective, ValueObjective, resolve_algorithm
 from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, REF_LOG_PROBS, RESPONSE_IDS,
                             RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, SCORES, TOKEN_REWARDS, Batch,
                             first_row_of_each_group, left_pad)
-from hybridrl.weights.bridges import transport_for
-from hybridrl.runtime.group import WorkerGroup, average_metrics
 from hybridrl.engines import VALUES, SamplingParams
 from hybridrl.observe.flops import step_perf_metrics
-from hybridrl.runtime.launch import build_engines, start_worker_groups
+from hybridrl.observe.memory import peak_memory_metrics
+from hybridrl.observe.timing import PhaseTimer
+from hybridrl.observe.tracking import build_trackers
+from hybridrl.rewards.scorer import RewardScorer, on_last_token
+from hybridrl.roles import role_spec
+from hybridrl.run import checkpoint as ckpt
 from hybridrl.run.pipeline import GenerationJob, needs_sync, staleness_of
 from hybridrl.run.preflight import RunSetup
-from hybridrl.run.state import RunState
-from hybridrl.rewards.scorer import RewardScorer, on_last_token
+from hybridrl.run.state import Checkpointer, StepGuard, trained_roles
+from hybridrl.runtime.group import Result, WorkerGroup, average_metrics, unique_groups
+from hybridrl.runtime.launch import build_engines, role_options, start_worker_groups
+from hybridrl.weights.bridges import transport_for
 from hybridrl.weights.sync_check import GREEDY_MARGIN, SyncCheck
-from hybridrl.observe.timing import PhaseTimer
 
+log = logging.getLogger(__name__)
 
 SEQUENCE_KEYS = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
 
@@ -67,6 +75,11 @@ class StepLog:
     compute: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def took(self, phase: str, result: Result) -> Any:
+        """Record ``result``'s compute seconds under ``phase`` (added up over several calls) and return its value."""
+        self.compute[phase] = self.compute.get(phase, 0.0) + result.compute_s
+        return result.value
+
 
 class Trainer:
     """Drives the worker groups through training steps and logs every phase."""
@@ -75,74 +88,99 @@ class Trainer:
         from hybridrl.data.loading import PromptLoader
 
         self.setup = setup
-        self.cfg = setup.cfg
+        self.cfg = cfg = setup.cfg
         self.registry = setup.registry
-        self.algo = resolve_algorithm(self.cfg.algorithm, self.registry)
+        self.algo = resolve_algorithm(cfg.algorithm, self.registry)
         self.tokenizer = setup.tokenizer
-        self.loader = PromptLoader(setup.prompts, self.cfg.data.prompts_per_step, self.cfg.trainer.seed,
-                                   self.cfg.data.shuffle)
+        self.loader = PromptLoader(setup.prompts, cfg.data.prompts_per_step, cfg.trainer.seed, cfg.data.shuffle)
         self.advantage_fn = self.registry.get("advantage", self.algo.advantage)
-        kl_cfg = self.cfg.algorithm.kl
+        kl_cfg = cfg.algorithm.kl
         self.kl_fn = self.registry.get("kl_estimator", kl_cfg.estimator) if kl_cfg is not None and kl_cfg.coef > 0 else None
         self.kl_in_reward = self.kl_fn is not None and kl_cfg.apply_as == "reward"
         self.kl_ctrl = build_kl_controller(kl_cfg) if self.kl_in_reward else None
+        self.policy_objective = PolicyObjective(cfg.algorithm, self.registry)
         self.scorer = RewardScorer(self.tokenizer, setup.reward_fn)
-        r = self.cfg.roles.rollout
+        r = cfg.roles.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
                                        ignore_eos=r.ignore_eos, logprobs=r.log_probs)
-        self.recompute_old_log_probs = old_log_probs_needed(self.cfg, self.kl_in_reward)
+        self.recompute_old_log_probs = old_log_probs_needed(cfg, self.kl_in_reward)
         self.groups: dict[str, WorkerGroup] = {}
         self.placement_groups: list[Any] = []
         self.last_batch: Batch | None = None
         self.trackers: list[Any] = []
         self.step = 0
-        self.run_state = RunState(self)  # checkpoints, resume, faults (hybridrl.run.state)
         self.actor_version = 0  # actor updates so far
         self.rollout_version = 0  # the actor version whose weights the rollout holds
         self.next_generation: GenerationJob | None = None  # pipelined: the batch being generated ahead
-        self.sync_check = SyncCheck.for_dtype(self.cfg.trainer.sync_check_every, self.cfg.model.dtype)
+        self.interrupted = False  # stopped by Ctrl-C (after saving)
+        self.sync_check = SyncCheck.for_dtype(cfg.trainer.sync_check_every, cfg.model.dtype)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_id = self.tokenizer.eos_token_id
+        trained = {role: setup.plan.group_of(role).roles[role] for role in setup.plan.role_pool
+                   if role_spec(role).trainable}
+        self.checkpointer = Checkpointer(cfg.trainer.out, cfg.trainer.keep_checkpoints, {
+            "roles": trained, "model_path": str(Path(setup.model_path).resolve()), "dtype": cfg.model.dtype,
+            "actor_options": role_options(cfg, "actor"), "seed": cfg.trainer.seed})
+        self.guard = StepGuard(cfg.trainer.max_bad_steps, setup.plan, self.checkpointer)
+
+    # --- Stateful: what a checkpoint keeps of the driver ------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "loader": self.loader.state_dict(),
+                "kl_ctrl": dataclasses.asdict(self.kl_ctrl) if self.kl_ctrl is not None else None,
+                "bad_steps_in_row": self.guard.bad.in_row, "rng": ckpt.rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.loader.load_state_dict(state["loader"])
+        if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:
+            for key, value in state["kl_ctrl"].items():
+                setattr(self.kl_ctrl, key, value)
+        self.guard.bad.in_row = int(state.get("bad_steps_in_row", 0))
+        ckpt.set_rng_state(state["rng"])
 
     # --- set-up ---------------------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the workers and engines, restore a checkpoint when resuming, and give the rollout the
+        actor's weights."""
         out = Path(self.cfg.trainer.out)
         out.mkdir(parents=True, exist_ok=True)
-        resume_from = self.run_state.resume_point()
+        resume_from = ckpt.resolve_resume(self.cfg.trainer.resume, out)
         if resume_from is None:
             (out / "samples.jsonl").write_text("")
         (out / "config.json").write_text(json.dumps(self.cfg.model_dump(mode="json", by_alias=True), indent=2))
-        print(self.setup.plan.render(), flush=True)
+        log.info("%s", self.setup.plan.render())
         for note in self.setup.notes:
-            print(f"note: {note}", flush=True)
+            log.info("note: %s", note)
         if self.setup.dropped_prompts:
-            print(f"data: dropped {self.setup.dropped_prompts} prompt(s) longer than data.max_prompt_len", flush=True)
-        print("starting workers ...", flush=True)
+            log.info("data: dropped %d prompt(s) longer than data.max_prompt_len", self.setup.dropped_prompts)
+        log.info("starting workers ...")
         t0 = time.perf_counter()
         self.groups, self.placement_groups = start_worker_groups(self.cfg, self.setup.plan)
-        print(f"building engines from {self.setup.model_path} ...", flush=True)
+        log.info("building engines from %s ...", self.setup.model_path)
         build_engines(self.cfg, self.setup.plan, self.groups, self.setup.model_path, self.setup.role_model_paths)
         if "reward" in self.groups:
             self.scorer.model_group = self.groups["reward"]
             self.scorer.model_coef = self.cfg.roles.reward.model.coef
-        self.rollout_colocated = any(self.setup.plan.colocated("rollout", r) for r in self.groups if r != "rollout")
         plan = self.setup.plan
+        self.rollout_colocated = any(plan.colocated("rollout", r) for r in self.groups if r != "rollout")
         transport = self.cfg.roles.rollout.weight_transport
         if transport == "auto":
             transport = transport_for(plan.same_process("actor", "rollout"), plan.colocated("actor", "rollout"),
                                       plan.cluster.device)
-        actor_backend = self.setup.plan.group_of("actor").roles["actor"]
-        rollout_backend = self.setup.plan.group_of("rollout").roles["rollout"]
-        self.bridge = self.registry.bridge(actor_backend, rollout_backend, transport).target()
+        self.bridge = self.registry.bridge(plan.group_of("actor").roles["actor"],
+                                           plan.group_of("rollout").roles["rollout"], transport).target()
         self.bucket_bytes = int(self.cfg.roles.rollout.bucket_mb * 2**20)
         if resume_from is not None:
-            self.run_state.restore(resume_from)
+            self.checkpointer.restore(resume_from, self, self.groups)
+            if self.step >= self.cfg.trainer.steps:
+                log.info("the run is already at trainer.steps=%d: raise it to train on", self.cfg.trainer.steps)
         self.sync_weights()  # the rollout starts from exactly the actor's weights
         if self.rollout_colocated:
-            self.groups["rollout"].call_all("call", "rollout", "sleep")
-        print(f"workers ready in {time.perf_counter() - t0:.1f}s", flush=True)
-        self.trackers = self.run_state.make_trackers()
+            self.groups["rollout"].broadcast("rollout", "sleep")
+        log.info("workers ready in %.1fs", time.perf_counter() - t0)
+        self.trackers = build_trackers(self.registry, self.cfg.trainer.trackers, self.cfg.trainer.out,
+                                       self.cfg.model_dump(mode="json"), resume=self.checkpointer.resumed_from is not None)
 
     def sync_weights(self) -> dict[str, float]:
         return self.bridge.sync(self.groups["actor"], "actor", self.groups["rollout"], "rollout", self.bucket_bytes)
@@ -207,9 +245,7 @@ class Trainer:
             with log.timer.phase("data"):
                 self.next_generation = self.submit_generation(self.prompt_batch(), self.step + 1)
         with log.timer.phase("reward"):
-            log.metrics.update(self.score(batch))
-            if "reward" in self.groups:
-                log.compute["reward"] = self.scorer.compute_s
+            log.metrics.update(self.score(batch, log))
         self.train_on(batch, log)
         step_seconds = time.perf_counter() - step_start
         metrics = self.finish_step(batch, log, step_seconds, stats)
@@ -222,26 +258,24 @@ class Trainer:
     # --- the pieces of a step -------------------------------------------------------------------------
     def submit_generation(self, batch: Batch, step: int) -> GenerationJob:
         """Dispatch the generation of ``batch`` (the prompts of ``step``) without waiting for it."""
-        params = SamplingParams(**{**self.sampling.__dict__, "seed": self.cfg.trainer.seed * 100_003 + step})
+        params = dataclasses.replace(self.sampling, seed=self.cfg.trainer.seed * 100_003 + step)
         pending = self.groups["rollout"].submit("rollout", "generate", batch.select(PROMPT_IDS, PROMPT_MASK), params)
         return GenerationJob(batch, step, self.rollout_version, pending)
 
     def collect_generation(self, job: GenerationJob, log: StepLog) -> Batch:
         """Wait for a submitted generation; its responses join the prompt batch."""
-        rollout = self.groups["rollout"]
-        job.batch.update(rollout.gather(job.pending))
-        log.compute["gen"] = rollout.last_compute_s
+        job.batch.update(log.took("gen", self.groups["rollout"].wait(job.pending)))
         return job.batch
 
     def generate_batch(self, log: StepLog) -> Batch:
         """Prompts -> responses (-> greedy baseline) -> scores, waiting for each phase (the synchronous step)."""
-        timer, compute, metrics = log.timer, log.compute, log.metrics
+        timer, metrics = log.timer, log.metrics
         with timer.phase("data"):
             batch = self.prompt_batch()
         rollout = self.groups["rollout"]
         if self.rollout_colocated:
             with timer.phase("wake"):
-                rollout.call_all("call", "rollout", "wake")
+                rollout.broadcast("rollout", "wake")
         if self.sync_check.due(self.step):
             with timer.phase("sync_check"):
                 metrics.update(self.check_sync(batch))
@@ -249,53 +283,47 @@ class Trainer:
             batch = self.collect_generation(self.submit_generation(batch, self.step), log)
         if self.algo.greedy_baseline:
             with timer.phase("gen_baseline"):
-                metrics.update(self.greedy_baseline(batch))
-                compute["gen_baseline"] = rollout.last_compute_s
+                metrics.update(self.greedy_baseline(batch, log))
         if self.rollout_colocated:
             with timer.phase("sleep"):
-                rollout.call_all("call", "rollout", "sleep")
+                rollout.broadcast("rollout", "sleep")
         with timer.phase("reward"):
-            metrics.update(self.score(batch))
-            if "reward" in self.groups:
-                compute["reward"] = self.scorer.compute_s
+            metrics.update(self.score(batch, log))
         return batch
 
     def train_on(self, batch: Batch, log: StepLog) -> bool:
         """Reference and old log-probs (values), advantages, critic and actor updates on a scored batch.
         Returns whether the actor was updated (not during the critic's warm-up); the reshard is the caller's."""
-        timer, compute, metrics = log.timer, log.compute, log.metrics
+        timer, metrics = log.timer, log.metrics
         if "ref" in self.groups and self.algo.uses_ref:
             with timer.phase("ref"):
-                ref = self.groups["ref"].run("ref", "compute_log_probs", batch.select(*SEQUENCE_KEYS))
+                ref = log.took("ref", self.groups["ref"].call("ref", "compute_log_probs", batch.select(*SEQUENCE_KEYS)))
                 batch.set(REF_LOG_PROBS, ref["log_probs"])
-                compute["ref"] = self.groups["ref"].last_compute_s
         actor = self.groups["actor"]
         if self.recompute_old_log_probs:
             with timer.phase("old_log_prob"):
-                old = actor.run("actor", "compute_log_probs", batch.select(*SEQUENCE_KEYS))
+                old = log.took("old_log_prob", actor.call("actor", "compute_log_probs", batch.select(*SEQUENCE_KEYS)))
                 batch.set(OLD_LOG_PROBS, old["log_probs"])
-                compute["old_log_prob"] = actor.last_compute_s
         critic = self.groups.get("critic")
         if critic is not None:
             with timer.phase("values"):
-                batch.set(VALUES, critic.run("critic", "compute_values", batch.select(*SEQUENCE_KEYS))[VALUES])
-                compute["values"] = critic.last_compute_s
+                values = log.took("values", critic.call("critic", "compute_values", batch.select(*SEQUENCE_KEYS)))
+                batch.set(VALUES, values[VALUES])
         with timer.phase("adv"):
             metrics.update(self.advantages(batch))
         if critic is not None:
             with timer.phase("update_critic"):
-                metrics.update(self.update_critic(batch))
-                compute["update_critic"] = self.update_compute_s
+                metrics.update(self.update_critic(batch, log))
         if critic is not None and self.step < self.cfg.algorithm.critic_warmup:  # the critic may learn alone at first
             return False
         with timer.phase("update_actor"):
-            metrics.update(self.update_actor(batch))
-            compute["update_actor"] = self.update_compute_s
+            metrics.update(self.update_actor(batch, log))
         self.actor_version += 1
         return True
 
     def finish_step(self, batch: Batch, log: StepLog, step_seconds: float, reshard: dict[str, float]) -> dict[str, float]:
-        """Close the step (counter, last batch) and derive its timing, throughput and performance metrics."""
+        """Close the step (counter, last batch) and derive its timing, throughput, performance and memory
+        metrics."""
         timer, compute, metrics = log.timer, log.compute, log.metrics
         self.step += 1
         self.last_batch = batch
@@ -313,42 +341,41 @@ class Trainer:
             metrics["rollout/logp_diff"] = float(
                 ((batch[ROLLOUT_LOG_PROBS] - batch[OLD_LOG_PROBS]).abs() * batch[RESPONSE_MASK]).sum()
                 / max(resp_tokens, 1.0))
-        metrics.update(step_perf_metrics(self, batch, metrics))  # MFU per phase, peak memory per role
+        metrics.update(step_perf_metrics(self.setup.model_path, self.setup.plan, self.cfg.model.dtype,
+                                         self.cfg.algorithm.epochs, batch, metrics))
+        metrics.update(peak_memory_metrics(self.groups))
         return metrics
 
-    def _mini_batch_updates(self, role: str, batch: Batch, mini_batch: int | None,
-                            call: Callable[[WorkerGroup, Batch], dict[str, float]]) -> dict[str, float]:
+    def _mini_batch_updates(self, role: str, batch: Batch, mini_batch: int | None, log: StepLog,
+                            update: Callable[[WorkerGroup, Batch], Result]) -> dict[str, float]:
         """``algorithm.epochs`` passes over the batch in mini-batches of ``mini_batch`` sequences (default:
         the whole batch), one optimizer step each; metrics averaged over the steps, prefixed ``<role>/``."""
         group = self.groups[role]
         size = mini_batch or len(batch)
         rows: list[dict[str, float]] = []
-        self.update_compute_s = 0.0
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.step)
         for epoch in range(self.cfg.algorithm.epochs):
             order = torch.randperm(len(batch), generator=generator) if epoch > 0 else torch.arange(len(batch))
             for start in range(0, len(batch), size):
-                rows.append(call(group, batch.index(order[start:start + size])))
-                self.update_compute_s += group.last_compute_s
+                rows.append(log.took(f"update_{role}", update(group, batch.index(order[start:start + size]))))
         averaged = average_metrics(rows)
         return {k if "/" in k else f"{role}/{k}": v for k, v in averaged.items()}
 
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        algo_cfg = self.cfg.algorithm.model_dump(by_alias=True)
+    def update_actor(self, batch: Batch, log: StepLog) -> dict[str, float]:
         optional = [k for k in (OLD_LOG_PROBS, REF_LOG_PROBS, ROLLOUT_LOG_PROBS) if k in batch]
         batch = batch.select(*SEQUENCE_KEYS, ADVANTAGES, *optional)
         return self._mini_batch_updates(
-            "actor", batch, self.cfg.roles.actor.mini_batch,
-            lambda group, mini: group.run("actor", "update", mini, "policy", algo_cfg, worker_method="update",
-                                          zero_pad_keys=(RESPONSE_MASK,)))
+            "actor", batch, self.cfg.roles.actor.mini_batch, log,
+            lambda group, mini: group.call("actor", "update", mini, self.policy_objective,
+                                           zero_pad_keys=(RESPONSE_MASK,)))
 
-    def update_critic(self, batch: Batch) -> dict[str, float]:
+    def update_critic(self, batch: Batch, log: StepLog) -> dict[str, float]:
         """The critic regresses its values on the returns (value clipping around the values it gave)."""
         critic_cfg = self.cfg.roles.critic
         objective = ValueObjective(critic_cfg.cliprange_value, self.registry.get("loss_aggregation", critic_cfg.loss_agg))
         metrics = self._mini_batch_updates(
             "critic", batch.select(*SEQUENCE_KEYS, VALUES, RETURNS), critic_cfg.mini_batch or self.cfg.roles.actor.mini_batch,
-            lambda group, mini: group.run("critic", "update", mini, objective, zero_pad_keys=(RESPONSE_MASK,)))
+            log, lambda group, mini: group.call("critic", "update", mini, objective, zero_pad_keys=(RESPONSE_MASK,)))
         metrics.update(value_metrics(batch[VALUES], batch[RETURNS], batch[RESPONSE_MASK]))
         return metrics
 
@@ -356,43 +383,39 @@ class Trainer:
         """The rollout's greedy tokens on a few of ``batch``'s prompts against the actor's argmax
         (``hybridrl.weights.sync_check``); warns when a token is off by more than a near-tie."""
         prompts = self.sync_check.prompts(batch)
-        generated = self.groups["rollout"].run("rollout", "generate", prompts, self.sync_check.params(self.sampling))
+        generated = self.groups["rollout"].call("rollout", "generate", prompts, self.sync_check.params(self.sampling)).value
         prompts.update(generated)
         prompts.info["temperature"] = 1.0
-        try:
-            margins = self.groups["actor"].run("actor", "compute_greedy_margins", prompts.select(*SEQUENCE_KEYS))
-        except Exception as exc:  # noqa: BLE001 - an engine without margins: say so once and stop checking
-            if "greedy margins" not in str(exc):
-                raise
-            print("note: trainer.sync_check_every is off: the actor's engine does not score greedy margins", flush=True)
-            self.sync_check.every = 0
-            return {}
+        margins = self.groups["actor"].call("actor", "compute_greedy_margins", prompts.select(*SEQUENCE_KEYS)).value
         metrics = self.sync_check.metrics(generated, margins[GREEDY_MARGIN])
         if metrics["sync_check/off_argmax"] > 0:
-            print(f"warning: step {self.step + 1}: after the weight sync {int(metrics['sync_check/off_argmax'])} of "
-                  f"{int(metrics['sync_check/tokens'])} greedy rollout tokens are not the actor's argmax (largest "
-                  f"logit gap {metrics['sync_check/max_gap']:.3f}): the rollout may not hold the actor's weights",
-                  flush=True)
+            log.warning("step %d: after the weight sync %d of %d greedy rollout tokens are not the actor's argmax "
+                        "(largest logit gap %.3f): the rollout may not hold the actor's weights", self.step + 1,
+                        int(metrics["sync_check/off_argmax"]), int(metrics["sync_check/tokens"]),
+                        metrics["sync_check/max_gap"])
         return metrics
 
-    def greedy_baseline(self, batch: Batch) -> dict[str, float]:
+    def greedy_baseline(self, batch: Batch, log: StepLog) -> dict[str, float]:
         """ReMax: one greedy response per prompt, scored like the samples; its reward is the baseline of
         every sample of that prompt (``baseline_scores``, (B,))."""
         groups = batch["group_index"].tolist()
         first = first_row_of_each_group(groups)
         prompts = batch.index(list(first.values())).select(PROMPT_IDS, PROMPT_MASK, "prompt", "meta")
-        greedy = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0, "seed": None})
-        prompts.update(self.groups["rollout"].run("rollout", "generate", prompts.select(PROMPT_IDS, PROMPT_MASK), greedy))
-        scores, _, _ = self.scorer(prompts)
-        by_group = dict(zip(first, scores.tolist()))
+        greedy = dataclasses.replace(self.sampling, temperature=0.0, seed=None)
+        prompts.update(log.took("gen_baseline", self.groups["rollout"].call(
+            "rollout", "generate", prompts.select(PROMPT_IDS, PROMPT_MASK), greedy)))
+        scored = self.scorer(prompts)
+        by_group = dict(zip(first, scored.scores.tolist()))
         batch.set("baseline_scores", torch.tensor([by_group[g] for g in groups], dtype=torch.float32))
-        return {"reward/greedy_baseline_mean": float(scores.mean())}
+        return {"reward/greedy_baseline_mean": float(scored.scores.mean())}
 
-    def score(self, batch: Batch) -> dict[str, float]:
+    def score(self, batch: Batch, log: StepLog) -> dict[str, float]:
         """Rule rewards and/or the reward model; the score sits on each response's last token."""
-        scores, texts, parts = self.scorer(batch)
-        mask = batch[RESPONSE_MASK]
-        batch.set("response_text", texts)
+        scored = self.scorer(batch)
+        if scored.model_compute_s is not None:
+            log.compute["reward"] = scored.model_compute_s
+        scores, mask = scored.scores, batch[RESPONSE_MASK]
+        batch.set("response_text", scored.texts)
         batch.set(SCORES, scores)
         batch.set(TOKEN_REWARDS, on_last_token(scores, mask))
         lengths = mask.sum(-1)
@@ -404,8 +427,8 @@ class Trainer:
                    "reward/min": scores.min().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
                    "response_length/mean": lengths.float().mean().item(), "response_length/max": lengths.max().item(),
                    "response_length/clip_ratio": clipped.float().mean().item()}
-        if "model" in parts:
-            metrics.update({f"reward/{name}_mean": part.mean().item() for name, part in parts.items()})
+        if "model" in scored.parts:
+            metrics.update({f"reward/{name}_mean": part.mean().item() for name, part in scored.parts.items()})
         return metrics
 
     def advantages(self, batch: Batch) -> dict[str, float]:
@@ -432,26 +455,31 @@ class Trainer:
 
     # --- loop -----------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:
+        """Train to ``trainer.steps``: log each step, save when due, stop cleanly on Ctrl-C (after saving) or
+        after ``trainer.max_bad_steps`` bad steps in a row."""
         from tqdm import tqdm
 
+        tcfg = self.cfg.trainer
         history = []
-        bar = tqdm(total=self.cfg.trainer.steps, initial=self.step, desc="train", unit="step",
-                   disable=not self.cfg.trainer.progress, dynamic_ncols=True)
+        bar = tqdm(total=tcfg.steps, initial=self.step, desc="train", unit="step", disable=not tcfg.progress,
+                   dynamic_ncols=True)
         try:
-            with self.run_state.guarding():  # Ctrl-C: stop cleanly; a dead worker: a clear error
-                while self.step < self.cfg.trainer.steps:
+            with self.guard.guarding(self.groups, lambda: self.step + 1):
+                while self.step < tcfg.steps:
                     metrics = self.train_step()
-                    bad = self.run_state.observe(metrics)
-                    metrics["perf/peak_mem_mb"] = max(
-                        max(g.call_all("peak_memory_mb")) for g in {id(g): g for g in self.groups.values()}.values())
+                    bad = self.guard.observe(self.step, metrics)
                     history.append(metrics)
-                    if self.step % self.cfg.trainer.log_every == 0 or self.step == self.cfg.trainer.steps:
+                    if self.step % tcfg.log_every == 0 or self.step == tcfg.steps:
                         for tracker in self.trackers:
                             tracker.log(metrics, self.step)
                         self.write_samples()
                     bar.update(1)
                     bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['timing/step']:.2f}")
-                    if self.run_state.end_of_step(bad):  # save when due; Ctrl-C; too many bad steps
+                    self.guard.check(self.step, bad)
+                    if tcfg.save_every and (self.step % tcfg.save_every == 0 or self.step == tcfg.steps):
+                        self.save()
+                    if self.guard.stop_requested:
+                        self.stop_on_interrupt()
                         break
         finally:
             bar.close()
@@ -459,12 +487,21 @@ class Trainer:
                 tracker.close()
         return history
 
+    def save(self) -> Path:
+        return self.checkpointer.save(self.step, self, self.groups)
+
+    def stop_on_interrupt(self) -> None:
+        """Ctrl-C: the step in flight has finished; save it (unless just saved) and stop."""
+        self.interrupted = True
+        if self.checkpointer.last_saved_step != self.step and trained_roles(self.groups):
+            self.save()
+        log.info("stopped at step %d on Ctrl-C; rerun the same command to resume", self.step)
+
     def shutdown(self) -> None:
         import ray
-
         from ray.util.placement_group import remove_placement_group
 
-        for group in {id(g): g for g in self.groups.values()}.values():
+        for group in unique_groups(self.groups):
             for w in group.workers:
                 ray.kill(w)
         for pg in self.placement_groups:

@@ -1,7 +1,13 @@
 """Worker groups: one Ray actor per device of a pool (per process slot), and the calls the driver makes.
 
-``call_all`` broadcasts a call to every rank; ``run`` scatters a batch over the data-parallel ranks (padding
-it to a multiple of the data-parallel size), gathers the results in order and strips the padding.
+Every call of an engine method comes back as a ``Result``: the gathered value and the compute seconds of its
+slowest rank (the time spent inside the engine method, without dispatch and serialisation), so the driver can
+tell model compute from overhead without reading anything off the group afterwards.
+
+* ``call`` scatters a batch over the role's data-parallel ranks (padding it to a multiple of their number),
+  runs the method on each and gathers the results in order (``submit``/``wait``: the same without waiting);
+* ``broadcast`` runs an engine method with the same arguments on every rank (sleep, wake, checkpoints);
+* ``call_all`` runs a method of the worker itself on every rank (set-up, weight transfer, memory figures).
 """
 
 from __future__ import annotations
@@ -14,17 +20,35 @@ from hybridrl.engines import DataParallelInfo
 from hybridrl.placement.plan import ProcessGroupPlan
 
 
+@dataclass(frozen=True)
+class Result:
+    """What an engine call gave back: ``value`` (a Batch concatenated over data-parallel ranks, metrics averaged,
+    or the list of per-rank values) and ``compute_s``, the slowest rank's seconds inside the engine method."""
+
+    value: Any
+    compute_s: float
+
+
+@dataclass
+class PendingCall:
+    """A dispatched ``WorkerGroup.submit``: the per-rank futures (Ray ObjectRefs) and the padding to strip."""
+
+    role: str
+    futures: list[Any]
+    pad: int
+
+
 @dataclass
 class WorkerGroup:
     plan: ProcessGroupPlan
     workers: list[Any]  # Ray actor handles of RoleWorker, in rank order
     dp: dict[str, list[DataParallelInfo]] = field(default_factory=dict)
-    last_compute_s: float = 0.0
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_all(self, worker_method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """A method of ``RoleWorker`` itself on every rank, waited for; the per-rank results in rank order."""
         import ray
 
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return ray.get([getattr(w, worker_method).remote(*args, **kwargs) for w in self.workers])
 
     def build(self, role: str, backend: str, ctx_fields: dict[str, Any]) -> None:
         self.dp[role] = self.call_all("build", role, backend, ctx_fields)
@@ -32,18 +56,23 @@ class WorkerGroup:
     def dp_size(self, role: str) -> int:
         return self.dp[role][0].dp_size
 
-    def run(self, role: str, method: str, batch: Batch, *args: Any, worker_method: str = "call",
-            zero_pad_keys: tuple[str, ...] = (), **kwargs: Any) -> Any:
-        """Scatter ``batch`` over the role's data-parallel ranks, run ``method`` on each, gather.
+    def broadcast(self, role: str, method: str, *args: Any, **kwargs: Any) -> Result:
+        """``engine.method(*args, **kwargs)`` on every rank of ``role``; the value is the per-rank list."""
+        import ray
 
-        Batches come back concatenated (padding removed); dicts of metrics come back averaged.
+        timed = ray.get([w.call.remote(role, method, *args, **kwargs) for w in self.workers])
+        return Result([r for r, _ in timed], max(t for _, t in timed))
+
+    def call(self, role: str, method: str, batch: Batch, *args: Any, zero_pad_keys: tuple[str, ...] = (),
+             **kwargs: Any) -> Result:
+        """Scatter ``batch`` over the role's data-parallel ranks, run ``engine.method(chunk, *args)`` on each,
+        gather: batches come back concatenated (padding removed), dicts of metrics averaged.
         ``zero_pad_keys`` are zeroed in padding rows (masks, so that padding does not train)."""
-        return self.gather(self.submit(role, method, batch, *args, worker_method=worker_method,
-                                       zero_pad_keys=zero_pad_keys, **kwargs))
+        return self.wait(self.submit(role, method, batch, *args, zero_pad_keys=zero_pad_keys, **kwargs))
 
-    def submit(self, role: str, method: str, batch: Batch, *args: Any, worker_method: str = "call",
-               zero_pad_keys: tuple[str, ...] = (), **kwargs: Any) -> "PendingRun":
-        """``run`` without waiting: the calls are dispatched and their futures returned, so the driver can
+    def submit(self, role: str, method: str, batch: Batch, *args: Any, zero_pad_keys: tuple[str, ...] = (),
+               **kwargs: Any) -> PendingCall:
+        """``call`` without waiting: the calls are dispatched and their futures returned, so the driver can
         drive another pool meanwhile (the pipelined loop generates while the actor trains). Calls to one
         worker still execute in submission order."""
         import ray
@@ -54,38 +83,32 @@ class WorkerGroup:
         chunks = padded.chunk(dp_size)
         # One worker: pass the batch inline; several: put each chunk in the object store once.
         payload = chunks if len(self.workers) == 1 else [ray.put(c) for c in chunks]
-        lead = (role, method) if worker_method == "call" else (role,)
-        futures = [w.timed.remote(worker_method, *lead, payload[info.dp_rank], *args, **kwargs)
+        futures = [w.call.remote(role, method, payload[info.dp_rank], *args, **kwargs)
                    for w, info in zip(self.workers, infos)]
-        return PendingRun(role, futures, pad)
+        return PendingCall(role, futures, pad)
 
-    def gather(self, pending: "PendingRun") -> Any:
-        """Wait for a submitted run and assemble its results (see ``run``); sets ``last_compute_s``."""
+    def wait(self, pending: PendingCall) -> Result:
+        """Wait for a submitted call and assemble its results (see ``call``)."""
         import ray
 
         infos = self.dp[pending.role]
         timed = ray.get(pending.futures)
-        results = [r for r, _ in timed]
-        self.last_compute_s = max(t for _, t in timed)
-        outputs = sorted(((info.dp_rank, r) for info, r in zip(infos, results) if info.returns_output),
+        compute_s = max(t for _, t in timed)
+        outputs = sorted(((info.dp_rank, r) for info, (r, _) in zip(infos, timed) if info.returns_output),
                          key=lambda x: x[0])
         values = [r for _, r in outputs]
         if isinstance(values[0], Batch):
-            return Batch.concat(values).unpad(pending.pad)
+            return Result(Batch.concat(values).unpad(pending.pad), compute_s)
         if isinstance(values[0], dict):
-            return average_metrics(values)
-        return values
-
-
-@dataclass
-class PendingRun:
-    """A dispatched ``WorkerGroup.submit``: the per-rank futures (Ray ObjectRefs) and the padding to strip."""
-
-    role: str
-    futures: list[Any]
-    pad: int
+            return Result(average_metrics(values), compute_s)
+        return Result(values, compute_s)
 
 
 def average_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     keys = rows[0].keys()
     return {k: sum(float(r[k]) for r in rows) / len(rows) for k in keys}
+
+
+def unique_groups(groups: dict[str, WorkerGroup]) -> list[WorkerGroup]:
+    """Each worker group once (colocated roles fused into one process share their group)."""
+    return list({id(g): g for g in groups.values()}.values())

@@ -1,8 +1,8 @@
 """The process that hosts one or more colocated roles on one device (a Ray actor in a real run).
 
 Roles fused into one process share its memory and its default process group; the worker calls engine
-methods by name for the driver and times the compute it did, so the driver can tell model compute from
-overhead (dispatch, serialisation, data handling).
+methods by name for the driver and returns the compute time with each result, so the driver can tell model
+compute from overhead (dispatch, serialisation, data handling).
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ class RoleWorker:
         if threads:
             torch.set_num_threads(threads)
         self.engines: dict[str, TrainEngine | RolloutEngine] = {}
-        self.objectives: dict[str, Any] = {}
-        self.last_compute_s = 0.0
 
     # --- set-up ---------------------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -57,35 +55,12 @@ class RoleWorker:
         return self.engines[role].data_parallel()
 
     # --- calls ----------------------------------------------------------------------------------------
-    def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``engine.method(*args, **kwargs)``; the compute time is kept for ``timed``."""
+    def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+        """``(engine.method(*args, **kwargs), seconds it took)`` in one round trip: the seconds are the model
+        compute the driver sets against the phase's wall time (dispatch, serialisation, data handling)."""
         start = time.perf_counter()
-        try:
-            return getattr(self.engines[role], method)(*args, **kwargs)
-        finally:
-            self.last_compute_s = time.perf_counter() - start
-
-    def timed(self, worker_method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:
-        """``(result, compute seconds)`` of one of this worker's methods, in a single round trip."""
-        result = getattr(self, worker_method)(*args, **kwargs)
-        return result, self.last_compute_s
-
-    def update(self, role: str, batch: Batch, objective_kind: str, objective_cfg: dict[str, Any]) -> dict[str, float]:
-        """``engine.update`` with an objective built here from the registry (so plugin losses load in the worker)."""
-        key = (objective_kind, repr(sorted(objective_cfg.items())))
-        objective = self.objectives.get(key)
-        if objective is None:
-            objective = self._objective(objective_kind, objective_cfg)
-            self.objectives[key] = objective
-        return self.call(role, "update", batch, objective)
-
-    def _objective(self, kind: str, cfg: dict[str, Any]) -> Any:
-        from hybridrl.algorithms.objective import PolicyObjective
-        from hybridrl.config import AlgorithmConfig
-
-        if kind != "policy":
-            raise ValueError(f"unknown objective kind '{kind}'")
-        return PolicyObjective(AlgorithmConfig.model_validate(cfg), get_registry(self.extra_plugins))
+        result = getattr(self.engines[role], method)(*args, **kwargs)
+        return result, time.perf_counter() - start
 
     # --- weights --------------------------------------------------------------------------------------
     def sync_in_process(self, trainer_role: str, rollout_role: str, bucket_bytes: int) -> dict[str, float]:

@@ -21,11 +21,10 @@ if TYPE_CHECKING:
 
 
 #: Bucket size floor when no memory is at stake (views copied in place). Buckets then only pace the work:
-#: each costs a fixed share of host work (import call, layout lookup, a copy launch) that overlaps the
+#: each costs a fixed share of host work (import call, placing its tensors, a copy launch) that overlaps the
 #: previous bucket's copies, so a few large ones beat many small ones, and one alone would start the copies
-#: only after checking every tensor. H200, 0.5B model, kept FSDP buckets and recorded fused copies, sync in the
-#: loop's order: 4 buckets (this floor) 0.95 ms, 8 of 256 MiB 0.99 ms, one bucket 1.31 ms
-#: (benchmarks/results/vllm_rollout.json, ``kv_only*``).
+#: only after checking every tensor (figures: the README's vLLM section, ``benchmarks/vllm_rollout.py``'s
+#: ``kv_only*`` variants).
 VIEW_BUCKET_BYTES = 512 * 2**20
 
 

@@ -12,16 +12,6 @@ import torch
 ALIGN = 64  # bytes; any dtype view of an aligned slice is legal
 
 
-class ReusedBucket(list):
-    """A bucket an exporter hands out again, the same object, at later updates while every tensor in it is
-    still the same tensor at the same address (views of live weights updated in place). An importer may then
-    recognise it by identity and skip working out, tensor by tensor, where it goes: on a GPU that host work
-    per bucket is what a sync of views waits for. A plain list promises nothing (made afresh per update).
-    Being a list subclass it can be weakly referenced, so an importer never keeps one alive."""
-
-    __slots__ = ("__weakref__",)
-
-
 @dataclass(frozen=True)
 class TensorSpec:
     name: str

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import operator
 from pathlib import Path
 from collections import defaultdict
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from hybridrl.engine_support import (WeightedMean, check_same_count, engine_devi
                                      require_process_group, sampling_temperature)
 from hybridrl.engines import VALUES, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
 from hybridrl.weights.sync_check import GREEDY_MARGIN, greedy_margins
-from hybridrl.weights.buckets import ReusedBucket, group_into_buckets
+from hybridrl.weights.buckets import group_into_buckets
 from hybridrl.roles import role_spec
 
 from hybridrl_fsdp.logprobs import chunked_log_probs
@@ -100,7 +99,6 @@ class FSDPEngine(TrainEngine):
 
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
-        self._local_shards = LocalShards()
         require_process_group(ctx, "FSDPEngine")
         self.settings = FSDPSettings.from_options(ctx.options, ctx.role)
         self.head = self.settings.head
@@ -275,9 +273,6 @@ class FSDPEngine(TrainEngine):
             norm = norm.full_tensor()
         return float(norm)
 
-    def _micro_batches(self, batch: Batch) -> list[Batch]:
-        return [m.batch for m in self._plan(batch, check_counts=False)]
-
     def _plan(self, batch: Batch, check_counts: bool = True) -> list[MicroBatch]:
         """Micro-batches by rows or by token budget (ranks agree on their number: a collective).
         ``check_counts`` raises when the ranks' counts differ (``update`` checks inside its own all-reduce)."""
@@ -301,14 +296,20 @@ class FSDPEngine(TrainEngine):
         live fp32 shards themselves (the importer's copy casts them), with several the all-gather runs in the
         compute dtype (half the bytes on the wire). No copy of the model is made."""
         if self.ctx.world_size == 1:
-            if bucket_bytes <= 0:
-                raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-            return self._local_shards.buckets(self.model, bucket_bytes)
+            return group_into_buckets(self._local_named_tensors(), bucket_bytes)
         return group_into_buckets(self._gathered_named_tensors(), bucket_bytes)
 
     def transient_export_holds_views(self) -> bool:
         """One rank: the transient export is the live shards themselves (see ``export_weights_transient``)."""
         return self.ctx.world_size == 1
+
+    @torch.no_grad()
+    def _local_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """One rank: each parameter's local shard is the whole parameter; views of it, read afresh each call
+        (an ``offload``/``onload`` or a load swaps the tensors)."""
+        for name, param in self.model.named_parameters():
+            yield name, (param.to_local() if isinstance(param, DTensor) else param).detach()
+        yield from _persistent_buffers(self.model)
 
     @torch.no_grad()
     def _gathered_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -400,95 +401,6 @@ class FSDPEngine(TrainEngine):
         self.model.to(self.device)
         _move_optimizer_state(self.optimizer, self.device)
         torch.cuda.synchronize()
-
-
-class LocalShards:
-    """The parameters' local tensors under their names, in buckets, for the one-rank transient export.
-
-    ``DTensor.to_local`` costs some 15 us a call: ~5 ms per update of a 290-tensor model, longer than the
-    copy of its weights on a GPU; and on a GPU every microsecond of host work per tensor before and between
-    the copies shows in the sync. So the buckets are built once (names, local views, grouping) and handed
-    out again while each bucket's parameters still have the local tensors kept, at the same addresses
-    (optimiser steps update in place; ``offload``/``onload`` and loads swap them). Each bucket is checked
-    just before it is handed out, in C (map over attrgetter, ``is`` and ``data_ptr``: ~0.2 us a tensor), so the
-    first bucket's copies start before the last one is checked. A bucket that holds is the same
-    ``ReusedBucket`` object each time (an importer may know it by identity); one found moved is handed out
-    fresh, as a plain list, and everything is rebuilt at the next call."""
-
-    def __init__(self) -> None:
-        self._groups: list[_KeptBucket] | None = None
-        self._bucket_bytes = 0
-        self._checkable = False
-        self._buffer_slots: list[tuple[str, nn.Module, str]] | None = None
-
-    def buffers(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        """``_persistent_buffers(model)``, the module walk done once (a buffer moved by ``.to`` is replaced in
-        its module's ``_buffers``, so each call reads the current tensor from its slot)."""
-        if self._buffer_slots is None:
-            owners = {id(b): (m, n) for _, m in model.named_modules() for n, b in m.named_buffers(recurse=False)
-                      if b is not None}
-            self._buffer_slots = [(full, *owners[id(b)]) for full, b in _persistent_buffers(model)]
-        return [(full, module._buffers[name]) for full, module, name in self._buffer_slots]
-
-    def buckets(self, model: nn.Module, bucket_bytes: int) -> Iterator[WeightBucket]:
-        """``group_into_buckets`` over the parameters' local views (then the persistent buffers, read fresh),
-        the kept buckets handed out again while they hold."""
-        if self._groups is None or self._bucket_bytes != bucket_bytes:
-            self._build(model, bucket_bytes)
-        moved = False
-        for group in self._groups:
-            bucket = group.current()
-            moved = moved or bucket is not group.items
-            yield bucket
-        if moved or not self._checkable:  # rebuilt at the next call
-            self._groups = None
-        buffers = self.buffers(model)
-        if buffers:
-            yield from group_into_buckets(iter(buffers), bucket_bytes)
-
-    def _build(self, model: nn.Module, bucket_bytes: int) -> None:
-        named = list(model.named_parameters())
-        items = [(name, (p.to_local() if isinstance(p, DTensor) else p).detach()) for name, p in named]
-        params = dict(named)
-        self._bucket_bytes = bucket_bytes
-        self._checkable = all(_local_tensor(p) is not None for _, p in named)  # else built for one call only
-        self._groups = [_KeptBucket(ReusedBucket(bucket), [params[name] for name, _ in bucket]) if self._checkable
-                        else _KeptBucket(bucket, None) for bucket in group_into_buckets(iter(items), bucket_bytes)]
-
-
-class _KeptBucket:
-    """One kept bucket of local views and the parameters they came from (None: not checkable; the bucket is
-    then used for the call that built it only)."""
-
-    def __init__(self, items: WeightBucket, params: list[nn.Parameter] | None) -> None:
-        self.items, self.params = items, params
-        if params is not None:
-            self.locals = list(map(_local_tensor, params))
-            self.addresses = tuple(map(torch.Tensor.data_ptr, self.locals))
-
-    def current(self) -> WeightBucket:
-        """The kept bucket when every parameter still has its kept local tensor at its address, else the
-        parameters' local views now."""
-        if self.params is None:
-            return self.items
-        try:
-            now = list(map(_LOCAL_TENSOR, self.params))
-        except AttributeError:  # a parameter that is not a DTensor: the slower walk
-            now = list(map(_local_tensor, self.params))
-        if all(map(operator.is_, now, self.locals)) and tuple(map(torch.Tensor.data_ptr, now)) == self.addresses:
-            return self.items
-        return [(name, local.detach()) for (name, _), local in zip(self.items, now)]
-
-
-_LOCAL_TENSOR = operator.attrgetter("_local_tensor")
-
-
-def _local_tensor(param: torch.Tensor) -> torch.Tensor | None:
-    """A parameter's local data without a dispatch (None: a DTensor that does not expose it, never kept)."""
-    if isinstance(param, DTensor):
-        local = getattr(param, "_local_tensor", None)
-        return local if isinstance(local, torch.Tensor) else None
-    return param
 
 
 # --- construction helpers ---------------------------------------------------------------------------------

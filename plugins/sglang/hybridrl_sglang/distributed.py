@@ -154,10 +154,10 @@ class SGLangBroadcastBridge:
 
         manifests = trainer.call_all("weight_manifest", trainer_role, bucket_bytes)
         specs = next(m for m in manifests if m is not None)
-        self.layout = rollout.call_all("call", rollout_role, "distributed_layout", specs)[0]
+        self.layout = rollout.broadcast(rollout_role, "distributed_layout", specs).value[0]
         sender = trainer.workers[trainer.call_all("exports", trainer_role).index(True)]
         host, port = ray.get(sender.rendezvous_address.remote())
-        tps = rollout.call_all("call", rollout_role, "engine_ranks")  # tensor-parallel size on leaders, else 0
+        tps = rollout.broadcast(rollout_role, "engine_ranks").value  # tensor-parallel size on leaders, else 0
         world, offsets, offset = 1, [], 1
         for n in tps:
             offsets.append(offset if n else None)
@@ -173,7 +173,7 @@ class SGLangBroadcastBridge:
         import ray
 
         if self.mode is None:
-            self.mode = rollout.call_all("call", rollout_role, "weight_sync_mode")[0]
+            self.mode = rollout.broadcast(rollout_role, "weight_sync_mode").value[0]
         if self.mode != "distributed":
             return self.fallback.sync(trainer, trainer_role, rollout, rollout_role, bucket_bytes)
         if self.layout is None:

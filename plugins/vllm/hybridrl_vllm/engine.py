@@ -69,6 +69,10 @@ def _load_planned(worker: Any, bucket: WeightBucket) -> None:
         compat.worker_model(worker).load_weights(rest)
 
 
+def _end_planned_update(worker: Any) -> None:
+    worker._hybridrl_copy_graphs.end_update()
+
+
 def _copy_graph_stats(worker: Any) -> dict[str, int]:
     graphs = getattr(worker, "_hybridrl_copy_graphs", None)
     return dict(graphs.stats) if graphs is not None else {}
@@ -245,12 +249,14 @@ class VLLMRollout(RolloutEngine):
             usable = bool(reports) and all(r["placed"] and not r["wrong"] for r in reports)
             self.copy_plan = "on" if usable else "off"
             log.info("vLLM direct-copy plan: %s (%s)", self.copy_plan, self.copy_plan_report)
+        elif self.copy_plan == "on":
+            compat.run_on_workers(self.llm, _end_planned_update)
         if self.device == "cuda":
             torch.cuda.synchronize()
         self._import_marks.append(time.perf_counter())
         # Cached prefixes hold KV computed with the old weights. An engine asleep since its last generation has
-        # none: vLLM's sleep cleared the prefix cache when it dropped the KV cache (a sweep over every block:
-        # tens of ms on a large cache), and nothing was cached since.
+        # none: vLLM's sleep cleared the prefix cache when it dropped the KV cache (a sweep over every block,
+        # slow on a large cache), and nothing was cached since.
         self.prefix_reset = not (self.can_sleep and self.state.kv_asleep and compat.sleep_clears_prefix_cache())
         if self.prefix_reset:
             compat.reset_prefix_cache(self.llm)

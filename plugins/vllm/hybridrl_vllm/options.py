@@ -22,7 +22,8 @@ Keys of ``roles.rollout`` (typed) and ``roles.rollout.options`` (free-form) that
 ``fast_import``            with ``direct`` loads, copy each tensor straight into its slice of the live
                            parameters after the first update taught where it goes (``copy_plan``)
 ``copy_graphs``            on CUDA, replay a bucket's planned copies from a CUDA graph once the same bucket
-                           (names and addresses) came twice (default on; ``copy_plan.GraphedCopies``)
+                           (names and addresses) came at two updates in a row (default on;
+                           ``copy_plan.GraphedCopies``)
 ``tied_weights``           ``{alias: source}`` names to send twice with the layerwise reload (default:
                            ``lm_head.weight`` <- ``model.embed_tokens.weight`` when embeddings are tied)
 ``engine_kwargs``          any other ``vllm.LLM`` keyword arguments (they win)
