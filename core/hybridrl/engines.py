@@ -1,7 +1,8 @@
 """The contracts between the core and its backends: ``TrainEngine`` and ``RolloutEngine``.
 
 A backend plugin implements one of these and registers it with ``registry.add_train_engine`` /
-``registry.add_rollout``. The core never imports a backend; it only calls these methods, inside the worker
+``registry.add_rollout``, declaring there which optional methods it implements (``supports=``, the names in
+``hybridrl.plugins.capabilities``): pre-flight and the trainer read the declarations, never probe the methods. The core never imports a backend; it only calls these methods, inside the worker
 process that hosts the role (see ``hybridrl.runtime.worker``).
 """
 
@@ -108,18 +109,19 @@ class TrainEngine(ABC):
     def compute_values(self, batch: Batch) -> Batch:
         """Critic engines: ``values`` ``(B, R)``, the value of the state *before* each response token (the
         prompt and the response tokens before it), float32 on CPU, 0 at padded positions. Added for PPO's
-        critic role; optional, so engines without a value head need not implement it."""
+        critic role; optional: declare the `value_head` capability when implemented."""
         raise NotImplementedError(f"{type(self).__name__} has no value head (role '{self.ctx.role}')")
 
     def compute_greedy_margins(self, batch: Batch) -> Batch:
         """``greedy_margin`` ``(B, R)``: at each response position, the largest logit minus the response
         token's (temperature 1; 0: the token is an argmax), float32 on CPU, 0 at padded positions. Read by the
-        trainer's sync check (``hybridrl.weights.sync_check``, helper ``greedy_margins``); optional."""
+        trainer's sync check (``hybridrl.weights.sync_check``, helper ``greedy_margins``); optional: declare the
+        `greedy_margins` capability."""
         raise NotImplementedError(f"{type(self).__name__} does not score greedy margins")
 
     def compute_scores(self, batch: Batch) -> Batch:
         """Reward-model engines: ``scores`` ``(B,)``, one scalar per prompt+response, float32 on CPU. Added
-        for the reward-model role; optional, like ``compute_values``."""
+        for the reward-model role; optional: declare the `reward_head` capability."""
         raise NotImplementedError(f"{type(self).__name__} is not a reward model (role '{self.ctx.role}')")
 
     @abstractmethod
@@ -159,7 +161,8 @@ class TrainEngine(ABC):
         """Everything needed to continue training into folder ``path`` (created if missing): sharded weights,
         optimiser and lr-schedule state, this rank's RNG. Collective: every rank writes its own part (``path``
         is on a filesystem all ranks share). The driver publishes the folder atomically after all returned
-        (``hybridrl.run.checkpoint``). Engines that cannot leave this, and ``trainer.save_every`` is refused."""
+        (``hybridrl.run.checkpoint``). Optional: declare the `checkpoint` capability; without it
+        ``trainer.save_every`` and resuming are refused."""
         raise NotImplementedError(f"{type(self).__name__} (backend '{self.ctx.backend}') does not save checkpoints")
 
     def load_checkpoint(self, path: str) -> None:
@@ -210,5 +213,5 @@ class RolloutEngine(ABC):
         """Undo ``sleep`` before the next generation."""
 
     def named_weights(self) -> Iterator[NamedTensor]:
-        """The engine's current weights under HF names (for verification; optional)."""
+        """The engine's current weights under HF names (for verification; optional: declare `named_weights`)."""
         raise NotImplementedError(f"{type(self).__name__} does not expose its weights")

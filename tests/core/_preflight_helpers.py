@@ -33,3 +33,6 @@ class NoCheckpointEngine(TrainEngine):
 @hookimpl
 def hybridrl_register_backends(registry):
     registry.add_train_engine("nockpt", NoCheckpointEngine)
+    # Declared by a module that does not exist: pre-flight must answer from the declarations alone.
+    registry.add_train_engine("ghost_one_rank", "nowhere_at_all.engine:Engine", max_ranks=1,
+                              supports={"checkpoint"})

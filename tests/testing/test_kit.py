@@ -108,9 +108,9 @@ def hybridrl_register_backends(registry):
                       ("broken_refs", KeepsReferences), ("broken_eos", EosOutsideMask),
                       ("broken_logp", ShiftedLogProbs), ("broken_limit", NoContextLimit),
                       ("broken_sleep", ForgetfulSleep)]:
-        registry.add_rollout(name, cls)
+        registry.add_rollout(name, cls, supports={"sleep", "named_weights"})  # as the hf rollout they extend
     for name, cls in [("broken_export", NoisyExport), ("broken_zero_lr", IgnoresZeroLr), ("broken_ascent", Ascends)]:
-        registry.add_train_engine(name, cls)
+        registry.add_train_engine(name, cls, supports={"checkpoint", "greedy_margins", "offload"})
     registry.add_rollout("needs_missing", "kit_nowhere.engine:Engine", requires=["not_a_real_engine>=1.0"],
                          install_hint="pip install not-a-real-engine")
     registry.add_train_engine("unwritten", "kit_nowhere_either.engine:Engine")

@@ -12,9 +12,11 @@ import importlib.metadata as md
 import importlib.util
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 from packaging.requirements import Requirement
+
+from hybridrl.plugins.capabilities import CapabilityError, check_declared
 
 BackendKind = Literal["train", "rollout"]
 ANY = "*"
@@ -84,6 +86,13 @@ class BackendEntry:
     # "any" joins whatever family is already on the device (it owns no global distributed state).
     process_family: str = "any"
     devices: tuple[str, ...] = ("cpu", "cuda")
+    #: what the engine can do beyond its contract's required methods (``hybridrl.plugins.capabilities``).
+    supports: frozenset[str] = frozenset()
+    #: the most ranks one engine may span (None: any); pre-flight refuses a larger pool.
+    max_ranks: int | None = None
+
+    def can(self, capability: str) -> bool:
+        return capability in self.supports
 
     def engine_problem(self) -> str | None:
         """Why the engine cannot be used here, or None when it can."""
@@ -140,24 +149,36 @@ class Registry:
 
     # --- backends -------------------------------------------------------------------------------
     def _add_backend(self, kind: BackendKind, name: str, target: Any, requires: str | list[str] | tuple[str, ...],
-                     install_hint: str, process_family: str, devices: tuple[str, ...]) -> None:
+                     install_hint: str, process_family: str, devices: tuple[str, ...], supports: Iterable[str],
+                     max_ranks: int | None) -> None:
         key = (kind, name)
         if key in self.backends:
             raise RegistryError(
                 f"{kind} backend '{name}' registered twice: by {self.backends[key].plugin} and {self.current_plugin}")
+        try:
+            declared = check_declared(kind, name, supports)
+        except CapabilityError as exc:
+            raise RegistryError(f"{exc} (plugin {self.current_plugin})") from None
+        if max_ranks is not None and max_ranks < 1:
+            raise RegistryError(f"{kind} backend '{name}': max_ranks must be at least 1, got {max_ranks}")
         reqs = (requires,) if isinstance(requires, str) else tuple(requires)
         self.backends[key] = BackendEntry(kind, name, target, self.current_plugin, reqs, install_hint,
-                                          process_family, tuple(devices))
+                                          process_family, tuple(devices), declared, max_ranks)
 
     def add_train_engine(self, name: str, target: Any, *, requires: str | list[str] = (), install_hint: str = "",
-                         process_family: str = "torch-dist", devices: tuple[str, ...] = ("cpu", "cuda")) -> None:
-        """Register a ``TrainEngine`` class (or ``"module:Class"``) under ``name``."""
-        self._add_backend("train", name, target, requires, install_hint, process_family, devices)
+                         process_family: str = "torch-dist", devices: tuple[str, ...] = ("cpu", "cuda"),
+                         supports: Iterable[str] = (), max_ranks: int | None = None) -> None:
+        """Register a ``TrainEngine`` class (or ``"module:Class"``) under ``name``; ``supports`` names its
+        optional capabilities (``capabilities.TRAIN_CAPABILITIES``), ``max_ranks`` the most ranks it spans."""
+        self._add_backend("train", name, target, requires, install_hint, process_family, devices, supports, max_ranks)
 
     def add_rollout(self, name: str, target: Any, *, requires: str | list[str] = (), install_hint: str = "",
-                    process_family: str = "any", devices: tuple[str, ...] = ("cpu", "cuda")) -> None:
-        """Register a ``RolloutEngine`` class (or ``"module:Class"``) under ``name``."""
-        self._add_backend("rollout", name, target, requires, install_hint, process_family, devices)
+                    process_family: str = "any", devices: tuple[str, ...] = ("cpu", "cuda"),
+                    supports: Iterable[str] = (), max_ranks: int | None = None) -> None:
+        """Register a ``RolloutEngine`` class (or ``"module:Class"``) under ``name``; ``supports`` names its
+        optional capabilities (``capabilities.ROLLOUT_CAPABILITIES``), ``max_ranks`` the most ranks it spans."""
+        self._add_backend("rollout", name, target, requires, install_hint, process_family, devices, supports,
+                          max_ranks)
 
     def add_bridge(self, trainer: str, rollout: str, transport: str, target: Any) -> None:
         """Register a reshard bridge for a backend pair; later registrations of the same key win."""

@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hybridrl.config import RunConfig
-from hybridrl.plugins.registry import Registry, RegistryError
+from hybridrl.placement.plan import PlacementPlan
+from hybridrl.plugins.capabilities import HEAD_CAPABILITY
+from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError
+from hybridrl.roles import role_spec
 
 Problems = list[tuple[str, str]]
 
@@ -50,9 +53,9 @@ def tracker_problems(cfg: RunConfig, registry: Registry) -> Problems:
 
 def checkpoint_problems(cfg: RunConfig, registry: Registry, trained: dict[str, str]) -> Problems:
     """``trainer.out`` usable, ``trainer.resume`` pointing at a checkpoint, and, when ``save_every`` asks
-    for checkpoints, train backends (role -> backend of the trained roles) that can write them."""
+    for checkpoints or a run resumes, train backends (role -> backend of the trained roles) that declare the
+    ``checkpoint`` capability (read from the registry: no engine is imported)."""
     from hybridrl.run import checkpoint as ckpt
-    from hybridrl.engines import TrainEngine
 
     problems: Problems = []
     out = Path(cfg.trainer.out)
@@ -65,15 +68,38 @@ def checkpoint_problems(cfg: RunConfig, registry: Registry, trained: dict[str, s
         resume_from = None
     if resume_from is not None:
         problems += _resume_fit_problems(resume_from, trained)
-    if cfg.trainer.save_every > 0:
-        for role, backend in trained.items():
-            try:
-                engine_cls = registry.backend("train", backend).load()
-            except Exception:  # noqa: BLE001 - a missing engine is reported by check_config
-                continue
-            if getattr(engine_cls, "save_checkpoint", None) is TrainEngine.save_checkpoint:
-                problems.append(("trainer.save_every", f"the '{backend}' backend of roles.{role} cannot save "
-                                                       "checkpoints; set trainer.save_every=0 or use another backend"))
+    for role, backend in trained.items():
+        try:
+            entry = registry.backend("train", backend)
+        except RegistryError:  # an unknown backend is reported by check_config
+            continue
+        if entry.can("checkpoint"):
+            continue
+        if cfg.trainer.save_every > 0:
+            problems.append(("trainer.save_every", f"the '{backend}' backend of roles.{role} cannot save "
+                                                   "checkpoints; set trainer.save_every=0 or use another backend"))
+        if resume_from is not None:
+            problems.append(("trainer.resume", f"the '{backend}' backend of roles.{role} cannot load checkpoints; "
+                                               "set trainer.resume=never or use another backend"))
+    return problems
+
+
+def capability_problems(plan: PlacementPlan, backends: dict[str, BackendEntry]) -> Problems:
+    """What the placed roles need of their backends, from the registry's declarations: the critic's value head,
+    the reward model's scoring head, and no more ranks than a backend can span."""
+    problems: Problems = []
+    for role, entry in backends.items():
+        need = HEAD_CAPABILITY.get(role_spec(role).head or "")
+        if need and not entry.can(need):
+            problems.append((f"roles.{role}.backend", f"backend '{entry.name}' (plugin {entry.plugin}) has no "
+                                                      f"{role_spec(role).head} head for roles.{role} (it does not "
+                                                      f"declare '{need}')"))
+        ranks = plan.group_of(role).world_size if role in plan.role_pool else 0
+        if entry.max_ranks is not None and ranks > entry.max_ranks:
+            pool = plan.role_pool[role]
+            problems.append((f"pools.{pool}", f"roles.{role} runs on {ranks} devices, but backend '{entry.name}' "
+                                              f"spans at most {entry.max_ranks} rank(s); shrink pools.{pool} or "
+                                              "give the role a pool of its own"))
     return problems
 
 

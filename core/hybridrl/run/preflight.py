@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hybridrl.config import ConfigError, CriticConfig, RunConfig
+from hybridrl.run.checks import capability_problems
 from hybridrl.run.pipeline import pipelining_problems
 from hybridrl.placement.plan import ClusterSpec, PlacementPlan, plan_placement, resolve_backends
 from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError, load_object
@@ -82,6 +83,17 @@ def with_algorithm_roles(cfg: RunConfig, registry: Registry) -> tuple[RunConfig,
     return cfg.model_copy(update={"algorithm": algo.config, "roles": roles}), notes
 
 
+def without_sync_check_if_unsupported(cfg: RunConfig, backends: dict[str, BackendEntry], notes: list[str]
+                                      ) -> RunConfig:
+    """``trainer.sync_check_every`` needs the actor's greedy margins; a backend that does not declare them turns
+    the check off, with a note (the run itself is fine)."""
+    actor = backends.get("actor")
+    if not cfg.trainer.sync_check_every or actor is None or actor.can("greedy_margins"):
+        return cfg
+    notes.append(f"trainer.sync_check_every is off: the actor's backend '{actor.name}' does not score greedy margins")
+    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"sync_check_every": 0})})
+
+
 def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check_engines: bool = True
                  ) -> tuple[dict[str, BackendEntry], PlacementPlan | None, list[tuple[str, str]]]:
     """Semantic checks that need the registry and the cluster (no files, no model)."""
@@ -140,6 +152,7 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
         problems += exc.problems
     if plan is not None:
         problems += pipelining_problems(cfg, plan, greedy_baseline)
+        problems += capability_problems(plan, backends)
     return backends, plan, problems
 
 
@@ -205,6 +218,7 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec) -> Run
 
     backends, plan, problems = check_config(cfg, registry, cluster)
     run_cfg, notes = with_algorithm_roles(cfg, registry)
+    run_cfg = without_sync_check_if_unsupported(run_cfg, backends, notes)
     trained = {r: b.name for r, b in backends.items() if r in trainable_roles()}
     problems += run_checks.tracker_problems(cfg, registry) + run_checks.checkpoint_problems(cfg, registry, trained)
     rows = None

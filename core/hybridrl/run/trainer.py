@@ -164,6 +164,8 @@ class Trainer:
             self.scorer.model_coef = self.cfg.roles.reward.model.coef
         plan = self.setup.plan
         self.rollout_colocated = any(plan.colocated("rollout", r) for r in self.groups if r != "rollout")
+        # a colocated engine that declares it can release its memory sleeps while the trainers work
+        self.rollout_sleeps = self.rollout_colocated and self.setup.backends["rollout"].can("sleep")
         transport = self.cfg.roles.rollout.weight_transport
         if transport == "auto":
             transport = transport_for(plan.same_process("actor", "rollout"), plan.colocated("actor", "rollout"),
@@ -176,7 +178,7 @@ class Trainer:
             if self.step >= self.cfg.trainer.steps:
                 log.info("the run is already at trainer.steps=%d: raise it to train on", self.cfg.trainer.steps)
         self.sync_weights()  # the rollout starts from exactly the actor's weights
-        if self.rollout_colocated:
+        if self.rollout_sleeps:
             self.groups["rollout"].broadcast("rollout", "sleep")
         log.info("workers ready in %.1fs", time.perf_counter() - t0)
         self.trackers = build_trackers(self.registry, self.cfg.trainer.trackers, self.cfg.trainer.out,
@@ -273,7 +275,7 @@ class Trainer:
         with timer.phase("data"):
             batch = self.prompt_batch()
         rollout = self.groups["rollout"]
-        if self.rollout_colocated:
+        if self.rollout_sleeps:
             with timer.phase("wake"):
                 rollout.broadcast("rollout", "wake")
         if self.sync_check.due(self.step):
@@ -284,7 +286,7 @@ class Trainer:
         if self.algo.greedy_baseline:
             with timer.phase("gen_baseline"):
                 metrics.update(self.greedy_baseline(batch, log))
-        if self.rollout_colocated:
+        if self.rollout_sleeps:
             with timer.phase("sleep"):
                 rollout.broadcast("rollout", "sleep")
         with timer.phase("reward"):

