@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -108,6 +109,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     data = workdir / "prompts.jsonl"
     write_prompts(data, args.prompts * max(args.steps, 1), args.prompt_len)
     run_dir = workdir / f"run-{args.backend}-{args.layout}{args.gpus}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a new run each time (train refuses a folder holding an old one)
     cfg = run_config(args, model_dir, data, run_dir)
     cfg_path = workdir / f"grpo-{args.backend}.json"  # YAML is a superset of JSON
     cfg_path.write_text(json.dumps(cfg))

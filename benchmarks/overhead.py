@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ def main() -> None:
 
     cfg = load_config(args.config, [f"trainer.steps={args.steps}", "trainer.progress=false",
                                     "trainer.trackers=[jsonl]", "trainer.out=runs/bench-overhead", *args.overrides])
+    shutil.rmtree(cfg.trainer.out, ignore_errors=True)  # a new run each time (a folder holding an old one is refused)
     trainer = Trainer(prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster)))
     try:
         trainer.start()

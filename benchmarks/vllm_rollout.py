@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -533,6 +534,7 @@ def grpo(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[str, 
 
     cuda = torch.cuda.is_available()
     run_dir = workdir / "grpo"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a new run each time (train refuses a folder holding an old one)
     cfg = {
         "model": {"path": str(model_dir), "dtype": "bfloat16" if cuda else "float32"},
         "data": {"train": str(ROOT / "examples" / "data" / "reverse2.jsonl"), "max_prompt_len": 16,

@@ -79,7 +79,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybridrl.run.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
-    setup = prepare_run(cfg, _registry(cfg), detect_cluster(cfg.cluster))
+    setup = prepare_run(cfg, _registry(cfg), detect_cluster(cfg.cluster), overwrite=args.overwrite)
     trainer = Trainer(setup)
     try:
         trainer.start()
@@ -103,7 +103,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from hybridrl.run.export import ExportError, export_checkpoint
 
     try:
-        out = export_checkpoint(args.run, args.out, step=args.step, dtype=args.dtype)
+        out = export_checkpoint(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force)
     except ExportError as exc:
         print(f"hybridrl: {exc}", file=sys.stderr)
         return 2
@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run training from a YAML config")
     train.add_argument("config")
     train.add_argument("overrides", nargs="*", help="dotted overrides: roles.actor.lr=1e-5")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start a new run even if trainer.out holds one: the old run is moved to <out>.old-<time>")
     train.set_defaults(func=cmd_train)
     plan = sub.add_parser("plan", help="print the device map without starting anything")
     plan.add_argument("config")
@@ -154,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="the actor of a checkpoint as a Hugging Face model folder")
     export.add_argument("run", help="the run folder (trainer.out) or one checkpoint folder (checkpoints/step_N)")
     export.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
-    export.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
+    export.add_argument("--out", required=True, help="the folder to write: new or empty (or a previous export, with --force)")
+    export.add_argument("--force", action="store_true", help="replace --out when it holds a previous export")
     export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the saved weights (default: the run's model.dtype)")
     export.set_defaults(func=cmd_export)

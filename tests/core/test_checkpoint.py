@@ -88,6 +88,61 @@ def test_resume_resolution(tmp_path: Path) -> None:
         ckpt.resolve_resume(str(step2 / "actor"), tmp_path)
 
 
+def test_the_manifest_finds_a_truncated_changed_or_missing_file(tmp_path: Path) -> None:
+    folder = save(tmp_path, 2)
+    manifest = json.loads((folder / ckpt.MANIFEST).read_text())["files"]
+    assert sorted(manifest) == ["actor/shard0", "driver.pt"] and manifest["actor/shard0"]["bytes"] == 10
+    assert ckpt.damage(folder) is None
+    shard = folder / "actor" / "shard0"
+    shard.write_bytes(b"x" * 4)
+    assert ckpt.damage(folder) == "actor/shard0 is 4 bytes, 10 when saved (truncated)"
+    shard.write_bytes(b"y" * 10)  # same size, other bytes: only the checksum tells
+    assert "actor/shard0 has other contents than when saved" in ckpt.damage(folder)
+    assert ckpt.damage(folder, checksums=False) is None
+    shard.unlink()
+    assert ckpt.damage(folder) == "actor/shard0 is missing"
+    (folder / ckpt.DRIVER_SUMMARY).write_text("{not json")
+    assert ckpt.damage(folder).startswith("driver.json does not parse")
+
+
+def test_resume_passes_over_damaged_checkpoints_to_the_newest_intact_one(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        save(tmp_path, step)
+    (root / "step_000006" / "driver.pt").write_bytes(torch.randint(0, 255, (64,), dtype=torch.uint8).numpy().tobytes())
+    with open(root / "step_000004" / "actor" / "shard0", "r+b") as f:
+        f.truncate(3)
+    skipped: list = []
+    assert ckpt.resolve_resume("auto", tmp_path, skipped) == root / "step_000002"
+    assert [(p.name, why.split(" ")[0]) for p, why in skipped] == [("step_000006", "driver.pt"),
+                                                                  ("step_000004", "actor/shard0")]
+    assert "truncated" in skipped[1][1]
+    with pytest.raises(ckpt.CheckpointError, match="step_000006' is damaged: driver.pt"):
+        ckpt.resolve_resume(str(root / "step_000006"), tmp_path)
+    assert ckpt.resolve_resume(str(tmp_path), tmp_path / "elsewhere") == root / "step_000002"  # a run folder too
+    (root / "step_000002" / "actor" / "shard0").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="every checkpoint under .* is damaged: step_000006: .*step_000002"):
+        ckpt.resolve_resume("auto", tmp_path)
+
+
+def test_a_fallback_never_jumps_to_a_later_abandoned_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        save(tmp_path, step)
+    (root / "latest").write_text("step_000004")  # the run went back to step 4 (trainer.resume=<step_4>)
+    (root / "step_000004" / "actor" / "shard0").unlink()
+    found, passed = ckpt.newest_intact(tmp_path)
+    assert found == root / "step_000002" and [p.name for p, _ in passed] == ["step_000004"]
+
+
+def test_a_checkpoint_from_before_manifests_is_checked_by_loading_its_state(tmp_path: Path) -> None:
+    folder = save(tmp_path, 2)
+    (folder / ckpt.MANIFEST).unlink()
+    assert ckpt.damage(folder) is None
+    (folder / "driver.pt").write_bytes(b"\x80\x02random bytes" * 8)
+    assert ckpt.damage(folder).startswith("driver.pt does not load")
+
+
 def test_rng_and_metrics_rows_after_the_checkpoint(tmp_path: Path) -> None:
     state = ckpt.rng_state()
     expected = torch.rand(3)

@@ -5,6 +5,7 @@ backend that cannot write them, a resume path that is not a checkpoint."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,49 @@ CASES = {
                                    "t.jinja' is not a file"),
     "resume without a critic": (lambda t: [f"trainer.resume={grpo_checkpoint(t)}", "algorithm.name=ppo"],
                                 "trainer.resume", "holds no critic state"),
+    "trainer.out is a file": (lambda t: [f"trainer.out={a_file(t)}"], "trainer.out", "exists and is not a folder"),
+    "model folder without weights": (lambda t: ["model.tiny=null", f"model.path={model_folder(t, '*.safetensors')}"],
+                                     "model.path", "holds no weights"),
+    "model folder without a shard": (lambda t: ["model.tiny=null", f"model.path={sharded_model_folder(t)}"],
+                                     "model.path", "lacks 1 of the 2 weight files model.safetensors.index.json lists"),
+    "model folder without a tokenizer": (lambda t: ["model.tiny=null", f"model.path={model_folder(t, 'tokenizer*')}"],
+                                         "model.path", "holds no tokenizer"),
+    "tokenizer with an empty vocabulary": (lambda t: ["model.tiny=null", f"model.path={empty_vocab_model(t)}"],
+                                           "model.path", "encodes text to no tokens"),
 }
+
+
+def a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "a_file"
+    path.write_text("not a folder")
+    return path
+
+
+def model_folder(tmp_path: Path, drop: str) -> Path:
+    """The tiny model's HF folder without the files matching ``drop``."""
+    from hybridrl.config import TinyModelConfig
+    from hybridrl.tasks.tiny_model import build_tiny_model
+
+    folder = build_tiny_model(TinyModelConfig(), tmp_path / "model")
+    for path in folder.glob(drop):
+        path.unlink()
+    return folder
+
+
+def sharded_model_folder(tmp_path: Path) -> Path:
+    folder = model_folder(tmp_path, "nothing")
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def empty_vocab_model(tmp_path: Path) -> Path:
+    folder = model_folder(tmp_path, "tokenizer*")
+    (folder / "vocab.json").write_text("{}")  # a tokenizer file is there, but it holds nothing
+    (folder / "merges.txt").write_text("")
+    return folder
 
 
 def grpo_checkpoint(tmp_path: Path) -> Path:

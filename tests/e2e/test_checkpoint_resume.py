@@ -9,8 +9,10 @@ last two tests continue the resumed run, in file order.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +30,8 @@ from hybridrl.plugins.discovery import get_registry
 from hybridrl.run.preflight import prepare_run
 from hybridrl.observe.tracking import build_trackers
 from hybridrl.run.trainer import Trainer
+
+from _folder_state import folder_state
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
@@ -117,7 +121,7 @@ def test_periodic_saves_keep_the_newest(full_run) -> None:
     root = checkpoints_root(full_run["out"])
     assert sorted(p.name for p in root.iterdir()) == [LATEST, "step_000004"]
     assert latest_checkpoint(full_run["out"]) == root / "step_000004" and is_complete(root / "step_000004")
-    assert sorted(p.name for p in (root / "step_000004").iterdir()) == ["actor", "critic", "driver.json", "driver.pt"]
+    assert sorted(p.name for p in (root / "step_000004").iterdir()) == ["actor", "critic", "driver.json", "driver.pt", "manifest.json"]
 
 
 def test_export_loads_in_transformers_with_the_actors_logits(full_run, tmp_path) -> None:
@@ -149,6 +153,96 @@ def test_export_of_a_missing_step_names_the_steps_there(full_run, tmp_path, caps
 
     assert main(["export", str(full_run["out"]), "--step", "3", "--out", str(tmp_path / "none")]) == 2
     assert "no checkpoint of step 3" in capsys.readouterr().err and not (tmp_path / "none").exists()
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    """A copy of a finished run's folder, for the tests that try to damage one."""
+    out = tmp_path / "run"
+    shutil.copytree(run, out, symlinks=True)
+    return out
+
+
+def test_export_refuses_the_run_folder_and_leaves_it_intact(full_run, capsys) -> None:
+    from hybridrl.cli import main
+
+    out = full_run["out"]
+    before = folder_state(out)
+    for target, extra in ((out, []), (out, ["--force"]), (out.parent, ["--force"]),
+                          (out / "checkpoints" / "step_000004", ["--force"])):
+        assert main(["export", str(out), "--out", str(target), *extra]) == 2, target
+        err = capsys.readouterr().err
+        assert "export to a folder of its own" in err or "holds no previous export" in err, err
+    assert main(["export", str(out / "checkpoints" / "step_000004"), "--out", str(out)]) == 2
+    assert "is the run folder" in capsys.readouterr().err
+    assert folder_state(out) == before  # checkpoint, metrics, config, initial model: all as they were
+
+
+def test_export_replaces_a_previous_export_only_with_force(full_run, tmp_path, capsys) -> None:
+    from hybridrl.cli import main
+
+    hf, other = tmp_path / "hf", tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    assert main(["export", str(full_run["out"]), "--out", str(other), "--force"]) == 2
+    assert "not empty and holds no previous export" in capsys.readouterr().err
+    assert folder_state(other) == {"keep.txt": (4, hashlib.sha256(b"mine").hexdigest())}
+    assert main(["export", str(full_run["out"]), "--out", str(hf)]) == 0
+    first = folder_state(hf)
+    assert "model.safetensors" in first
+    assert main(["export", str(full_run["out"]), "--out", str(hf)]) == 2
+    assert "pass --force to replace it" in capsys.readouterr().err
+    (hf / "stale.txt").write_text("from an older export")
+    assert main(["export", str(full_run["out"]), "--out", str(hf), "--force"]) == 0
+    assert folder_state(hf) == first  # replaced as a whole: the stale file is gone, the export is the same
+
+
+def test_a_resume_with_another_model_shape_is_refused_before_anything_is_written(full_run, tmp_path) -> None:
+    from hybridrl.config import ConfigError
+
+    out = copy_of(full_run["out"], tmp_path)
+    before = folder_state(out)
+    cfg = load_config(QUICKSTART, [*RUN, "trainer.steps=8", "model.tiny.hidden_size=64", f"trainer.out={out}"])
+    with pytest.raises(ConfigError) as err:
+        prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster))
+    found = dict(err.value.problems)
+    assert "another shape" in found["trainer.resume"] and "hidden_size 128 there, 64 here" in found["trainer.resume"]
+    assert folder_state(out) == before  # init_model and config.json untouched: the checkpoint still exports
+    cfg = load_config(QUICKSTART, [*RUN, "trainer.steps=8", f"trainer.out={out}"])
+    setup = prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster))
+    assert setup.resume_from == checkpoints_root(out) / "step_000004"  # the unchanged model resumes it
+    assert folder_state(out) == before
+
+
+def test_resume_never_refuses_a_run_folder_and_overwrite_moves_it_aside(full_run, tmp_path) -> None:
+    from hybridrl.config import ConfigError
+
+    out = copy_of(full_run["out"], tmp_path)
+    before = folder_state(out)
+    cfg = load_config(QUICKSTART, [*RUN, "trainer.resume=never", f"trainer.out={out}"])
+    with pytest.raises(ConfigError) as err:
+        prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster))
+    reason = dict(err.value.problems)["trainer.out"]
+    assert "holds a previous run (checkpoints/ (latest, step_000004), metrics.jsonl (4 rows))" in reason, reason
+    assert "--overwrite" in reason
+    assert folder_state(out) == before
+    setup = prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster), overwrite=True)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
+    assert len(aside) == 1 and folder_state(aside[0]) == before  # the old run, whole, where the note says
+    assert any(str(aside[0]) in note for note in setup.notes), setup.notes
+    assert setup.resume_from is None and sorted(p.name for p in out.iterdir()) == ["init_model"]  # a fresh start
+
+
+def test_a_new_run_never_replaces_a_run_that_has_no_checkpoint(full_run, tmp_path) -> None:
+    from hybridrl.config import ConfigError
+
+    out = copy_of(full_run["out"], tmp_path)
+    shutil.rmtree(out / "checkpoints")
+    before = folder_state(out)
+    cfg = load_config(QUICKSTART, [*RUN, f"trainer.out={out}"])  # resume=auto, but nothing to resume from
+    with pytest.raises(ConfigError) as err:
+        prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster))
+    assert "it has no checkpoint to resume from" in dict(err.value.problems)["trainer.out"]
+    assert folder_state(out) == before
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_loadable(full_run, resumed_run, monkeypatch) -> None:

@@ -5,12 +5,15 @@ Layout under ``<trainer.out>/checkpoints/``::
     step_000010/             a complete checkpoint (only ever appears by a rename, never half-written)
         actor/  critic/      each trainer's own format (``TrainEngine.save_checkpoint``: sharded, per rank)
         driver.pt            the driver's state between steps (step, data position, KL controller, RNG ...)
+        manifest.json        every other file's size and CRC-32, taken when the save completed
         driver.json          a readable summary, written last inside the temporary folder
     .tmp-step_000012/        a save in progress (removed when the save fails; never resumed from)
     latest                   the name of the newest complete checkpoint, replaced atomically after the rename
 
 A crash, a full disk or Ctrl-C during a save therefore leaves the previous checkpoint and ``latest`` as they
-were. The folder must be on a filesystem every worker can write (each rank writes its own shards).
+were. A checkpoint damaged later (a truncated shard, a file overwritten) is found by comparing its files with
+the manifest before it is loaded (``damage``); resuming then falls back to the newest intact one. The folder
+must be on a filesystem every worker can write (each rank writes its own shards).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import os
 import re
 import shutil
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,6 +34,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 DRIVER_STATE = "driver.pt"
 DRIVER_SUMMARY = "driver.json"
+MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -94,24 +100,69 @@ def find_checkpoint(out: str | Path, step: int | None = None) -> Path:
                           f"(steps: {', '.join(str(s) for s, _ in found)})")
 
 
-def resolve_resume(resume: str, out: str | Path) -> Path | None:
-    """What ``trainer.resume`` points at: ``never`` -> None; ``auto`` -> the latest complete checkpoint in
-    ``out`` (None on a fresh run); a path -> that checkpoint folder, or the latest one of that run folder."""
+def resolve_resume(resume: str, out: str | Path, skipped: list[tuple[Path, str]] | None = None) -> Path | None:
+    """What ``trainer.resume`` points at: ``never`` -> None; ``auto`` -> the newest intact checkpoint in
+    ``out`` (None on a fresh run); a path -> that checkpoint folder, or the newest intact one of that run
+    folder. Damaged checkpoints passed over are appended to ``skipped`` as ``(folder, why)``; a damaged
+    checkpoint named by its own path is an error, as is a run folder with no intact one."""
     if resume == "never":
         return None
     if resume == "auto":
-        return latest_checkpoint(out)
+        found, passed = newest_intact(out)
+        _extend(skipped, passed)
+        if found is None and passed:
+            raise CheckpointError(f"every checkpoint under '{checkpoints_root(out)}' is damaged: {_listed(passed)}")
+        return found
     path = Path(resume)
     if is_complete(path):
+        why = damage(path)
+        if why:
+            raise CheckpointError(f"trainer.resume: checkpoint '{path}' is damaged: {why}")
         return path
-    if path.is_dir() and (path / CHECKPOINTS).is_dir():
-        return find_checkpoint(path)
-    if path.is_dir() and path.name == CHECKPOINTS:
-        return find_checkpoint(path.parent)
+    run = path if path.is_dir() and (path / CHECKPOINTS).is_dir() else \
+        path.parent if path.is_dir() and path.name == CHECKPOINTS else None
+    if run is not None:
+        found, passed = newest_intact(run)
+        _extend(skipped, passed)
+        if found is None:
+            raise CheckpointError(f"trainer.resume: no intact checkpoint under '{checkpoints_root(run)}'"
+                                  + (f" ({_listed(passed)})" if passed else ""))
+        return found
     if path.exists():
         raise CheckpointError(f"trainer.resume: '{path}' is neither a complete checkpoint (step_N/ with "
                               f"{DRIVER_SUMMARY}) nor a run folder holding {CHECKPOINTS}/")
     raise CheckpointError(f"trainer.resume: '{path}' does not exist")
+
+
+def _extend(into: list | None, items: list) -> None:
+    if into is not None:
+        into.extend(items)
+
+
+def _listed(passed: list[tuple[Path, str]]) -> str:
+    return "; ".join(f"{folder.name}: {why}" for folder, why in passed)
+
+
+def newest_intact(out: str | Path, checksums: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The checkpoint to continue ``out``'s run from: the one ``latest`` names if intact, else the newest
+    intact one of an earlier step (a folder of a later step than ``latest`` names belongs to a line of the run
+    that was abandoned for an earlier checkpoint). Returns it (None if there is none) and the damaged ones
+    passed over, with why."""
+    found = complete_checkpoints(out)
+    if not found:
+        return None, []
+    latest = latest_checkpoint(out)
+    assert latest is not None
+    limit = next(step for step, path in found if path == latest)
+    passed: list[tuple[Path, str]] = []
+    for step, path in sorted(found, reverse=True):
+        if step > limit:
+            continue
+        why = damage(path, checksums)
+        if why is None:
+            return path, passed
+        passed.append((path, why))
+    return None, passed
 
 
 def save_checkpoint(out: str | Path, step: int, write: Callable[[Path], dict[str, Any]], keep: int) -> Path:
@@ -128,6 +179,7 @@ def save_checkpoint(out: str | Path, step: int, write: Callable[[Path], dict[str
     try:
         summary = write(tmp)
         summary = {"format_version": FORMAT_VERSION, "step": step, "saved_at": time.time(), **summary}
+        write_manifest(tmp)
         _write_atomic(tmp / DRIVER_SUMMARY, json.dumps(summary, indent=2))
         if final.exists():  # the same step saved again (a resumed run re-saving): the new one replaces it
             old = root / f"{TMP_PREFIX}old-{name}"
@@ -162,6 +214,82 @@ def prune(out: str | Path, keep: int) -> list[Path]:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed
+
+
+# --- manifest: what the save wrote, to tell an intact checkpoint from a damaged one ------------------------
+
+_CHUNK = 16 << 20
+
+
+def file_crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)  # releases the GIL: files are checked on several threads at once
+    return f"{crc:08x}"
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if p.is_file() and p.name not in (MANIFEST, DRIVER_SUMMARY) and not p.name.startswith(TMP_PREFIX))
+
+
+def _threads() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="hybridrl-crc")
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the size and CRC-32 of every file of a checkpoint being written (CRC-32, as zip archives and
+    torch's own files use: it catches truncation and changed bytes, and reads at disk speed)."""
+    names = _files(folder)
+    with _threads() as pool:
+        crcs = list(pool.map(file_crc32, (folder / n for n in names)))
+    files = {n: {"bytes": (folder / n).stat().st_size, "crc32": c} for n, c in zip(names, crcs)}
+    _write_atomic(folder / MANIFEST, json.dumps({"format": 1, "files": files}, indent=1))
+
+
+def damage(folder: Path, checksums: bool = True) -> str | None:
+    """Why a complete checkpoint cannot be trusted (None: intact): its summary does not parse, or a file of its
+    manifest is missing, of another size, or (``checksums``) of other contents than when it was saved.
+    A checkpoint saved before manifests existed is checked by loading its driver state."""
+    try:
+        summary = json.loads((folder / DRIVER_SUMMARY).read_text())
+        if not isinstance(summary, dict) or "step" not in summary:
+            raise ValueError("no step")
+    except (OSError, ValueError) as exc:
+        return f"{DRIVER_SUMMARY} does not parse ({exc})"
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        try:
+            load_driver_state(folder)
+        except Exception as exc:  # noqa: BLE001 - whatever unpickling raises, the checkpoint is unusable
+            return f"{DRIVER_STATE} does not load ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{MANIFEST} does not parse ({exc})"
+    problems = []
+    sized = []
+    for name, entry in manifest.items():
+        path = folder / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
+            continue
+        if size != entry["bytes"]:
+            problems.append(f"{name} is {size} bytes, {entry['bytes']} when saved"
+                            + (" (truncated)" if size < entry["bytes"] else ""))
+        else:
+            sized.append(name)
+    if checksums and not problems:
+        with _threads() as pool:
+            crcs = dict(zip(sized, pool.map(file_crc32, (folder / n for n in sized))))
+        problems += [f"{n} has other contents than when saved (CRC-32 {crcs[n]}, {manifest[n]['crc32']} when saved)"
+                     for n in sized if crcs[n] != manifest[n]["crc32"]]
+    if not problems:
+        return None
+    return "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
 
 
 def _write_atomic(path: Path, text: str) -> None:

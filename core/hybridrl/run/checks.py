@@ -1,11 +1,12 @@
 """Pre-flight checks of what a training run needs beyond a valid config: files, packages, the reward
-function's behaviour, the model's context length, checkpoint support. Each returns ``(key path, reason)``
+function's behaviour, the model's context length and shape, checkpoint support. Each returns ``(key path, reason)``
 problems so that ``prepare_run`` reports them all at once, before any process starts."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import numbers
 from pathlib import Path
 from typing import Any, Callable
@@ -18,21 +19,94 @@ from hybridrl.roles import role_spec
 
 Problems = list[tuple[str, str]]
 
+logger = logging.getLogger(__name__)
+
+
+#: files holding an HF model's weights, and those of which a tokenizer is made (any one of them).
+WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_GLOBS = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken")
+
 
 def model_problems(cfg: RunConfig) -> Problems:
+    """The policy's model folder (or tiny tokenizer), and the weights of every other model folder a role loads:
+    found here rather than as a traceback from a worker after start-up."""
+    problems: Problems = []
     if cfg.model.tiny is not None:
         from hybridrl.tasks.tiny_model import tokenizer_problem
 
         problem = tokenizer_problem(cfg.model.tiny)
-        return [] if problem is None else [("model.tiny.tokenizer", problem)]
-    if cfg.model.path is None:
-        return []
-    path = Path(cfg.model.path)
+        problems += [] if problem is None else [("model.tiny.tokenizer", problem)]
+    else:
+        problems += model_folder_problems("model.path", Path(cfg.model.path or ""), tokenizer=True)
+    others = [("roles.critic.model_path", cfg.roles.critic.model_path if cfg.roles.critic is not None else None),
+              ("roles.reward.model.path", cfg.roles.reward.model.path if cfg.roles.reward.model is not None else None)]
+    for key, path in others:
+        if path is not None and (Path(path) / "config.json").is_file():  # a missing config is check_config's
+            problems += model_folder_problems(key, Path(path), tokenizer=False)
+    return problems
+
+
+def model_folder_problems(key: str, path: Path, tokenizer: bool) -> Problems:
+    """An HF model folder holds its config, its weights (every shard its index lists) and, for the policy,
+    a tokenizer."""
     if not path.exists():
-        return [("model.path", f"'{path}' does not exist")]
+        return [(key, f"'{path}' does not exist")]
     if not (path / "config.json").is_file():
-        return [("model.path", f"'{path}' is not an HF checkpoint folder (no config.json)")]
-    return []
+        return [(key, f"'{path}' is not an HF checkpoint folder (no config.json)")]
+    problems: Problems = []
+    for index in sorted(path.glob("*.index.json")):
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            problems.append((key, f"'{index}' is not a weight index ({exc})"))
+            continue
+        missing = [name for name in shards if not (path / name).is_file()]
+        if missing:
+            problems.append((key, f"'{path}' lacks {len(missing)} of the {len(shards)} weight files {index.name} lists "
+                                  f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})"))
+    if not any(next(path.glob(g), None) for g in WEIGHT_GLOBS):
+        problems.append((key, f"'{path}' holds no weights (no *.safetensors or pytorch_model*.bin next to its config.json)"))
+    if tokenizer and not any(next(path.glob(g), None) for g in TOKENIZER_GLOBS):
+        problems.append((key, f"'{path}' holds no tokenizer (none of {', '.join(TOKENIZER_GLOBS)}); copy the "
+                              "tokenizer files of the model it was trained from into it"))
+    return problems
+
+
+def load_policy_tokenizer(cfg: RunConfig, problems: Problems) -> Any | None:
+    """The policy's tokenizer, read without writing anything (a tiny model's is made in memory), or None with a
+    problem added: one that does not load, or that encodes text to no tokens (an empty vocabulary)."""
+    key = "model.tiny.tokenizer" if cfg.model.tiny is not None else "model.path"
+    try:
+        if cfg.model.tiny is not None:
+            from hybridrl.tasks.tiny_model import tiny_tokenizer
+
+            tokenizer = tiny_tokenizer(cfg.model.tiny)
+        else:
+            from hybridrl.data.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(cfg.model.path)
+    except Exception as exc:  # noqa: BLE001 - whatever the tokenizer's loader raises, the run cannot start
+        problems.append((key, f"the tokenizer does not load: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}"))
+        return None
+    if not tokenizer("reverse 12 -> hello", add_special_tokens=False)["input_ids"]:
+        problems.append((key, f"the tokenizer encodes text to no tokens (a vocabulary of {len(tokenizer)}): its "
+                              "files are missing or empty"))
+        return None
+    return tokenizer
+
+
+def model_signatures(cfg: RunConfig, trained: list[str]) -> dict[str, Any] | None:
+    """Each trained role's model shape (``hybridrl.run.compat``), recorded in its checkpoints and compared on
+    resume; None when transformers cannot build the model from its config here (custom code): the engines
+    may still load it, so the run goes on without the shape check."""
+    from hybridrl.run.compat import role_signatures
+
+    try:
+        return role_signatures(cfg, trained)
+    except Exception as exc:  # noqa: BLE001 - whatever building the config raises, the check is skipped
+        logger.warning("the model's shape is not recorded (transformers cannot build it from its config here: "
+                       "%s: %s); a resume will not compare it", type(exc).__name__, exc)
+        return None
 
 
 def tracker_problems(cfg: RunConfig, registry: Registry) -> Problems:
@@ -51,23 +125,12 @@ def tracker_problems(cfg: RunConfig, registry: Registry) -> Problems:
     return problems
 
 
-def checkpoint_problems(cfg: RunConfig, registry: Registry, trained: dict[str, str]) -> Problems:
-    """``trainer.out`` usable, ``trainer.resume`` pointing at a checkpoint, and, when ``save_every`` asks
-    for checkpoints or a run resumes, train backends (role -> backend of the trained roles) that declare the
-    ``checkpoint`` capability (read from the registry: no engine is imported)."""
-    from hybridrl.run import checkpoint as ckpt
-
+def checkpoint_problems(cfg: RunConfig, registry: Registry, trained: dict[str, str],
+                        resume_from: Path | None) -> Problems:
+    """When ``save_every`` asks for checkpoints or a run resumes (from ``resume_from``), train backends (role ->
+    backend of the trained roles) that declare the ``checkpoint`` capability (read from the registry: no engine
+    is imported). The run folder and the checkpoint to resume are ``hybridrl.run.run_folder``'s."""
     problems: Problems = []
-    out = Path(cfg.trainer.out)
-    if out.exists() and not out.is_dir():
-        problems.append(("trainer.out", f"'{out}' exists and is not a folder"))
-    try:
-        resume_from = ckpt.resolve_resume(cfg.trainer.resume, out)
-    except ckpt.CheckpointError as exc:
-        problems.append(("trainer.resume", str(exc).removeprefix("trainer.resume: ")))
-        resume_from = None
-    if resume_from is not None:
-        problems += _resume_fit_problems(resume_from, trained)
     for role, backend in trained.items():
         try:
             entry = registry.backend("train", backend)
@@ -103,22 +166,31 @@ def capability_problems(plan: PlacementPlan, backends: dict[str, BackendEntry]) 
     return problems
 
 
-def _resume_fit_problems(folder: Path, trained: dict[str, str]) -> Problems:
-    """The checkpoint must hold every trained role, saved by the same backend (formats differ)."""
-    from hybridrl.run import checkpoint as ckpt
+def resume_fit_problems(folder: Path, trained: dict[str, str], signatures: dict[str, Any], data_rows: int) -> Problems:
+    """Everything the checkpoint depends on must be this run's: every trained role, saved by the same backend
+    (formats differ), from a model of the same shape, and the same number of prompts (its data position)."""
+    from hybridrl.run import compat
 
     try:
-        saved = json.loads((folder / ckpt.DRIVER_SUMMARY).read_text()).get("roles", {})
+        summary = compat.read_summary(folder)
     except (OSError, json.JSONDecodeError) as exc:
-        return [("trainer.resume", f"cannot read {folder / ckpt.DRIVER_SUMMARY}: {exc}")]
+        return [("trainer.resume", f"cannot read the summary of '{folder}': {exc}")]
+    saved = summary.get("roles", {})
     problems: Problems = []
     for role, backend in trained.items():
         if role not in saved:
             problems.append(("trainer.resume", f"checkpoint '{folder}' holds no {role} state (saved by a run with "
-                                               "another algorithm?); set trainer.resume=never to start afresh"))
+                                               "another algorithm?); start a new run (another trainer.out, or "
+                                               "trainer.resume=never with --overwrite)"))
         elif saved[role] != backend:
             problems.append(("trainer.resume", f"checkpoint '{folder}' holds a '{saved[role]}' {role}, this run uses "
                                                f"'{backend}'"))
+    recorded = compat.saved_signatures(summary)
+    if recorded is not None:
+        problems += [("trainer.resume", p) for p in compat.shape_problems(folder, recorded, signatures)]
+    rows = compat.data_rows_problem(folder, summary, data_rows)
+    if rows:
+        problems.append(("trainer.resume", rows))
     return problems
 
 

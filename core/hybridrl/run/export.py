@@ -10,6 +10,7 @@ sends to the rollout. The tokenizer and generation config are copied from the mo
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ import torch
 from hybridrl.run import checkpoint as ckpt
 from hybridrl.run.atomic_dir import replaced_atomically
 
+logger = logging.getLogger(__name__)
+
 #: files of the source model folder that are not copied (the weights and config are written anew).
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
@@ -27,11 +30,21 @@ class ExportError(RuntimeError):
     """The checkpoint cannot be exported (missing, saved by another layout, weights that do not fit)."""
 
 
-def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None, dtype: str | None = None) -> Path:
+#: written into every export; marks a folder that ``--force`` may replace.
+EXPORT_MARKER = "hybridrl_export.json"
+
+
+def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None, dtype: str | None = None,
+                      force: bool = False) -> Path:
     """Write the actor of ``run``'s checkpoint of ``step`` (default: the latest) to ``out`` as an HF model.
     ``run`` is a run folder (``trainer.out``) or a checkpoint folder; ``dtype`` defaults to the run's
-    ``model.dtype``. Returns ``out``."""
-    folder = _checkpoint_folder(Path(run), step)
+    ``model.dtype``. ``out`` must not exist or be empty, or (with ``force``) hold a previous export; it is
+    checked before anything is loaded. Returns ``out``."""
+    run = Path(run)
+    problem = export_target_problem(run.parent.parent if ckpt.is_complete(run) else run, Path(out), force)
+    if problem:
+        raise ExportError(problem)
+    folder = _checkpoint_folder(run, step)
     summary = json.loads((folder / ckpt.DRIVER_SUMMARY).read_text())
     backend = summary.get("roles", {}).get("actor")
     if backend is None or not (folder / "actor").is_dir():
@@ -46,14 +59,51 @@ def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None,
 
 
 def _checkpoint_folder(run: Path, step: int | None) -> Path:
+    """The checkpoint to export, verified against its manifest: the one named, or the newest intact one of
+    the run (a damaged latest one is passed over with a warning)."""
     if ckpt.is_complete(run):
         if step is not None and summary_step(run) != step:
             raise ExportError(f"'{run}' is the checkpoint of step {summary_step(run)}, not {step}")
-        return run
-    try:
-        return ckpt.find_checkpoint(run, step)
-    except ckpt.CheckpointError as exc:
-        raise ExportError(str(exc)) from None
+        folder = run
+    elif step is None:
+        folder, passed = ckpt.newest_intact(run)
+        for skipped, why in passed:
+            logger.warning("export: skipped the damaged checkpoint %s: %s", skipped, why)
+        if folder is None:
+            raise ExportError(f"no intact checkpoint under '{ckpt.checkpoints_root(run)}'"
+                              + ("" if passed else " (no complete one)"))
+        return folder
+    else:
+        try:
+            folder = ckpt.find_checkpoint(run, step)
+        except ckpt.CheckpointError as exc:
+            raise ExportError(str(exc)) from None
+    why = ckpt.damage(folder)
+    if why:
+        raise ExportError(f"checkpoint '{folder}' is damaged: {why}")
+    return folder
+
+
+def export_target_problem(run: Path, out: Path, force: bool) -> str | None:
+    """Why ``out`` may not receive an export of the run in folder ``run`` (None: it may). Like ``git clone``,
+    an export refuses a folder that is not empty, and ``force`` replaces only a previous export: never the
+    run, a folder holding it, or anything inside its checkpoints."""
+    target, run = out.resolve(), run.resolve()
+    checkpoints = ckpt.checkpoints_root(run)
+    if target.exists() and not target.is_dir():
+        return f"--out '{out}' exists and is not a folder"
+    if target == run or run.is_relative_to(target):
+        return f"--out '{out}' is the run folder '{run}' or holds it; export to a folder of its own"
+    if target.is_relative_to(checkpoints):
+        return f"--out '{out}' is inside the run's checkpoints ('{checkpoints}'); export to a folder of its own"
+    if not target.is_dir() or not any(target.iterdir()):
+        return None
+    if not (target / EXPORT_MARKER).is_file():
+        return (f"--out '{out}' is not empty and holds no previous export ({EXPORT_MARKER}); "
+                "export to a new or empty folder")
+    if not force:
+        return f"--out '{out}' holds a previous export: pass --force to replace it"
+    return None
 
 
 def summary_step(folder: Path) -> int:
@@ -124,5 +174,5 @@ def write_hf_model(weights: dict[str, torch.Tensor], model_path: Path, out: Path
             if item.is_file() and item.name != "config.json" and not item.name.endswith(_SKIP_SUFFIXES) \
                     and not item.name.startswith("hybridrl_"):
                 shutil.copy2(item, tmp / item.name)
-        (tmp / "hybridrl_export.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / EXPORT_MARKER).write_text(json.dumps(meta, indent=2) + "\n")
     return out

@@ -35,6 +35,8 @@ class RunSetup:
     dropped_prompts: int = 0
     role_model_paths: dict[str, str] = field(default_factory=dict)  # critic backbone, reward model
     notes: list[str] = field(default_factory=list)  # what the pre-flight changed, printed at start-up
+    resume_from: Path | None = None  # the checkpoint pre-flight verified and fitted to this run (None: a new run)
+    model_signatures: dict[str, Any] = field(default_factory=dict)  # trained role -> model shape (hybridrl.run.compat)
 
 
 def resolve_reward(spec: str, registry: Registry) -> Callable[..., float]:
@@ -210,17 +212,23 @@ def role_model_paths(cfg: RunConfig) -> dict[str, str]:
     return paths
 
 
-def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec) -> RunSetup:
-    """Every check, with every problem collected: config, placement, files, packages, checkpoints; then, when
-    the model and data are there, the tokenised prompts, the context length and a probe of the reward."""
+def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwrite: bool = False) -> RunSetup:
+    """Every check, with every problem collected: config, placement, files, packages, the run folder and the
+    checkpoint to resume (its roles, backends, model shapes and data); then, when the model and data are
+    there, the tokenised prompts, the context length and a probe of the reward. Nothing is written into
+    ``trainer.out`` before all of them have passed; then a previous run is moved aside (``overwrite``, the
+    CLI's ``--overwrite``) and the tiny models are built."""
     from hybridrl.run import checks as run_checks
+    from hybridrl.run.run_folder import move_aside, plan_run_folder
     from hybridrl.data.loading import DataError, load_rows, tokenize_rows
 
     backends, plan, problems = check_config(cfg, registry, cluster)
     run_cfg, notes = with_algorithm_roles(cfg, registry)
     run_cfg = without_sync_check_if_unsupported(run_cfg, backends, notes)
     trained = {r: b.name for r, b in backends.items() if r in trainable_roles()}
-    problems += run_checks.tracker_problems(cfg, registry) + run_checks.checkpoint_problems(cfg, registry, trained)
+    folder = plan_run_folder(cfg.trainer.out, cfg.trainer.resume, overwrite)
+    problems += folder.problems + run_checks.tracker_problems(cfg, registry)
+    problems += run_checks.checkpoint_problems(cfg, registry, trained, folder.resume_from)
     rows = None
     try:
         rows = load_rows(cfg.data, registry)
@@ -228,9 +236,9 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec) -> Run
         problems.append(("data.train" if cfg.data.train else "data.dataset", str(exc)))
     model_problems = run_checks.model_problems(cfg)
     problems += model_problems
-    if model_problems:
+    tokenizer = None if model_problems else run_checks.load_policy_tokenizer(cfg, problems)
+    if tokenizer is None:
         raise ConfigError(problems)
-    model_path, tokenizer = prepare_model(cfg)
     prompts = None
     if rows is not None:
         try:
@@ -238,7 +246,7 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec) -> Run
         except DataError as exc:
             problems.append((exc.key or "data", str(exc)))
     if prompts:
-        problems += run_checks.context_problems(cfg, model_path, max(len(p.token_ids) for p in prompts))
+        problems += run_checks.context_problems(cfg, cfg.model.path or "", max(len(p.token_ids) for p in prompts))
     reward_fn = None
     if run_cfg.roles.reward.fn is not None and not any(k == "roles.reward.fn" for k, _ in problems):
         reward_fn = resolve_reward(run_cfg.roles.reward.fn, registry)
@@ -246,8 +254,19 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec) -> Run
             first = {**prompts[0].meta, cfg.data.prompt_key: prompts[0].prompt}
             problems += run_checks.reward_probe_problems(reward_fn, run_cfg.roles.reward.fn, first,
                                                          cfg.data.prompt_key)
+    signatures = run_checks.model_signatures(run_cfg, list(trained))
+    if folder.resume_from is not None and signatures is not None and prompts is not None:
+        problems += run_checks.resume_fit_problems(folder.resume_from, trained, signatures, len(prompts))
     if problems:
         raise ConfigError(problems)
     assert plan is not None and prompts is not None
+    # --- every check has passed: from here on the run writes into trainer.out ---
+    notes = folder.notes + notes
+    if folder.move_aside:
+        moved = move_aside(Path(cfg.trainer.out))
+        notes.insert(0, f"--overwrite: the previous run in {cfg.trainer.out} ({', '.join(folder.move_aside)}) was "
+                        f"moved to {moved}")
+    model_path, tokenizer = prepare_model(cfg)
     return RunSetup(run_cfg, registry, backends, plan, model_path, tokenizer, list(prompts), reward_fn,
-                    prompts.dropped, role_model_paths(run_cfg), notes)
+                    prompts.dropped, role_model_paths(run_cfg), notes, resume_from=folder.resume_from,
+                    model_signatures=signatures or {})

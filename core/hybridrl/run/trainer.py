@@ -121,7 +121,8 @@ class Trainer:
                    if role_spec(role).trainable}
         self.checkpointer = Checkpointer(cfg.trainer.out, cfg.trainer.keep_checkpoints, {
             "roles": trained, "model_path": str(Path(setup.model_path).resolve()), "dtype": cfg.model.dtype,
-            "actor_options": role_options(cfg, "actor"), "seed": cfg.trainer.seed})
+            "actor_options": role_options(cfg, "actor"), "seed": cfg.trainer.seed,
+            "model_signatures": setup.model_signatures, "data_rows": self.loader.num_rows})
         self.guard = StepGuard(cfg.trainer.max_bad_steps, setup.plan, self.checkpointer)
 
     # --- Stateful: what a checkpoint keeps of the driver ------------------------------------------------
@@ -145,7 +146,7 @@ class Trainer:
         actor's weights."""
         out = Path(self.cfg.trainer.out)
         out.mkdir(parents=True, exist_ok=True)
-        resume_from = ckpt.resolve_resume(self.cfg.trainer.resume, out)
+        resume_from = self.setup.resume_from  # chosen, verified and fitted to this run by the pre-flight
         if resume_from is None:
             (out / "samples.jsonl").write_text("")
         (out / "config.json").write_text(json.dumps(self.cfg.model_dump(mode="json", by_alias=True), indent=2))

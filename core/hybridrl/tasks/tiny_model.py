@@ -86,10 +86,13 @@ def _check(cfg: TinyModelConfig) -> None:
         raise ValueError(f"tiny model: head size {cfg.hidden_size // cfg.num_heads} must be even (rotary embeddings)")
 
 
-def _write(cfg: TinyModelConfig, tokenizer: Any, folder: Path, spec: dict[str, Any]) -> None:
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def tiny_hf_config(cfg: TinyModelConfig, tokenizer: Any | None = None) -> Any:
+    """The ``Qwen2Config`` ``build_tiny_model`` builds from ``cfg`` (nothing is written: pre-flight compares
+    it with a checkpoint's before the model folder is built)."""
+    from transformers import Qwen2Config
 
-    config = Qwen2Config(
+    tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer(cfg)
+    return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -103,6 +106,12 @@ def _write(cfg: TinyModelConfig, tokenizer: Any, folder: Path, spec: dict[str, A
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+def _write(cfg: TinyModelConfig, tokenizer: Any, folder: Path, spec: dict[str, Any]) -> None:
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    config = tiny_hf_config(cfg, tokenizer)
     # Seed a private copy of the global RNG: the same cfg gives the same weights, and the caller's random
     # state is left untouched.
     with torch.random.fork_rng(devices=[]):
