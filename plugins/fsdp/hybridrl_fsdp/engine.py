@@ -39,6 +39,7 @@ from hybridrl.weights.sync_check import GREEDY_MARGIN, greedy_margins
 from hybridrl.weights.buckets import group_into_buckets
 from hybridrl.roles import role_spec
 
+from hybridrl_fsdp.fused_head import install_log_prob_head
 from hybridrl_fsdp.logprobs import chunked_log_probs
 from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter_rows
 
@@ -64,6 +65,7 @@ class FSDPSettings:
     attn_implementation: str | None = None  # None: the transformers default (sdpa)
     max_tokens_per_micro_batch: int | None = None  # token budget per micro-batch (replaces micro_batch)
     head: str = "lm"  # "lm", "value" (critic) or "reward" (reward model)
+    fused_lm_head: bool = True  # log-probs/entropies through the fused head (no full logits); False: plain head
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> "FSDPSettings":
@@ -81,6 +83,7 @@ class FSDPSettings:
             attn_implementation=options.get("attn_implementation"),
             max_tokens_per_micro_batch=None if budget is None else int(budget),
             head=str(options.get("head") or role_spec(role).head or "lm"),
+            fused_lm_head=bool(options.get("fused_lm_head", cls.fused_lm_head)),
         )
         if settings.head not in HEAD_OUTPUTS:
             raise ValueError(f"unknown head '{settings.head}' (known: {', '.join(HEAD_OUTPUTS)})")
@@ -108,6 +111,9 @@ class FSDPEngine(TrainEngine):
         self.model = _load_model(ctx, self.settings)
         self._supports_logits_to_keep = (self.head == "lm" and
                                          "logits_to_keep" in inspect.signature(type(self.model).forward).parameters)
+        # The fused head needs the model to select the positions it runs on (``logits_to_keep`` as indices).
+        self._log_prob_head = (install_log_prob_head(self.model) if self._supports_logits_to_keep
+                               and self.settings.fused_lm_head else None)
         self.mesh = init_device_mesh(self.device.type, (ctx.world_size,), mesh_dim_names=("dp",))
         _shard_model(self.model, self.mesh, _mixed_precision(ctx, self.device))
         self.optimizer: torch.optim.Optimizer | None = None
@@ -181,12 +187,33 @@ class FSDPEngine(TrainEngine):
 
     def _response_outputs(self, micro: Batch, temperature: float | None, with_entropy: bool) -> dict[str, torch.Tensor]:
         """Forward one micro-batch; per-token ``log_probs`` (and ``entropy``) of its responses, (b, R) fp32."""
-        logits, labels, mask = self._micro_response_logits(micro)
-        log_probs, entropy = chunked_log_probs(logits, labels.masked_fill(~mask, 0), temperature, with_entropy)
+        if self._log_prob_head is not None:
+            log_probs, entropy = self._fused_response_outputs(micro, temperature, with_entropy)
+        else:
+            logits, labels, mask = self._micro_response_logits(micro)
+            log_probs, entropy = chunked_log_probs(logits, labels.masked_fill(~mask, 0), temperature, with_entropy)
+        mask = micro[RESPONSE_MASK].to(self.device).bool()
         outputs = {LOG_PROBS: log_probs.masked_fill(~mask, 0.0)}
         if entropy is not None:
             outputs[ENTROPY] = entropy.masked_fill(~mask, 0.0)
         return outputs
+
+    def _fused_response_outputs(self, micro: Batch, temperature: float | None, with_entropy: bool
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) through ``LogProbHead``: the head runs on the positions that predict the
+        response, ``P-1 .. P+R-2``, and never makes their ``(b, R, V)`` logits at once."""
+        input_ids, attention_mask, position_ids = (t.to(self.device) for t in sequence_tensors(micro))
+        labels = micro[RESPONSE_IDS].to(self.device)
+        mask = micro[RESPONSE_MASK].to(self.device).bool()
+        response_len = labels.shape[1]
+        prompt_len = input_ids.shape[1] - response_len
+        if prompt_len < 1:
+            raise ValueError("every batch needs at least one prompt column (the first response token's context)")
+        keep = torch.arange(prompt_len - 1, prompt_len - 1 + response_len, device=self.device)
+        with self._log_prob_head.computing(labels.masked_fill(~mask, 0), temperature, with_entropy):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False, logits_to_keep=keep).logits
+        return out[..., 0], (out[..., 1] if with_entropy else None)
 
     def _micro_response_logits(self, micro: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(logits (b, R, V), response ids, response mask as bool)`` of one micro-batch, on the device."""
