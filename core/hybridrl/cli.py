@@ -75,6 +75,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybridrl.run.checkpoint import CheckpointError
     from hybridrl.runtime.cluster import detect_cluster
     from hybridrl.run.faults import BadStepsError, WorkerDiedError
+    from hybridrl.rewards.calling import RewardError
     from hybridrl.run.preflight import prepare_run
     from hybridrl.run.trainer import Trainer
 
@@ -84,7 +85,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         trainer.start()
         history = trainer.fit()
-    except (WorkerDiedError, BadStepsError, CheckpointError) as exc:
+    except (WorkerDiedError, BadStepsError, CheckpointError, RewardError) as exc:
         print(f"hybridrl: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -77,7 +77,7 @@ def test_qwen2_messages_get_the_template_and_generation_prompt(tmp_path, qwen2):
     assert row.prompt.endswith("<|im_start|>user\n2+3=<|im_end|>\n<|im_start|>assistant\n")
     assert row.prompt.startswith("<|im_start|>system\nYou are Qwen")  # the template's default system prompt
     assert row.token_ids == qwen2(row.prompt, add_special_tokens=False)["input_ids"]
-    assert row.messages == CHAT and row.meta == {"answer": "5"}
+    assert row.messages == CHAT and row.meta == {"answer": "5", "ground_truth": "5"}
 
 
 def test_llama3_bos_is_not_doubled(tmp_path, llama3):

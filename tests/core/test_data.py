@@ -119,7 +119,7 @@ def test_tokenize_keeps_text_ids_and_other_fields(tmp_path):
     f = _jsonl(tmp_path / "d.jsonl", ['{"prompt": "rev 12=", "answer": "21", "id": 7}'])
     cfg = DataConfig(train=str(f))
     rows = tokenize_rows(load_rows(cfg), tok, cfg)
-    assert rows == [PromptRow("rev 12=", tok.encode("rev 12="), {"answer": "21", "id": 7})]
+    assert rows == [PromptRow("rev 12=", tok.encode("rev 12="), {"answer": "21", "id": 7, "ground_truth": "21"})]
     assert rows.dropped == 0
 
 

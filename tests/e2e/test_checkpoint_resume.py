@@ -274,17 +274,17 @@ def test_a_failed_save_leaves_the_previous_checkpoint_loadable(full_run, resumed
 def test_nan_steps_are_skipped_reported_and_stop_the_run(resumed_run) -> None:
     trainer: Trainer = resumed_run["trainer"]
     weights = trainer.groups["actor"].call_all("weights", "actor")[0]
-    good_fn, start = trainer.scorer.reward_fn, trainer.step
+    start = trainer.step
     trainer.cfg.trainer.steps = start + 5
     trainer.guard.bad.max_bad = 2
-    trainer.scorer.reward_fn = lambda *args, **kwargs: float("nan")
+    trainer.scorer.rule_scores = lambda batch, texts: (torch.full((len(batch),), float("nan")), [])  # a NaN loss
     trainer.trackers = build_trackers(trainer.registry, trainer.cfg.trainer.trackers, trainer.cfg.trainer.out,
                                       {}, resume=True)  # fit closed them; a resumed run's append
     try:
         with pytest.raises(BadStepsError, match=r"2 bad steps in a row .*trainer.max_bad_steps=2"):
             trainer.fit()
     finally:
-        trainer.scorer.reward_fn = good_fn
+        del trainer.scorer.rule_scores  # the class method again
     logged = rows(resumed_run["out"])[-2:]
     assert [r["step"] for r in logged] == [start + 1, start + 2]
     for row in logged:

@@ -55,7 +55,15 @@ class DataConfig(Strict):
     train: str | None = Field(None, description="jsonl or parquet file of prompts")
     dataset: str | None = Field(None, description="name of a registered dataset instead of a file")
     dataset_args: dict[str, Any] = Field(default_factory=dict)
-    prompt_key: str = Field("prompt", description="the field holding the prompt: text or {role, content} messages")
+    val: str | None = Field(None, description="jsonl or parquet file of validation prompts (same formats)")
+    val_dataset_args: dict[str, Any] | None = Field(None, description="with data.dataset: the arguments that give "
+                                                                      "its validation rows")
+    prompt_key: str = Field("prompt", description="the field holding the prompt: text or {role, content} messages "
+                                                  "(a dotted path reaches nested fields)")
+    answer_key: str | None = Field(None, description="the field holding the reference answer (default: the first of "
+                                                     "reward_model.ground_truth, ground_truth, answer, solution)")
+    data_source_key: str = Field("data_source", description="the field naming each row's source (reward dispatch "
+                                                            "by roles.reward.by_source, per-source metrics)")
     chat_template: str = Field("auto", min_length=1, description="auto: message prompts get the tokenizer's chat "
                                                                  "template with the generation prompt; none: no "
                                                                  "template; or a Jinja template file")
@@ -72,6 +80,10 @@ class DataConfig(Strict):
             raise ValueError("give exactly one of data.train (a file) or data.dataset (a registered name)")
         if self.chat_template == "none" and self.system_prompt is not None:
             raise ValueError("data.system_prompt needs a chat template: data.chat_template is none")
+        if self.val is not None and self.val_dataset_args is not None:
+            raise ValueError("give at most one of data.val (a file) or data.val_dataset_args")
+        if self.val_dataset_args is not None and self.dataset is None:
+            raise ValueError("data.val_dataset_args needs data.dataset (the registered dataset it is passed to)")
         return self
 
 
@@ -205,14 +217,54 @@ class RewardModelConfig(Strict):
         return self
 
 
+class RewardTerm(Strict):
+    """One weighted rule reward of a sum: ``{fn: format, weight: 0.1, args: {pattern: '####'}}``."""
+
+    fn: str = Field(min_length=1, description="a registered reward name or module:function")
+    weight: float = 1.0
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments the reward is called with")
+
+
+#: a rule reward: one name (``gsm8k``, ``module:function``) or a weighted sum of terms.
+RewardSpec = str | list[str | RewardTerm]
+
+
+class HttpRewardConfig(Strict):
+    """How ``roles.reward.url`` is called: batched JSON POSTs, retried, each with a timeout."""
+
+    batch_size: int = Field(64, gt=0, description="responses per POST")
+    retries: int = Field(2, ge=0, description="further tries of a POST that failed (connection, 5xx, timeout)")
+    timeout_s: float = Field(60.0, gt=0, description="seconds per POST")
+    backoff_s: float = Field(0.5, ge=0, description="wait before the first retry, doubled for each next one")
+    coef: float = Field(1.0, description="weight of the service's score in the reward")
+    headers: dict[str, str] = Field(default_factory=dict)
+
+
 class RewardConfig(RoleBase):
-    fn: str | None = "reverse"  # a registered reward name or "module:function"; null: the model only
+    fn: RewardSpec | None = Field("reverse", description="a rule reward: a registered name or module:function, "
+                                                         "or a list of {fn, weight, args} summed; null: none")
+    by_source: dict[str, RewardSpec] = Field(default_factory=dict, description="data_source -> rule reward; "
+                                                                               "other sources get fn")
+    runner: Literal["auto", "inline", "process"] = Field(
+        "auto", description="where rule rewards run: process (a pool with a timeout per call), inline (in the "
+                            "driver: no timeout), auto (inline for the bundled trivial rewards, else process)")
+    workers: int | None = Field(None, gt=0, description="processes of the reward pool (default: min(4, CPUs))")
+    timeout_s: float = Field(10.0, gt=0, description="seconds one rule-reward call may take in the pool")
+    max_failed_fraction: float = Field(0.5, ge=0, le=1, description="stop the run when more than this share of a "
+                                                                    "batch's rewards raise, hang or return no number")
+    url: str | None = Field(None, description="a reward service: responses POSTed in batches, scores returned")
+    http: HttpRewardConfig = Field(default_factory=HttpRewardConfig)
     model: RewardModelConfig | None = None
 
     @model_validator(mode="after")
     def _some_reward(self) -> "RewardConfig":
-        if self.fn is None and self.model is None:
-            raise ValueError("give roles.reward.fn (a rule reward), roles.reward.model, or both")
+        if self.by_source and "fn" not in self.model_fields_set:
+            self.fn = None  # with a dispatch table, a source outside it has no reward unless fn is given
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"roles.reward.url must start with http:// or https://, got '{self.url}'")
+        if self.fn is None and self.model is None and self.url is None and not self.by_source:
+            raise ValueError("give roles.reward.fn (a rule reward), roles.reward.by_source, roles.reward.url, "
+                             "roles.reward.model, or several")
         if self.model is None and self.pool is not None:
             raise ValueError("roles.reward.pool places a reward model: set roles.reward.model too "
                              "(rule rewards run in the driver)")

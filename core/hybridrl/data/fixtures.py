@@ -84,6 +84,7 @@ def math_items(count: int, seed: int = 0) -> list[dict[str, Any]]:
         if kind == 0:
             question, answer = f"Simplify $\\frac{{{a * 2}}}{{{b * 2}}}$.", _fraction(a, b)
         elif kind == 1:
+            a, b = a + 1, (2, 3, 5, 6, 7)[b % 5]  # a square-free b: a*sqrt(b) is the simplest form
             question, answer = f"What is $\\sqrt{{{a * a * b}}}$ in simplest form?", f"{a}\\sqrt{{{b}}}"
         else:
             question, answer = f"Compute ${a} \\cdot {b} - {a}$.", str(a * b - a)

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from hybridrl.config import DataConfig
+from hybridrl.data import fields
 from hybridrl.data.chat import PromptFormatError, PromptFormatter, prompt_problem
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ class PromptRows(list):
 
 # --- loading --------------------------------------------------------------------------------------
 
-def _where(rows: list, i: int) -> str:
+def where(rows: list, i: int) -> str:
+    """``"file, line 7"`` of row ``i`` (``"row 7"`` for parquet and datasets)."""
     source = getattr(rows, "source", "<rows>")
     locations = getattr(rows, "locations", None)
     loc = locations[i] if locations is not None and i < len(locations) else f"row {i + 1}"
@@ -101,16 +103,16 @@ def _read_parquet(path: Path) -> Rows:
     return Rows(rows, str(path))
 
 
-def _from_dataset(cfg: DataConfig, registry: Any) -> Rows:
+def _from_dataset(cfg: DataConfig, registry: Any, args: dict[str, Any]) -> Rows:
     name = cfg.dataset
     try:
         fn = registry.get("dataset", name)
     except ValueError as exc:  # RegistryError: unknown name, with the known ones listed
         raise DataError(str(exc)) from None
     try:
-        produced = fn(**cfg.dataset_args)
+        produced = fn(**args)
     except TypeError as exc:
-        raise DataError(f"dataset '{name}' does not accept data.dataset_args={cfg.dataset_args}: {exc}") from None
+        raise DataError(f"dataset '{name}' does not accept data.dataset_args={args}: {exc}") from None
     rows = list(produced)
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
@@ -118,39 +120,54 @@ def _from_dataset(cfg: DataConfig, registry: Any) -> Rows:
     return Rows(rows, f"dataset '{name}'")
 
 
-def load_rows(cfg: DataConfig, registry: Any = None) -> Rows:
-    """Raw rows (dicts) from ``cfg.train`` (``.jsonl`` / ``.parquet``) or the registered dataset ``cfg.dataset``
-    called with ``cfg.dataset_args``. Checks that every row has a prompt under ``cfg.prompt_key``: a non-empty
-    string or a list of ``{role, content}`` messages (``hybridrl.data.chat``)."""
-    if cfg.train is not None:
-        path = Path(cfg.train)
-        if not path.is_file():
-            raise DataError(f"data file '{path}' not found" + (" (it is a folder)" if path.is_dir() else ""))
-        suffix = path.suffix.lower()
-        if suffix in (".jsonl", ".ndjson"):
-            rows = _read_jsonl(path)
-        elif suffix in (".parquet", ".pq"):
-            rows = _read_parquet(path)
-        else:
-            raise DataError(f"data file '{path}': unsupported extension '{path.suffix}' (use .jsonl or .parquet)")
-    elif cfg.dataset is not None:
+def _read_file(path: Path) -> Rows:
+    if not path.is_file():
+        raise DataError(f"data file '{path}' not found" + (" (it is a folder)" if path.is_dir() else ""))
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return _read_jsonl(path)
+    if suffix in (".parquet", ".pq"):
+        return _read_parquet(path)
+    raise DataError(f"data file '{path}': unsupported extension '{path.suffix}' (use .jsonl or .parquet)")
+
+
+def load_rows(cfg: DataConfig, registry: Any = None, split: str = "train") -> Rows:
+    """Raw rows (dicts) of ``split``: ``train`` from ``cfg.train`` (``.jsonl`` / ``.parquet``) or the registered
+    dataset ``cfg.dataset`` called with ``cfg.dataset_args``; ``val`` from ``cfg.val`` or that dataset called
+    with ``cfg.val_dataset_args``. Checks every row: a prompt under ``cfg.prompt_key`` (a non-empty string or a
+    list of ``{role, content}`` messages, ``hybridrl.data.chat``), the ``cfg.answer_key`` field when one is
+    named, a string ``data_source`` (``hybridrl.data.fields``)."""
+    path = cfg.train if split == "train" else cfg.val
+    if path is not None:
+        rows = _read_file(Path(path))
+    elif cfg.dataset is not None and (split == "train" or cfg.val_dataset_args is not None):
         if registry is None:
             from hybridrl.plugins.discovery import get_registry
 
             registry = get_registry()
-        rows = _from_dataset(cfg, registry)
-    else:
+        rows = _from_dataset(cfg, registry, cfg.dataset_args if split == "train" else cfg.val_dataset_args)
+    elif split == "train":
         raise DataError("no prompt data: give data.train (a file) or data.dataset (a registered name)")
+    else:
+        raise DataError("no validation data: give data.val (a file) or data.val_dataset_args (with data.dataset)")
 
     if not rows:
         raise DataError(f"{rows.source}: the dataset is empty")
     key = cfg.prompt_key
     for i, row in enumerate(rows):
-        if key not in row:
-            raise DataError(f"{_where(rows, i)}: no '{key}' field (data.prompt_key); fields: {sorted(row)}")
-        problem = prompt_problem(row[key])
+        if not fields.has(row, key):
+            raise DataError(f"{where(rows, i)}: no '{key}' field (data.prompt_key); fields: {sorted(row)}")
+        problem = prompt_problem(fields.lookup(row, key))
         if problem is not None:
-            raise DataError(f"{_where(rows, i)}: '{key}' {problem}")
+            raise DataError(f"{where(rows, i)}: '{key}' {problem}")
+        if cfg.answer_key is not None:
+            problem = fields.field_problem(row, cfg.answer_key, "data.answer_key")
+            if problem is not None:
+                raise DataError(f"{where(rows, i)}: {problem}")
+        problem = fields.source_problem(fields.lookup(row, cfg.data_source_key), cfg.data_source_key) \
+            if fields.has(row, cfg.data_source_key) else None
+        if problem is not None:
+            raise DataError(f"{where(rows, i)}: {problem}")
     return rows
 
 
@@ -180,9 +197,9 @@ def tokenize_rows(rows: list[dict[str, Any]], tokenizer: Any, cfg: DataConfig) -
     chats: list[list[dict[str, str]] | None] = []
     for i, row in enumerate(rows):
         try:
-            text, messages = formatter.format(row[key])
+            text, messages = formatter.format(fields.lookup(row, key))
         except PromptFormatError as exc:
-            raise DataError(f"{_where(rows, i)}: '{key}' {exc}") from None
+            raise DataError(f"{where(rows, i)}: '{key}' {exc}") from None
         texts.append(text)
         chats.append(messages)
     encoded = formatter.encode(texts, [m is not None for m in chats])
@@ -193,13 +210,14 @@ def tokenize_rows(rows: list[dict[str, Any]], tokenizer: Any, cfg: DataConfig) -
             too_long.append(i)
             continue
         if not ids:
-            raise DataError(f"{_where(rows, i)}: the prompt encodes to zero tokens")
-        out.append(PromptRow(text, ids, {k: v for k, v in row.items() if k != key}, messages))
+            raise DataError(f"{where(rows, i)}: the prompt encodes to zero tokens")
+        meta = fields.reward_fields(row, key, cfg.answer_key, cfg.data_source_key)
+        out.append(PromptRow(text, ids, meta, messages))
     if too_long:
         first = too_long[0]
         n_first = len(encoded[first])
         what = (f"{len(too_long)} of {len(rows)} prompts are longer than data.max_prompt_len={cfg.max_prompt_len} "
-                f"tokens (first: {_where(rows, first)}, {n_first} tokens)")
+                f"tokens (first: {where(rows, first)}, {n_first} tokens)")
         if cfg.long_prompts == "error":
             raise DataError(f"{what}; raise data.max_prompt_len or set data.long_prompts=drop")
         if not out:

@@ -26,6 +26,7 @@ CORE_PLUGINS = (
     "hybridrl.algorithms.plugin",
     "hybridrl.rollout.plugin",
     "hybridrl.tasks.plugin",
+    "hybridrl.rewards.plugin",
     "hybridrl.observe.tracking",
     "hybridrl.weights.bridges",
 )

@@ -1,15 +1,14 @@
-"""Pre-flight checks of what a training run needs beyond a valid config: files, packages, the reward
-function's behaviour, the model's context length and shape, checkpoint support. Each returns ``(key path, reason)``
-problems so that ``prepare_run`` reports them all at once, before any process starts."""
+"""Pre-flight checks of what a training run needs beyond a valid config: files, packages, the model's context
+length and shape, checkpoint support (the rewards' own checks are in ``hybridrl.rewards.checks``). Each returns
+``(key path, reason)`` problems so that ``prepare_run`` reports them all at once, before any process starts."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import logging
-import numbers
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hybridrl.config import RunConfig
 from hybridrl.placement.plan import PlacementPlan
@@ -217,35 +216,3 @@ def max_positions(cfg: RunConfig, model_path: str) -> int | None:
         if isinstance(config.get(key), int):
             return config[key]
     return None
-
-
-def reward_probe_problems(fn: Callable[..., Any] | None, spec: str | None, row: dict[str, Any],
-                          prompt_key: str) -> Problems:
-    """Call the rule reward once, on the first prompt with an empty response, as the trainer will: it must
-    not raise and must return a number (NaN passes here; NaN steps are caught while training)."""
-    if fn is None:
-        return []
-    meta = {k: v for k, v in row.items() if k != prompt_key}
-    try:
-        value = fn(row[prompt_key], "", **meta)
-    except Exception as exc:  # noqa: BLE001 - whatever it raises, the run would crash on it later
-        return [("roles.reward.fn", f"'{spec}' raised {type(exc).__name__}: {exc} when probed on the first prompt "
-                                    f"with an empty response (fields: {sorted(meta)})")]
-    if not is_number(value):
-        return [("roles.reward.fn", f"'{spec}' returned {type(value).__name__} {value!r} for the first prompt; a "
-                                    "reward must be a number")]
-    return []
-
-
-def is_number(value: Any) -> bool:
-    """A real number: Python's, NumPy's, or a one-element tensor (never a string or None)."""
-    if isinstance(value, (str, bytes)) or value is None:
-        return False
-    if isinstance(value, numbers.Real):
-        return True
-    numel = getattr(value, "numel", None) or getattr(value, "size", None)
-    try:
-        count = numel() if callable(numel) else numel
-        return count == 1 and isinstance(float(value), float)
-    except (TypeError, ValueError):
-        return False

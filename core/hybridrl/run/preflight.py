@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hybridrl.config import ConfigError, CriticConfig, RunConfig
 from hybridrl.run.checks import capability_problems
 from hybridrl.run.pipeline import pipelining_problems
 from hybridrl.placement.plan import ClusterSpec, PlacementPlan, plan_placement, resolve_backends
-from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError, load_object
+from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError
+from hybridrl.rewards.rules import RuleSpec
 from hybridrl.roles import trainable_roles
 
 
@@ -31,25 +32,13 @@ class RunSetup:
     model_path: str
     tokenizer: Any
     prompts: list[Any]  # tokenised prompt rows
-    reward_fn: Callable[..., float] | None  # None: the reward model alone scores
+    rules: RuleSpec | None  # the rule rewards; None: a reward service or model alone scores
     dropped_prompts: int = 0
     role_model_paths: dict[str, str] = field(default_factory=dict)  # critic backbone, reward model
     notes: list[str] = field(default_factory=list)  # what the pre-flight changed, printed at start-up
     resume_from: Path | None = None  # the checkpoint pre-flight verified and fitted to this run (None: a new run)
     model_signatures: dict[str, Any] = field(default_factory=dict)  # trained role -> model shape (hybridrl.run.compat)
-
-
-def resolve_reward(spec: str, registry: Registry) -> Callable[..., float]:
-    if ":" in spec:
-        try:
-            fn = load_object(spec)
-        except (ImportError, AttributeError, RegistryError) as exc:
-            raise RegistryError(f"cannot import reward function '{spec}': {exc}") from None
-    else:
-        fn = registry.get("reward", spec)
-    if not callable(fn):
-        raise RegistryError(f"reward '{spec}' is not callable")
-    return fn
+    val_prompts: list[Any] | None = None  # tokenised validation prompts (data.val)
 
 
 def with_algorithm_roles(cfg: RunConfig, registry: Registry) -> tuple[RunConfig, list[str]]:
@@ -160,12 +149,10 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
 
 def _reward_problems(cfg: RunConfig, registry: Registry) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
+    from hybridrl.rewards.rules import build_spec
+
     reward = cfg.roles.reward
-    if reward.fn is not None:
-        try:
-            resolve_reward(reward.fn, registry)
-        except RegistryError as exc:
-            problems.append(("roles.reward.fn", str(exc)))
+    problems += build_spec(reward, registry)[1]
     model = reward.model
     if model is not None:
         if model.path is not None and not (Path(model.path) / "config.json").is_file():
@@ -215,12 +202,15 @@ def role_model_paths(cfg: RunConfig) -> dict[str, str]:
 def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwrite: bool = False) -> RunSetup:
     """Every check, with every problem collected: config, placement, files, packages, the run folder and the
     checkpoint to resume (its roles, backends, model shapes and data); then, when the model and data are
-    there, the tokenised prompts, the context length and a probe of the reward. Nothing is written into
+    there, the tokenised prompts (training and validation), the context length and the rule rewards against
+    the data (``hybridrl.rewards.checks``). Nothing is written into
     ``trainer.out`` before all of them have passed; then a previous run is moved aside (``overwrite``, the
     CLI's ``--overwrite``) and the tiny models are built."""
     from hybridrl.run import checks as run_checks
     from hybridrl.run.run_folder import move_aside, plan_run_folder
     from hybridrl.data.loading import DataError, load_rows, tokenize_rows
+    from hybridrl.rewards.checks import run_problems as reward_run_problems
+    from hybridrl.rewards.rules import build_spec
 
     backends, plan, problems = check_config(cfg, registry, cluster)
     run_cfg, notes = with_algorithm_roles(cfg, registry)
@@ -229,31 +219,35 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
     folder = plan_run_folder(cfg.trainer.out, cfg.trainer.resume, overwrite)
     problems += folder.problems + run_checks.tracker_problems(cfg, registry)
     problems += run_checks.checkpoint_problems(cfg, registry, trained, folder.resume_from)
-    rows = None
-    try:
-        rows = load_rows(cfg.data, registry)
-    except (DataError, RegistryError) as exc:
-        problems.append(("data.train" if cfg.data.train else "data.dataset", str(exc)))
+    raw: dict[str, Any] = {}  # the raw rows of each split (train, and val when configured)
+    for split, key in (("train", "data.train" if cfg.data.train else "data.dataset"),
+                       ("val", "data.val" if cfg.data.val else "data.val_dataset_args")):
+        if split == "val" and cfg.data.val is None and cfg.data.val_dataset_args is None:
+            continue
+        try:
+            raw[split] = load_rows(cfg.data, registry, split)
+        except (DataError, RegistryError) as exc:
+            problems.append((key, str(exc)))
     model_problems = run_checks.model_problems(cfg)
     problems += model_problems
     tokenizer = None if model_problems else run_checks.load_policy_tokenizer(cfg, problems)
     if tokenizer is None:
         raise ConfigError(problems)
-    prompts = None
-    if rows is not None:
+    tokenized: dict[str, Any] = {}
+    for split, rows in raw.items():
         try:
-            prompts = tokenize_rows(rows, tokenizer, cfg.data)
+            tokenized[split] = tokenize_rows(rows, tokenizer, cfg.data)
         except DataError as exc:
-            problems.append((exc.key or "data", str(exc)))
-    if prompts:
-        problems += run_checks.context_problems(cfg, cfg.model.path or "", max(len(p.token_ids) for p in prompts))
-    reward_fn = None
-    if run_cfg.roles.reward.fn is not None and not any(k == "roles.reward.fn" for k, _ in problems):
-        reward_fn = resolve_reward(run_cfg.roles.reward.fn, registry)
-        if prompts:  # the first prompt as the reward will see it (a chat rendered by its template)
-            first = {**prompts[0].meta, cfg.data.prompt_key: prompts[0].prompt}
-            problems += run_checks.reward_probe_problems(reward_fn, run_cfg.roles.reward.fn, first,
-                                                         cfg.data.prompt_key)
+            problems.append((exc.key or ("data" if split == "train" else "data.val"), str(exc)))
+    prompts, val_prompts = tokenized.get("train"), tokenized.get("val")
+    if tokenized:
+        longest = max(len(p.token_ids) for rows in tokenized.values() for p in rows)
+        problems += run_checks.context_problems(cfg, cfg.model.path or "", longest)
+    rules = None
+    if not any(k.startswith(("roles.reward.fn", "roles.reward.by_source")) for k, _ in problems):
+        rules, _ = build_spec(run_cfg.roles.reward, registry)
+        if rules is not None and prompts:  # terms, sources, reference answers, a probe (hybridrl.rewards.checks)
+            problems += reward_run_problems(rules, run_cfg.roles.reward, cfg.data, raw, prompts)
     signatures = run_checks.model_signatures(run_cfg, list(trained))
     if folder.resume_from is not None and signatures is not None and prompts is not None:
         problems += run_checks.resume_fit_problems(folder.resume_from, trained, signatures, len(prompts))
@@ -267,6 +261,7 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
         notes.insert(0, f"--overwrite: the previous run in {cfg.trainer.out} ({', '.join(folder.move_aside)}) was "
                         f"moved to {moved}")
     model_path, tokenizer = prepare_model(cfg)
-    return RunSetup(run_cfg, registry, backends, plan, model_path, tokenizer, list(prompts), reward_fn,
+    return RunSetup(run_cfg, registry, backends, plan, model_path, tokenizer, list(prompts), rules,
                     prompts.dropped, role_model_paths(run_cfg), notes, resume_from=folder.resume_from,
-                    model_signatures=signatures or {})
+                    model_signatures=signatures or {},
+                    val_prompts=list(val_prompts) if val_prompts is not None else None)

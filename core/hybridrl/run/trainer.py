@@ -99,7 +99,7 @@ class Trainer:
         self.kl_in_reward = self.kl_fn is not None and kl_cfg.apply_as == "reward"
         self.kl_ctrl = build_kl_controller(kl_cfg) if self.kl_in_reward else None
         self.policy_objective = PolicyObjective(cfg.algorithm, self.registry)
-        self.scorer = RewardScorer(self.tokenizer, setup.reward_fn)
+        self.scorer = RewardScorer(self.tokenizer, setup.rules, reward_cfg=cfg.roles.reward)
         r = cfg.roles.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
@@ -163,6 +163,7 @@ class Trainer:
         if "reward" in self.groups:
             self.scorer.model_group = self.groups["reward"]
             self.scorer.model_coef = self.cfg.roles.reward.model.coef
+        self.scorer.start()  # a reward pool loads its functions while the engines come up
         plan = self.setup.plan
         self.rollout_colocated = any(plan.colocated("rollout", r) for r in self.groups if r != "rollout")
         # a colocated engine that declares it can release its memory sleeps while the trainers work
@@ -430,8 +431,9 @@ class Trainer:
                    "reward/min": scores.min().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
                    "response_length/mean": lengths.float().mean().item(), "response_length/max": lengths.max().item(),
                    "response_length/clip_ratio": clipped.float().mean().item()}
-        if "model" in scored.parts:
+        if "model" in scored.parts or len(scored.parts) > 1:
             metrics.update({f"reward/{name}_mean": part.mean().item() for name, part in scored.parts.items()})
+        metrics.update(scored.metrics)  # reward/errors, reward/timeouts, reward/<data_source>/mean
         return metrics
 
     def advantages(self, batch: Batch) -> dict[str, float]:
@@ -504,6 +506,7 @@ class Trainer:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        self.scorer.close()
         for group in unique_groups(self.groups):
             for w in group.workers:
                 ray.kill(w)

@@ -87,6 +87,9 @@ def reverse_reward(prompt: str, response: str, answer: str | None = None, **meta
     return FORMAT_WEIGHT * well_formed + PARTIAL_WEIGHT * right / len(target)
 
 
+reverse_reward.inline_safe = True  # type: ignore[attr-defined]  # a string comparison: runs inline by default
+
+
 def write_jsonl(rows: list[dict[str, Any]], out: str | Path) -> Path:
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
