@@ -150,9 +150,9 @@ def test_the_scorer_adds_the_service_to_the_rule_reward(service):
     cfg = RewardConfig(fn="_reward_helpers:flaky", runner="inline", url=service.url, http={"coef": 2.0})
     scorer = RewardScorer(build_char_tokenizer(), _spec(fn="_reward_helpers:flaky"), reward_cfg=cfg)
     meta = [{"ground_truth": "xy"}, {"ground_truth": "xyz"}]
-    total, _, parts = scorer(_batch(["ab", "ab"], meta))
-    assert parts["rule"].tolist() == [2.0, 2.0] and parts["http"].tolist() == [1.0, 0.0]
-    assert total.tolist() == [4.0, 2.0]
+    scored = scorer(_batch(["ab", "ab"], meta))
+    assert scored.parts["rule"].tolist() == [2.0, 2.0] and scored.parts["http"].tolist() == [1.0, 0.0]
+    assert scored.scores.tolist() == [4.0, 2.0]
 
 
 def test_urls_are_validated():

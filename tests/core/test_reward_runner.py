@@ -168,9 +168,9 @@ def _scorer(fn, runner="inline", **cfg):
 def test_failures_are_counted_logged_and_not_fatal_below_the_bound(caplog):
     scorer = _scorer("_reward_helpers:flaky")
     with caplog.at_level(logging.WARNING, logger="hybridrl.rewards.scorer"):
-        scores, texts, _ = scorer(_batch(["ab", "raise", "nan", "abc", "abcd", "x"]))
-    assert scores.tolist() == [2.0, 0.0, 0.0, 3.0, 4.0, 1.0]
-    assert scorer.metrics["reward/errors"] == 2 and scorer.metrics["reward/timeouts"] == 0
+        scored = scorer(_batch(["ab", "raise", "nan", "abc", "abcd", "x"]))
+    assert scored.scores.tolist() == [2.0, 0.0, 0.0, 3.0, 4.0, 1.0]
+    assert scored.metrics["reward/errors"] == 2 and scored.metrics["reward/timeouts"] == 0
     [record] = caplog.records
     assert "2 of 6 responses failed to score (2 errors, 0 timeouts; scored 0)" in record.message
     assert "raised KeyError: 'missing' on response 'raise'" in record.message
@@ -187,18 +187,18 @@ def test_most_of_a_batch_failing_stops_the_run_naming_the_key():
 
 def test_the_bound_is_configurable():
     scorer = _scorer("_reward_helpers:flaky", max_failed_fraction=1.0)
-    scores, _, _ = scorer(_batch(["text", "raise", "nan", "none"]))
-    assert scores.tolist() == [0.0] * 4 and scorer.metrics["reward/errors"] == 4
+    scored = scorer(_batch(["text", "raise", "nan", "none"]))
+    assert scored.scores.tolist() == [0.0] * 4 and scored.metrics["reward/errors"] == 4
 
 
 def test_timeouts_are_counted_through_the_pool():
     scorer = _scorer("_reward_helpers:flaky", runner="process", timeout_s=1.0, workers=1)
     try:
-        scores, _, _ = scorer(_batch(["ab", "hang", "abc"]))
+        scored = scorer(_batch(["ab", "hang", "abc"]))
     finally:
         scorer.close()
-    assert scores.tolist() == [2.0, 0.0, 3.0]
-    assert scorer.metrics == {"reward/errors": 0.0, "reward/timeouts": 1.0}
+    assert scored.scores.tolist() == [2.0, 0.0, 3.0]
+    assert scored.metrics == {"reward/errors": 0.0, "reward/timeouts": 1.0}
 
 
 @pytest.mark.parametrize("runner", ["inline", "process"])
@@ -220,5 +220,5 @@ def test_a_reward_that_passes_the_probe_and_fails_later_stops_naming_the_key(run
 
 def test_per_source_means_are_reported():
     scorer = _scorer("_reward_helpers:flaky")
-    scorer(_batch(["a", "abc", "ab"], [{"data_source": "x"}, {"data_source": "x"}, {"data_source": "y/z"}]))
-    assert scorer.metrics["reward/x/mean"] == 2.0 and scorer.metrics["reward/y/z/mean"] == 2.0
+    scored = scorer(_batch(["a", "abc", "ab"], [{"data_source": "x"}, {"data_source": "x"}, {"data_source": "y/z"}]))
+    assert scored.metrics["reward/x/mean"] == 2.0 and scored.metrics["reward/y/z/mean"] == 2.0
