@@ -93,7 +93,8 @@ def run_config(args: argparse.Namespace, model_dir: Path, data: Path, out: Path)
 def summarise(rows: list[dict[str, Any]], skip: int) -> dict[str, Any]:
     """Median over the steps after the first ``skip`` (first-use kernel builds, CUDA graphs, allocator growth)."""
     later = rows[skip:] or rows
-    keys = sorted({k for r in later for k in r if k.startswith(("timing/", "perf/", "compute/", "reshard/", "sync_check/", "rollout/"))})
+    prefixes = ("timing/", "perf/", "compute/", "reshard/", "sync_check/", "rollout/")
+    keys = sorted({k for r in later for k in r if k.startswith(prefixes)})
     median = {k: statistics.median(r[k] for r in later if k in r) for k in keys}
     return {"steps_in_median": len(later), "median": median,
             "step_seconds": [r.get("timing/step") for r in rows]}
@@ -192,7 +193,8 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.compare:
-        found = {p.stem.removeprefix("grpo_step_"): json.loads(p.read_text()) for p in sorted(RESULTS.glob("grpo_step_*.json"))}
+        found = {p.stem.removeprefix("grpo_step_"): json.loads(p.read_text())
+                 for p in sorted(RESULTS.glob("grpo_step_*.json"))}
         print(phase_table(found))
         return
     result = bench(args)

@@ -147,7 +147,8 @@ def _make_rollout(backend: str, options: dict[str, Any], common: dict[str, Any])
     return VLLMRollout(ctx)
 
 
-def _engine_alone(backend: str, rollout: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Callable[[], int]]:
+def _engine_alone(backend: str, rollout: Any, prompts: list[list[int]], new_tokens: int
+                  ) -> dict[str, Callable[[], int]]:
     """The engine called directly, as a user of it would, on the same prompts: tokens generated per call."""
     if backend == "sglang":
         engine = rollout.engine
@@ -252,11 +253,21 @@ def _steady(cycles: dict[str, Any], count: int, flat: float, cast_copy: float) -
     steady = [cycles[f"cycle{k}"] for k in range(2, count)] or [cycles["cycle0"]]
     sync = statistics.median(c["reshard_asleep_s"] for c in steady)
     out = {"reshard_steady_s": sync, "reshard_vs_flat_copy": sync / flat, "reshard_vs_cast_copy": sync / cast_copy,
-           "reshard_without_weight_wake_steady_s": statistics.median(c["reshard_without_weight_wake_s"] for c in steady)}
+           "reshard_without_weight_wake_steady_s": statistics.median(c["reshard_without_weight_wake_s"]
+                                                                     for c in steady)}
     if all("flat_copy_after_sync_s" in c for c in steady):  # each sync against the flat copy of its own cycle
         out["reshard_vs_flat_copy_same_cycle"] = statistics.median(
             c["reshard_asleep_s"] / c["flat_copy_after_sync_s"] for c in steady)
     return out
+
+
+def _cast_copy_seconds(numel: int, dtype: Any, dev: Any, device: str) -> float:
+    """The best of five fp32 -> ``dtype`` copies of ``numel`` values (the least a sync from fp32 masters moves)."""
+    import torch
+
+    master = torch.empty(numel, dtype=torch.float32, device=dev)
+    served = torch.empty(numel, dtype=dtype, device=dev)
+    return min(timed(lambda: served.copy_(master), device)[0] for _ in range(5))
 
 
 def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
@@ -390,16 +401,16 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     t, stats = timed(lambda: sync_in_process(actor, rollout, bucket), device)
     cycle["reshard_awake_s"] = t
     # the bytes the engine holds (its dtype), whatever dtype the export travelled in
-    nbytes = sum(p.numel() for p in actor.model.parameters()) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    element_size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    nbytes = sum(p.numel() for p in actor.model.parameters()) * element_size
     cycle["exported_bytes"] = int(stats["bytes"])
     # the same bytes in one flat device-to-device copy (the floor any reshard is measured against): the best
     # of five back to back, and once in each cycle right after its sync
     dev = torch.device(device)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
+    flat_buffers = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(2)]  # source, destination
 
     def flat_copy() -> None:
-        dst.copy_(src)
+        flat_buffers[1].copy_(flat_buffers[0])
 
     # the default level (auto: 1 while fresh, then 2); steady state from the third cycle on (the second
     # records the copies' CUDA graphs)
@@ -410,10 +421,7 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     # and the least any sync from fp32 master weights must move: one cast-copy of as many values into the
     # engine's dtype (read 4 bytes, write 2 per value)
     numel = sum(p.numel() for p in actor.model.parameters())
-    master = torch.empty(numel, dtype=torch.float32, device=dev)
-    served = torch.empty(numel, dtype=getattr(torch, dtype), device=dev)
-    cast_copy = min(timed(lambda: served.copy_(master), device)[0] for _ in range(5))
-    del master, served
+    cast_copy = _cast_copy_seconds(numel, getattr(torch, dtype), dev, device)
     cycle.update({"bytes": nbytes, "buckets": stats["buckets"], "flat_copy_s": flat, "cast_copy_s": cast_copy,
                   **_steady(cycle, args.cycles, flat, cast_copy)})
     # vLLM only: the KV cache alone released, weights resident (``sleep_level: kv_cache``)
@@ -438,7 +446,7 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             cycle["kv_only_after_sleep"] = {**kv_c, **_steady(kv_c, args.cycles, flat, cast_copy)}
         except Exception as exc:  # noqa: BLE001 - keep the rest of the figures
             cycle["kv_only"] = {"error": repr(exc)[:2000]}
-    del src, dst
+    flat_buffers.clear()
     out["reshard_sleep_wake"] = cycle
     # agreement: rollout log-probs against the actor's on the same tokens (same weights after the sync)
     rollout.wake()
@@ -539,7 +547,8 @@ def grpo(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[str, 
         "model": {"path": str(model_dir), "dtype": "bfloat16" if cuda else "float32"},
         "data": {"train": str(ROOT / "examples" / "data" / "reverse2.jsonl"), "max_prompt_len": 16,
                  "prompts_per_step": args.prompts_per_step, "shuffle": False},
-        "algorithm": {"name": "grpo", "n_samples": args.n_samples, "kl": {"coef": 0.001, "estimator": "k3", "as": "loss"}},
+        "algorithm": {"name": "grpo", "n_samples": args.n_samples,
+                      "kl": {"coef": 0.001, "estimator": "k3", "as": "loss"}},
         "pools": {"main": {"nodes": 1, "devices_per_node": 1}},
         "roles": {"actor": {"pool": "main", "backend": "fsdp", "lr": 1e-6, "micro_batch": args.micro_batch},
                   "ref": {"pool": "main", "backend": "fsdp"},
@@ -578,7 +587,8 @@ def main() -> None:
     parser.add_argument("--backend", choices=["vllm", "sglang"], default="vllm")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen0.5b")
     parser.add_argument("--parts", default="micro,grpo")
-    parser.add_argument("--cycles", type=int, default=9, help="sleep/reshard/wake cycles per sleep level (the median is over the third on)")
+    parser.add_argument("--cycles", type=int, default=9,
+                        help="sleep/reshard/wake cycles per sleep level (the median is over the third on)")
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--n-samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)

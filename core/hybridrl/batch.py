@@ -31,7 +31,8 @@ SCORES = "scores"
 _NUMPY_INCOMPATIBLE = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
 
 
-def _rebuild_batch(arrays: dict[str, Any], size: int, non_tensors: dict[str, list[Any]], info: dict[str, Any]) -> "Batch":
+def _rebuild_batch(arrays: dict[str, Any], size: int, non_tensors: dict[str, list[Any]],
+                   info: dict[str, Any]) -> "Batch":
     # Arrays from Ray's object store are read-only views; copy those so tensors stay safely writable.
     tensors = {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(v if v.flags.writeable else v.copy())
                for k, v in arrays.items()}
@@ -177,7 +178,8 @@ def sequence_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return input_ids, attention_mask, position_ids
 
 
-def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists into ``(ids, mask)`` of shape (B, width)."""
     width = width or max((len(s) for s in sequences), default=0)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -189,7 +191,8 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, width: int | None 
     return ids, mask
 
 
-def right_pad(sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def right_pad(sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad token lists into ``(ids, mask)`` of shape (B, width)."""
     width = width or max((len(s) for s in sequences), default=0)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)

@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--skip-engine-check", action="store_true",
                       help="plan for backends whose engines are not installed here")
     plan.add_argument("--device-memory", type=float, metavar="GIB",
-                      help="memory of one device in GiB for the estimate (default: cluster.device_memory_gb, else 80 on cuda)")
+                      help="memory of one device in GiB for the estimate "
+                           "(default: cluster.device_memory_gb, else 80 on cuda)")
     plan.add_argument("--model-config", metavar="PATH", help="HF config.json (or its folder) to size the model from")
     plan.set_defaults(func=cmd_plan)
     report = sub.add_parser("report", help="plots and a Markdown summary of a run, in RUN/report/")

@@ -2,8 +2,9 @@
 
 A backend plugin implements one of these and registers it with ``registry.add_train_engine`` /
 ``registry.add_rollout``, declaring there which optional methods it implements (``supports=``, the names in
-``hybridrl.plugins.capabilities``): pre-flight and the trainer read the declarations, never probe the methods. The core never imports a backend; it only calls these methods, inside the worker
-process that hosts the role (see ``hybridrl.runtime.worker``).
+``hybridrl.plugins.capabilities``): pre-flight and the trainer read the declarations, never probe the methods.
+The core never imports a backend; it only calls these methods, inside the worker process that hosts the role
+(see ``hybridrl.runtime.worker``).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def cli(site: Path, *args: str, timeout: float = 600) -> subprocess.CompletedPro
 def test_plugin_estimator_and_preset_are_listed(sample_site):
     out = cli(sample_site, "plugins")
     assert out.returncode == 0, out.stderr
-    line = next(l for l in out.stdout.splitlines() if l.startswith("sample "))
+    line = next(line for line in out.stdout.splitlines() if line.startswith("sample "))
     assert "advantage:sample_batch_mean" in line and "algorithm:sample_reinforce" in line
 
 
@@ -49,7 +49,8 @@ def test_unknown_estimator_fails_before_work_and_names_the_plugin_one(sample_sit
 def test_plugin_preset_resolves_in_a_fresh_process(sample_site):
     code = ("from hybridrl.algorithms.objective import resolve_algorithm; from hybridrl.config import AlgorithmConfig; "
             "from hybridrl.plugins.discovery import get_registry; "
-            "a = resolve_algorithm(AlgorithmConfig(name='sample_reinforce'), get_registry()); print(a.advantage, a.loss_agg)")
+            "a = resolve_algorithm(AlgorithmConfig(name='sample_reinforce'), get_registry()); "
+            "print(a.advantage, a.loss_agg)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(sample_site), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -99,7 +99,8 @@ def test_loss_aggregations_against_python():
     loss = torch.arange(20, dtype=torch.float32).reshape(5, 4) / 10
     scale = LossScale(total_tokens=float(MASK.sum()), total_sequences=5.0, dp_size=1)
     tokens = [(loss[i, t].item(), MASK[i, t].item()) for i in range(5) for t in range(4)]
-    assert token_mean(loss, MASK, scale).item() == pytest.approx(sum(l * m for l, m in tokens) / MASK.sum().item())
+    expected = sum(value * m for value, m in tokens) / MASK.sum().item()
+    assert token_mean(loss, MASK, scale).item() == pytest.approx(expected)
     seq_sums = [sum(loss[i, t].item() for t in range(4) if MASK[i, t]) for i in range(5)]
     seq_means = [seq_sums[i] / MASK[i].sum().item() for i in range(5)]
     assert seq_mean_token_sum(loss, MASK, scale).item() == pytest.approx(sum(seq_sums) / 5)

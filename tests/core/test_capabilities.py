@@ -44,7 +44,8 @@ def test_the_built_in_backends_declare_what_they_do():
 def test_a_backend_spanning_one_rank_is_refused_a_pool_of_two_without_being_imported():
     problems = config_problems(["roles.actor.backend=ghost_one_rank", "roles.ref.backend=fsdp",
                                 "pools.main.devices_per_node=2"])
-    assert "spans at most 1 rank" in problems["pools.main"] and "roles.actor runs on 2 devices" in problems["pools.main"]
+    assert "spans at most 1 rank" in problems["pools.main"]
+    assert "roles.actor runs on 2 devices" in problems["pools.main"]
     assert "nowhere_at_all" not in sys.modules
     assert "pools.main" not in config_problems(["roles.actor.backend=ghost_one_rank", "roles.ref.backend=fsdp"])
 

@@ -134,7 +134,8 @@ def test_messages_without_a_template_name_the_row(tmp_path):
 
 def test_a_missing_template_file_is_reported_under_its_key(tmp_path):
     with pytest.raises(DataError) as info:
-        _prompts(tmp_path, [{"prompt": CHAT}], build_char_tokenizer(chat=True), chat_template=str(tmp_path / "no.jinja"))
+        _prompts(tmp_path, [{"prompt": CHAT}], build_char_tokenizer(chat=True),
+                 chat_template=str(tmp_path / "no.jinja"))
     assert info.value.key == "data.chat_template" and "is not a file" in str(info.value)
 
 

@@ -49,7 +49,8 @@ def test_registered_dataset_through_the_plugin_registry():
 
 @pytest.mark.parametrize("cfg, match", [
     (dict(dataset="nope"), r"unknown dataset 'nope' \(known: nothing, reverse\)"),
-    (dict(dataset="reverse", dataset_args={"bogus": 1}), r"dataset 'reverse' does not accept data\.dataset_args=\{'bogus': 1\}"),
+    (dict(dataset="reverse", dataset_args={"bogus": 1}),
+     r"dataset 'reverse' does not accept data\.dataset_args=\{'bogus': 1\}"),
     (dict(dataset="nothing"), r"dataset 'nothing': the dataset is empty"),
 ])
 def test_registered_dataset_errors(cfg, match):
@@ -89,14 +90,16 @@ def test_missing_prompt_key_names_the_line(tmp_path):
 
 def test_non_string_prompt_names_the_line(tmp_path):
     f = _jsonl(tmp_path / "d.jsonl", ['{"prompt": "a"}', '{"prompt": 12}'])
-    with pytest.raises(DataError, match=r"line 2: 'prompt' must be a string or a list of \{role, content\} messages, got int"):
+    with pytest.raises(DataError,
+                       match=r"line 2: 'prompt' must be a string or a list of \{role, content\} messages, got int"):
         load_rows(DataConfig(train=str(f)))
 
 
 def test_parquet_errors_name_the_row(tmp_path):
     f = tmp_path / "d.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": "a"}, {"prompt": None}]), f)
-    with pytest.raises(DataError, match=r"d\.parquet, row 2: 'prompt' must be a string or a list of \{role, content\} messages, got NoneType"):
+    with pytest.raises(DataError, match=r"d\.parquet, row 2: 'prompt' must be a string or a list of "
+                                        r"\{role, content\} messages, got NoneType"):
         load_rows(DataConfig(train=str(f)))
     bad = tmp_path / "bad.parquet"
     bad.write_text("not parquet")
@@ -153,7 +156,12 @@ def test_dropping_everything_is_an_error(tmp_path):
 def test_exact_max_length_is_kept(tmp_path):
     cfg = DataConfig(train=str(_long_file(tmp_path)), max_prompt_len=11, long_prompts="error")
     rows = load_rows(cfg)
-    tokenize_rows(rows[:3], build_char_tokenizer(), cfg)  # 11 tokens fit exactly
+    tokenizer = build_char_tokenizer()
+    kept = tokenize_rows(rows[:3], tokenizer, cfg)  # 11 tokens fit exactly
+    assert [r.prompt for r in kept] == ["rev 12=", "rev 123456=", "rev 34="] and kept.dropped == 0
+    assert len(kept[1].token_ids) == 11 and kept[1].token_ids == tokenizer.encode("rev 123456=")
+    one_less = DataConfig(train=cfg.train, max_prompt_len=10, long_prompts="drop")
+    assert [r.prompt for r in tokenize_rows(rows[:3], tokenizer, one_less)] == ["rev 12=", "rev 34="]
 
 
 # --- feeding ---------------------------------------------------------------------------------------

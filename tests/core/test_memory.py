@@ -123,7 +123,8 @@ def test_colocated_peak_is_the_largest_phase_not_the_sum():
     (pool,) = est.pools
     roles = {m.role: m for m in est.roles}
     context = 1.0 * GIB
-    assert pool.phases["gen"] == pytest.approx(roles["actor"].idle + roles["ref"].idle + roles["rollout"].active + context)
+    expected = roles["actor"].idle + roles["ref"].idle + roles["rollout"].active + context
+    assert pool.phases["gen"] == pytest.approx(expected)
     assert pool.phases["update_actor"] == pytest.approx(roles["actor"].active + roles["ref"].idle + context)
     assert pool.peak == max(pool.phases.values())
     assert pool.peak < sum(m.active for m in roles.values())

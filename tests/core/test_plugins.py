@@ -88,7 +88,7 @@ def _run(site: Path, *args: str) -> subprocess.CompletedProcess:
 def test_pip_installed_third_party_plugin_is_discovered(sample_site):
     out = _run(sample_site, "plugins")
     assert out.returncode == 0, out.stderr
-    line = next(l for l in out.stdout.splitlines() if l.startswith("sample "))
+    line = next(line for line in out.stdout.splitlines() if line.startswith("sample "))
     assert "hybridrl-sample" in line and "0.3.1" in line
     assert "rollout:sample (engine available)" in line
     assert "rollout:sample_missing (installed, engine missing" in line and "pip install not-a-real-engine" in line

@@ -262,7 +262,8 @@ def test_a_failed_save_leaves_the_previous_checkpoint_loadable(full_run, resumed
             trainer.save()
     assert sorted(p.name for p in root.iterdir()) == [LATEST, "step_000002"]
     assert (root / LATEST).read_text() == "step_000002"
-    trainer.checkpointer.restore(root / "step_000002", trainer, trainer.groups)  # the previous checkpoint loads into the running workers
+    # the previous checkpoint loads into the running workers
+    trainer.checkpointer.restore(root / "step_000002", trainer, trainer.groups)
     trainer.sync_weights()
     assert trainer.step == 2
     again = computed(trainer.train_step())  # and step 3 comes out as in the uninterrupted run

@@ -45,7 +45,8 @@ def test_ppo_trains_critic_then_actor(tmp_path, ray_local):
         actor_before = trainer.groups["actor"].call_all("weights", "actor")[0]
         warm = trainer.train_step()  # critic warm-up: the actor does not move
         assert "timing/update_actor" not in warm and warm["critic/grad_norm"] > 0
-        assert all(torch.equal(t, actor_before[n]) for n, t in trainer.groups["actor"].call_all("weights", "actor")[0].items())
+        weights = trainer.groups["actor"].call_all("weights", "actor")[0]
+        assert all(torch.equal(t, actor_before[n]) for n, t in weights.items())
         step = trainer.train_step()
         for phase in ("values", "adv", "update_critic", "update_actor"):
             assert step[f"timing/{phase}"] >= 0.0

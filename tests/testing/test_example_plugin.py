@@ -38,7 +38,7 @@ def test_example_plugin_is_discovered(site: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "hybridrl.cli", "plugins"], capture_output=True, text=True,
                          env=_env(site), cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
-    line = next(l for l in out.stdout.splitlines() if l.startswith("example "))
+    line = next(line for line in out.stdout.splitlines() if line.startswith("example "))
     assert "hybridrl-example-rollout" in line and "rollout:example (engine available)" in line
 
 
@@ -56,7 +56,8 @@ def test_example_plugin_passes_the_kit(site: Path, tmp_path: Path) -> None:
 
 def test_example_plugin_trains_the_quick_start(site: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", str(QUICKSTART), "roles.rollout.backend=example",
+    out = subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", str(QUICKSTART),
+                          "roles.rollout.backend=example",
                           "trainer.steps=2", f"trainer.out={run}", "data.prompts_per_step=4", "algorithm.n_samples=4",
                           "trainer.progress=false"], capture_output=True, text=True, env=_env(site), cwd=ROOT,
                          timeout=600)

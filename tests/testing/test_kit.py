@@ -156,7 +156,8 @@ def test_broken_backends_fail_naming_the_broken_contract(kit_env: pytest.Pyteste
     out = result.stdout.str()
     for backend, test, contract in CASES:
         assert re.search(rf"FAILED \S*::{test}\[{re.escape(backend)}\]", out), f"{backend} {test} did not fail"
-        assert f"backend '{backend.replace('-to-', ' -> ')}': {contract}" in out, f"{backend}: the failure does not name '{contract}'"
+        named = f"backend '{backend.replace('-to-', ' -> ')}': {contract}"
+        assert named in out, f"{backend}: the failure does not name '{contract}'"
     assert "backend 'broken_import': greedy outputs differ from the reference model after import_weights" in out
     result.assert_outcomes(failed=len(CASES), passed=len(PASSING))
 

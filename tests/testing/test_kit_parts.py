@@ -147,7 +147,8 @@ def test_sampled_rows_of_a_noisy_but_right_engine_pass_and_of_one_ignoring_top_p
                    SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=KIT_WIDTH, ignore_eos=True)):
         for seed in range(3):
             out = _noisy_rows(ref, kit.prompts, params, 2**-7, seed, kit.eos_ids)
-            assert reference_problems(out, kit.prompts, ref, params, kit.eos_ids, *tolerances) == ([], []), (params, seed)
+            problems = reference_problems(out, kit.prompts, ref, params, kit.eos_ids, *tolerances)
+            assert problems == ([], []), (params, seed)
     top_p = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=KIT_WIDTH, ignore_eos=True)
     caught = [reference_problems(_noisy_rows(ref, kit.prompts, replace(top_p, top_p=1.0), 2**-7, seed, kit.eos_ids),
                                  kit.prompts, ref, top_p, kit.eos_ids, *tolerances)[0] for seed in range(3)]

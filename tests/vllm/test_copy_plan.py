@@ -9,7 +9,7 @@ from torch import nn
 
 from hybridrl_vllm.copy_plan import CopyPlan, GraphedCopies, checksum, copy_key
 
-H, Q, KV, I = 8, 8, 4, 12
+H, Q, KV, INTER = 8, 8, 4, 12
 
 
 class PackedToy(nn.Module):
@@ -19,7 +19,7 @@ class PackedToy(nn.Module):
         super().__init__()
         self.qkv_w = nn.Parameter(torch.zeros(Q + 2 * kv_rows, H, dtype=torch.bfloat16))
         self.qkv_b = nn.Parameter(torch.zeros(Q + 2 * kv_rows, dtype=torch.bfloat16))
-        self.gate_up = nn.Parameter(torch.zeros(2 * I, H, dtype=torch.bfloat16))
+        self.gate_up = nn.Parameter(torch.zeros(2 * INTER, H, dtype=torch.bfloat16))
         self.norm = nn.Parameter(torch.zeros(H, dtype=torch.bfloat16))
 
     def named_parameters(self, *args, **kwargs):  # vLLM's names
@@ -38,8 +38,8 @@ def hf_tensors(seed: int) -> dict[str, torch.Tensor]:
             p + "self_attn.q_proj.bias": torch.randn(Q, generator=g),
             p + "self_attn.k_proj.bias": torch.randn(KV, generator=g),
             p + "self_attn.v_proj.bias": torch.randn(KV, generator=g),
-            p + "mlp.gate_proj.weight": torch.randn(I, H, generator=g),
-            p + "mlp.up_proj.weight": torch.randn(I, H, generator=g),
+            p + "mlp.gate_proj.weight": torch.randn(INTER, H, generator=g),
+            p + "mlp.up_proj.weight": torch.randn(INTER, H, generator=g),
             "model.norm.weight": torch.randn(H, generator=g)}
 
 

@@ -28,7 +28,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if child is None:
                 child = node[part] = {}
             elif not isinstance(child, dict):
-                raise ConfigError([(".".join(path[: i + 1]), f"is a {type(child).__name__}, cannot set '{path[i + 1]}' in it")])
+                reason = f"is a {type(child).__name__}, cannot set '{path[i + 1]}' in it"
+                raise ConfigError([(".".join(path[: i + 1]), reason)])
             node = child
         node[path[-1]] = value
     return data
@@ -50,7 +51,8 @@ def _format_errors(err: ValidationError) -> list[tuple[str, str]]:
     return problems
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None, base: dict[str, Any] | None = None) -> RunConfig:
+def load_config(path: str | Path | None, overrides: list[str] | None = None,
+                base: dict[str, Any] | None = None) -> RunConfig:
     """Read YAML (or start from ``base``), apply dotted overrides, validate. Raises ``ConfigError``."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:

@@ -36,7 +36,8 @@ class TinyModelConfig(Strict):
     seed: int = 0
     tokenizer: str = Field("char", min_length=1, description="char: the bundled character tokenizer; char_chat: "
                                                              "it with role tokens and a chat template; or a folder "
-                                                             "holding a saved tokenizer (its vocabulary sizes the model)")
+                                                             "holding a saved tokenizer (its vocabulary sizes the "
+                                                             "model)")
 
 
 class ModelConfig(Strict):
@@ -287,7 +288,8 @@ class ClusterConfig(Strict):
     nodes: int | None = Field(None, gt=0, description="declare the cluster instead of asking Ray (for plans)")
     devices_per_node: int | None = Field(None, gt=0)
     max_colocate_count: int = Field(1, gt=0, description="processes allowed per device")
-    device_memory_gb: float | None = Field(None, gt=0, description="GiB per device, for the plan's memory estimate (default 80 on cuda)")
+    device_memory_gb: float | None = Field(
+        None, gt=0, description="GiB per device, for the plan's memory estimate (default 80 on cuda)")
     threads_per_worker: int | None = Field(None, gt=0)
 
 
@@ -311,8 +313,9 @@ class TrainerConfig(Strict):
     max_staleness: int = Field(1, ge=1, description="pipelined: at most this many actor updates between the weights "
                                                     "that generated a batch and the weights it trains")
     sync_check_every: int = Field(0, ge=0, description="every N steps, check that the rollout's greedy tokens are the "
-                                                       "actor's argmax after the weight sync (hybridrl.weights.sync_check; "
-                                                       "0: never; synchronous steps only)")
+                                                       "actor's argmax after the weight sync "
+                                                       "(hybridrl.weights.sync_check; 0: never; synchronous steps "
+                                                       "only)")
 
     @field_validator("trackers")
     @classmethod

@@ -162,9 +162,8 @@ def summarize(rows: list[dict[str, Any]], config: dict[str, Any]) -> Summary:
         overhead = _mean(series(rows, "perf/overhead_fraction")[1])
     busy = {pool: 1.0 - spent.get(IDLE, 0.0) / total for pool, spent in device_time(config, rows).items()
             if pool != DRIVER} if total > 0 else {}
-    memory = {k.split("/")[1]: max(series(rows, k)[1]) for k in sorted({k for r in rows for k in r
-                                                                         if k.startswith("memory/") and k.endswith("/peak_mb")})
-              if series(rows, k)[1]}
+    peak_keys = sorted({k for r in rows for k in r if k.startswith("memory/") and k.endswith("/peak_mb")})
+    memory = {k.split("/")[1]: max(series(rows, k)[1]) for k in peak_keys if series(rows, k)[1]}
     return Summary(
         steps=len(rows), last_step=int(rows[-1]["step"]),
         reward_first=_mean(reward[:window]) if window else None,
@@ -180,6 +179,7 @@ def _num(value: float | None, fmt: str) -> str:
 
 def render_summary(s: Summary, plots: dict[str, str], config: dict[str, Any]) -> str:
     sizes = pool_sizes(config)
+    overhead_pct = None if s.overhead_share is None else 100 * s.overhead_share
     lines = ["# Run summary", "",
              "| | |", "|---|---|",
              f"| steps | {s.steps} (last step {s.last_step}) |",
@@ -187,7 +187,7 @@ def render_summary(s: Summary, plots: dict[str, str], config: dict[str, Any]) ->
              f"| reward, last {s.window} steps | {_num(s.reward_last, '.4f')} |",
              f"| median step time | {_num(s.median_step_s, '.3f')} s |",
              f"| total step time | {s.total_s:.1f} s |",
-             f"| overhead share (outside model compute) | {_num(None if s.overhead_share is None else 100 * s.overhead_share, '.1f')} % |"]
+             f"| overhead share (outside model compute) | {_num(overhead_pct, '.1f')} % |"]
     if s.mfu is not None:
         lines.append(f"| mean MFU | {100 * s.mfu:.1f} % |")
     lines += ["", "## Phase shares of step time", "", "| phase | share |", "|---|---|"]
@@ -222,7 +222,8 @@ def plot_reward(rows: list[dict[str, Any]], path: Path) -> None:
     fig = _figure()
     ax = fig.add_subplot()
     steps, mean = series(rows, "reward/mean")
-    band = [r for r in rows if isinstance(r.get("reward/min"), (int, float)) and isinstance(r.get("reward/max"), (int, float))]
+    band = [r for r in rows
+            if isinstance(r.get("reward/min"), (int, float)) and isinstance(r.get("reward/max"), (int, float))]
     if band:
         ax.fill_between([r["step"] for r in band], [r["reward/min"] for r in band], [r["reward/max"] for r in band],
                         alpha=0.2, label="min-max")

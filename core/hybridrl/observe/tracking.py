@@ -207,7 +207,8 @@ class MlflowTracker:
         self.client.set_terminated(self.run_id)
 
 
-def build_trackers(registry: Any, names: list[str], out_dir: str, config: dict[str, Any], resume: bool) -> list[Tracker]:
+def build_trackers(registry: Any, names: list[str], out_dir: str, config: dict[str, Any],
+                   resume: bool) -> list[Tracker]:
     """The configured trackers (``trainer.trackers``); a resumed run appends to what they already logged.
     Every registered tracker takes ``(out_dir, config)``; one that also takes ``resume`` is told so."""
     trackers = []

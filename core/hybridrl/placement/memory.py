@@ -139,7 +139,8 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
             qk_norm=model_type == "qwen3",
         )
     except KeyError as exc:
-        raise MemoryEstimateError(f"model config has no {exc.args[0]!r}: not a decoder-only transformer config") from None
+        raise MemoryEstimateError(
+            f"model config has no {exc.args[0]!r}: not a decoder-only transformer config") from None
     return shape
 
 
@@ -149,7 +150,8 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        raise MemoryEstimateError(f"no model config at '{p}' (give --model-config FILE or a folder holding config.json)")
+        raise MemoryEstimateError(
+            f"no model config at '{p}' (give --model-config FILE or a folder holding config.json)")
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as exc:
@@ -413,7 +415,8 @@ def render_memory(est: MemoryEstimate) -> str:
 
     limit = f"{est.device_bytes / GIB:.0f} GiB per device" if est.device_bytes else "device memory not declared"
     lines = [f"memory per device ({unit}; {est.shape.describe()} from {est.source}, {est.dtype}, {limit}):"]
-    header = ("pool", "role", "weights", "split", "grads", "optimizer", "activations", "kv cache", "busy", "idle", "notes")
+    header = ("pool", "role", "weights", "split", "grads", "optimizer", "activations", "kv cache", "busy", "idle",
+              "notes")
     rows = [header]
     for m in est.roles:
         idle = "asleep" if m.kind == "rollout" and any(p.pool == m.pool and len(p.roles) > 1 for p in est.pools) \

@@ -140,7 +140,8 @@ class PlacementPlan:
         return "\n".join(lines)
 
 
-def resolve_backends(cfg: RunConfig, registry: Registry, check_engines: bool = True) -> tuple[dict[str, BackendEntry], list[tuple[str, str]]]:
+def resolve_backends(cfg: RunConfig, registry: Registry, check_engines: bool = True
+                     ) -> tuple[dict[str, BackendEntry], list[tuple[str, str]]]:
     """Backend entry for every pooled role, and the problems found (unknown backend, engine missing)."""
     entries: dict[str, BackendEntry] = {}
     problems: list[tuple[str, str]] = []
@@ -174,8 +175,8 @@ def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, Bac
         role_pool[role] = pool
         entry = backends.get(role)
         if entry is not None and cluster.device not in entry.devices:
-            problems.append((f"roles.{role}.backend",
-                             f"backend '{entry.name}' runs on {'/'.join(entry.devices)}, the cluster has {cluster.device}"))
+            problems.append((f"roles.{role}.backend", f"backend '{entry.name}' runs on {'/'.join(entry.devices)}, "
+                                                      f"the cluster has {cluster.device}"))
 
     used = [p for p in cfg.pools if p in role_pool.values()]
     need = sum(cfg.pools[p].size for p in used)
@@ -205,7 +206,8 @@ def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, Bac
                 family = next(iter(families), "any")
             families.setdefault(family, {})[role] = entry.name if entry else "-"
         if len(families) > cfg.cluster.max_colocate_count:
-            desc = "; ".join(f"{fam}: {', '.join(f'{r}[{b}]' for r, b in roles.items())}" for fam, roles in families.items())
+            desc = "; ".join(f"{fam}: {', '.join(f'{r}[{b}]' for r, b in roles.items())}"
+                             for fam, roles in families.items())
             problems.append((f"roles (pool '{pool}')",
                              f"colocated roles need {len(families)} processes per device because their backends "
                              f"cannot share a process ({desc}); cluster.max_colocate_count is "
@@ -227,7 +229,8 @@ def _allocate(cfg: RunConfig, used: list[str], cluster: ClusterSpec) -> dict[str
         nodes = [n for n in free if len(free[n]) >= pool.devices_per_node][: pool.nodes]
         if len(nodes) < pool.nodes:
             raise ConfigError([(f"pools.{name}", f"needs {pool.nodes} node(s) with {pool.devices_per_node} free "
-                                                 f"device(s) each; the pools before it leave too few ({cluster.describe()})")])
+                                                 f"device(s) each; the pools before it leave too few "
+                                                 f"({cluster.describe()})")])
         devices = []
         for n in nodes:
             take, free[n] = free[n][: pool.devices_per_node], free[n][pool.devices_per_node:]

@@ -38,6 +38,7 @@ def check_declared(kind: str, name: str, supports: Iterable[str]) -> frozenset[s
     declared = frozenset(supports)
     unknown = sorted(declared - set(KNOWN[kind]))
     if unknown:
-        raise CapabilityError(f"{kind} backend '{name}' declares unknown capabilit{'y' if len(unknown) == 1 else 'ies'} "
+        noun = "capability" if len(unknown) == 1 else "capabilities"
+        raise CapabilityError(f"{kind} backend '{name}' declares unknown {noun} "
                               f"{', '.join(map(repr, unknown))} (known: {', '.join(sorted(KNOWN[kind]))})")
     return declared

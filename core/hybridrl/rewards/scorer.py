@@ -221,7 +221,8 @@ def build_tiny_reward_model(cfg: Any, out_dir: str | Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     tokenizer = tiny_tokenizer(cfg)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size,
                          num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                          num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position,
                          use_sliding_window=False, num_labels=1, bos_token_id=tokenizer.bos_token_id,

@@ -11,7 +11,6 @@ import logging
 from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.engines import EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket

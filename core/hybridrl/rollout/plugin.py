@@ -1,4 +1,5 @@
-"""The core's embedded rollout backend: ``hf`` (plain transformers), registered directly by the host (``plugins.discovery.CORE_PLUGINS``)."""
+"""The core's embedded rollout backend: ``hf`` (plain transformers), registered directly by the host
+(``plugins.discovery.CORE_PLUGINS``)."""
 
 from __future__ import annotations
 

@@ -44,7 +44,8 @@ class RunSetup:
 def with_algorithm_roles(cfg: RunConfig, registry: Registry) -> tuple[RunConfig, list[str]]:
     """The config the run uses: ``algorithm`` with its preset's defaults filled in (and, for a pipelined run,
     ``tis_cap``), a critic role added (with the actor, default settings) when the advantage estimator needs
-    values, and an unused critic or reference dropped. Returns it with notes on what changed. Unknown presets are left for ``check_config`` to report."""
+    values, and an unused critic or reference dropped. Returns it with notes on what changed. Unknown presets
+    are left for ``check_config`` to report."""
     from hybridrl.algorithms.objective import resolve_algorithm
 
     try:
@@ -135,7 +136,8 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
                          "or algorithm.tis_cap=null"))
     for key in cfg.trainer.trackers:
         if ("tracker", key) not in registry.named:
-            problems.append(("trainer.trackers", f"unknown tracker '{key}' (known: {', '.join(registry.names('tracker'))})"))
+            known = ", ".join(registry.names("tracker"))
+            problems.append(("trainer.trackers", f"unknown tracker '{key}' (known: {known})"))
     plan = None
     try:
         plan = plan_placement(cfg, cluster, backends)
@@ -156,7 +158,8 @@ def _reward_problems(cfg: RunConfig, registry: Registry) -> list[tuple[str, str]
     model = reward.model
     if model is not None:
         if model.path is not None and not (Path(model.path) / "config.json").is_file():
-            problems.append(("roles.reward.model.path", f"'{model.path}' is not an HF checkpoint folder (no config.json)"))
+            problems.append(("roles.reward.model.path",
+                             f"'{model.path}' is not an HF checkpoint folder (no config.json)"))
         if model.tiny is not None and cfg.model.tiny is None:
             problems.append(("roles.reward.model.tiny", "a tiny reward model uses the bundled character tokenizer, "
                                                         "so the policy must be model.tiny too"))

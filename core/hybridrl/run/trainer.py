@@ -95,7 +95,8 @@ class Trainer:
         self.loader = PromptLoader(setup.prompts, cfg.data.prompts_per_step, cfg.trainer.seed, cfg.data.shuffle)
         self.advantage_fn = self.registry.get("advantage", self.algo.advantage)
         kl_cfg = cfg.algorithm.kl
-        self.kl_fn = self.registry.get("kl_estimator", kl_cfg.estimator) if kl_cfg is not None and kl_cfg.coef > 0 else None
+        kl_on = kl_cfg is not None and kl_cfg.coef > 0
+        self.kl_fn = self.registry.get("kl_estimator", kl_cfg.estimator) if kl_on else None
         self.kl_in_reward = self.kl_fn is not None and kl_cfg.apply_as == "reward"
         self.kl_ctrl = build_kl_controller(kl_cfg) if self.kl_in_reward else None
         self.policy_objective = PolicyObjective(cfg.algorithm, self.registry)
@@ -183,8 +184,9 @@ class Trainer:
         if self.rollout_sleeps:
             self.groups["rollout"].broadcast("rollout", "sleep")
         log.info("workers ready in %.1fs", time.perf_counter() - t0)
+        resumed = self.checkpointer.resumed_from is not None
         self.trackers = build_trackers(self.registry, self.cfg.trainer.trackers, self.cfg.trainer.out,
-                                       self.cfg.model_dump(mode="json"), resume=self.checkpointer.resumed_from is not None)
+                                       self.cfg.model_dump(mode="json"), resume=resumed)
 
     def sync_weights(self) -> dict[str, float]:
         return self.bridge.sync(self.groups["actor"], "actor", self.groups["rollout"], "rollout", self.bucket_bytes)
@@ -325,7 +327,8 @@ class Trainer:
         self.actor_version += 1
         return True
 
-    def finish_step(self, batch: Batch, log: StepLog, step_seconds: float, reshard: dict[str, float]) -> dict[str, float]:
+    def finish_step(self, batch: Batch, log: StepLog, step_seconds: float,
+                    reshard: dict[str, float]) -> dict[str, float]:
         """Close the step (counter, last batch) and derive its timing, throughput, performance and memory
         metrics."""
         timer, compute, metrics = log.timer, log.compute, log.metrics
@@ -376,9 +379,11 @@ class Trainer:
     def update_critic(self, batch: Batch, log: StepLog) -> dict[str, float]:
         """The critic regresses its values on the returns (value clipping around the values it gave)."""
         critic_cfg = self.cfg.roles.critic
-        objective = ValueObjective(critic_cfg.cliprange_value, self.registry.get("loss_aggregation", critic_cfg.loss_agg))
+        aggregation = self.registry.get("loss_aggregation", critic_cfg.loss_agg)
+        objective = ValueObjective(critic_cfg.cliprange_value, aggregation)
+        mini_batch = critic_cfg.mini_batch or self.cfg.roles.actor.mini_batch
         metrics = self._mini_batch_updates(
-            "critic", batch.select(*SEQUENCE_KEYS, VALUES, RETURNS), critic_cfg.mini_batch or self.cfg.roles.actor.mini_batch,
+            "critic", batch.select(*SEQUENCE_KEYS, VALUES, RETURNS), mini_batch,
             log, lambda group, mini: group.call("critic", "update", mini, objective, zero_pad_keys=(RESPONSE_MASK,)))
         metrics.update(value_metrics(batch[VALUES], batch[RETURNS], batch[RESPONSE_MASK]))
         return metrics
@@ -387,7 +392,8 @@ class Trainer:
         """The rollout's greedy tokens on a few of ``batch``'s prompts against the actor's argmax
         (``hybridrl.weights.sync_check``); warns when a token is off by more than a near-tie."""
         prompts = self.sync_check.prompts(batch)
-        generated = self.groups["rollout"].call("rollout", "generate", prompts, self.sync_check.params(self.sampling)).value
+        params = self.sync_check.params(self.sampling)
+        generated = self.groups["rollout"].call("rollout", "generate", prompts, params).value
         prompts.update(generated)
         prompts.info["temperature"] = 1.0
         margins = self.groups["actor"].call("actor", "compute_greedy_margins", prompts.select(*SEQUENCE_KEYS)).value

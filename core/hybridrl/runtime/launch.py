@@ -43,7 +43,8 @@ def start_worker_groups(cfg: RunConfig, plan: PlacementPlan) -> tuple[dict[str, 
     slots_per_pool = {pool: sum(1 for g in plan.groups if g.pool == pool) for pool in plan.pools}
     # CPU slots: share Ray's CPUs among the devices (fractions when a declared cluster oversubscribes cores).
     available = float(ray.available_resources().get("CPU", 1))
-    cpus = max(available // max(used_devices, 1), min(1.0, available / max(used_devices, 1))) if device == "cpu" else 1.0
+    share = max(used_devices, 1)
+    cpus = max(available // share, min(1.0, available / share)) if device == "cpu" else 1.0
     threads = cfg.cluster.threads_per_worker or max(1, (os.cpu_count() or 1) // max(used_devices, 1))
     placement_groups = {pool: create_placement_group(len(devices), device, cpus, f"hybridrl-{pool}")
                         for pool, devices in plan.pools.items()}

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import Batch
 from hybridrl.weights.bridges import sync_in_process
 from hybridrl.weights.channel import WeightChannel, bucket_specs
 from hybridrl.runtime.distributed import free_port, init_process_group, node_ip

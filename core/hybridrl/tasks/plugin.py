@@ -1,4 +1,5 @@
-"""The core's bundled task: registers the ``reverse`` reward and dataset (registered directly by the host, ``plugins.discovery.CORE_PLUGINS``)."""
+"""The core's bundled task: registers the ``reverse`` reward and dataset (registered directly by the host,
+``plugins.discovery.CORE_PLUGINS``)."""
 
 from __future__ import annotations
 

@@ -153,7 +153,8 @@ def build_tiny_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
         if not out.is_dir():
             raise FileExistsError(f"tiny model folder '{out}' exists and is not a folder")
         if any(out.iterdir()) and _read_marker(out) is None:
-            raise FileExistsError(f"'{out}' is not empty and was not built by build_tiny_model; refusing to overwrite it")
+            raise FileExistsError(
+                f"'{out}' is not empty and was not built by build_tiny_model; refusing to overwrite it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

@@ -206,7 +206,8 @@ class RolloutEngineContract(KitBase):
 
     def test_empty_prompt_is_refused(self, backend_name: str, rollout: Any, kit_models: KitModels) -> None:
         p = kit_models.prompts
-        self._expect_row_error(backend_name, EMPTY_PROMPT, rollout, prompt_batch([p[0], [], p[1]], kit_models.pad_id), 1)
+        with_empty = prompt_batch([p[0], [], p[1]], kit_models.pad_id)
+        self._expect_row_error(backend_name, EMPTY_PROMPT, rollout, with_empty, 1)
 
     def test_prompt_over_the_context_is_refused(self, backend_name: str, rollout: Any, kit_models: KitModels
                                                 ) -> None:

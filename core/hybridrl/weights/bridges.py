@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from hybridrl import hookimpl
 
@@ -55,11 +55,6 @@ def _views_in_place(trainer: "TrainEngine", rollout: "RolloutEngine") -> bool:
     """Both sides of the contract's defaults say no; an engine that hands views (or copies straight in) says
     so at the time of the sync (the vLLM importer only once its copy plan is learnt)."""
     return trainer.transient_export_holds_views() and rollout.imports_without_staging()
-
-
-class Bridge(Protocol):
-    def sync(self, trainer: "WorkerGroup", trainer_role: str, rollout: "WorkerGroup", rollout_role: str,
-             bucket_bytes: int) -> dict[str, float]: ...
 
 
 class InProcessBridge:

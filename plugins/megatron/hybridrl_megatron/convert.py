@@ -33,7 +33,7 @@ import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -439,9 +439,3 @@ def save_mcore_as_hf(mcore_state: Mapping[str, torch.Tensor], spec: ModelSpec, o
     """A full Megatron state dict -> an HF checkpoint folder."""
     return write_hf_checkpoint(out_dir, mcore_to_hf(mcore_state, spec).items(), source_dir)
 
-
-def iter_hf_parts(mcore_items: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full Megatron tensors -> HF (name, tensor) pairs, lazily."""
-    for name, tensor in mcore_items:
-        yield from from_mcore(name, tensor, spec)

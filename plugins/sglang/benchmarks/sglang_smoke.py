@@ -359,7 +359,8 @@ def main() -> int:
         tokens, logps, _ = engine_greedy()
         out = {"released_on_sleep": released, "free_gb_asleep": round(free_asleep / 2**30, 2),
                "buckets": len(buckets), "gb": round(nbytes / 2**30, 3), "sync_s": round(sync_s, 4),
-               "gb_per_s": round(nbytes / 2**30 / sync_s, 1), "zero_copy_buckets": e.import_counters["shared"] - shared0,
+               "gb_per_s": round(nbytes / 2**30 / sync_s, 1),
+               "zero_copy_buckets": e.import_counters["shared"] - shared0,
                "wake_s": w}
         out.update(compare_greedy(ctx["hf"], tokens, logps, ctx["prompts"], args.width))
         return out

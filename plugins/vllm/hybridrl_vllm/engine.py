@@ -95,7 +95,8 @@ class _RandomState:
     def __enter__(self) -> "_RandomState":
         self.py = random.getstate()
         self.torch = torch.random.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.cuda = torch.cuda.get_rng_state_all() if cuda else None
         try:
             import numpy as np
 
@@ -151,7 +152,8 @@ class VLLMRollout(RolloutEngine):
         self.context_length = compat.context_length(self.llm)
         self.weight_load = resolve_weight_load(self.opts.weight_load, self.device, compat.quantized(self.llm))
         # The layerwise reload processes the tied output head only when it receives the matrix by its own name.
-        self.aliases = tied_aliases(hf_config, ctx.options.get("tied_weights")) if self.weight_load == "layerwise" else {}
+        layerwise = self.weight_load == "layerwise"
+        self.aliases = tied_aliases(hf_config, ctx.options.get("tied_weights")) if layerwise else {}
         self.flat_logprobs = compat.supports_flat_logprobs()
         self.can_sleep = compat.sleep_supported(self.device) and bool(kwargs.get("enable_sleep_mode"))
         self.seed_mode = resolve_seed_mode(self.opts.seed_mode, self.device)

@@ -38,7 +38,7 @@ from typing import Any, Mapping
 from hybridrl.rollout.common import ENGINE_OPTION_CASTS, check_choice, check_engine_options, read_choices, read_options
 
 from hybridrl_vllm.sampling import SEED_MODES
-from hybridrl_vllm.sleep import KV_ONLY, LEVELS
+from hybridrl_vllm.sleep import LEVELS
 
 WEIGHT_LOADS = ("auto", "direct", "layerwise")
 #: how ``from_options`` reads each typed key (an unset or ``None`` key keeps the field's default).
