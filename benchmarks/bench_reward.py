@@ -78,7 +78,8 @@ def micro(reps: int, work_ms: float) -> dict[str, float]:
     busy_items = items[:64]
     out["busy_items"] = float(len(busy_items))
     out["busy_work_ms"] = work_ms
-    for name, spec, batch, batch_reps in (("reverse", cheap, items, reps), ("busy", busy, busy_items, max(3, reps // 10))):
+    cases = (("reverse", cheap, items, reps), ("busy", busy, busy_items, max(3, reps // 10)))
+    for name, spec, batch, batch_reps in cases:
         out[f"{name}_inline_s"] = time_runner(InlineRunner(spec), batch, batch_reps)
         for workers in (1, 2):
             start = time.perf_counter()
@@ -137,10 +138,12 @@ def main() -> None:
     result: dict[str, Any] = {"cpus": os.cpu_count(), "load_avg_1m_start": os.getloadavg()[0]}
     result["micro"] = micro(args.reps, args.work_ms)
     m = result["micro"]
-    print(f"one quick-start batch ({int(m['items'])} responses, reverse reward): inline {1e3 * m['reverse_inline_s']:.2f} ms, "
+    print(f"one quick-start batch ({int(m['items'])} responses, reverse reward): "
+          f"inline {1e3 * m['reverse_inline_s']:.2f} ms, "
           f"pool 1 worker {1e3 * m['reverse_pool_1w_s']:.2f} ms, 2 workers {1e3 * m['reverse_pool_2w_s']:.2f} ms "
           f"(pool start {m['pool_start_2w_s']:.2f} s)")
-    print(f"{int(m['busy_items'])} responses at {m['busy_work_ms']:g} ms each: inline {1e3 * m['busy_inline_s']:.1f} ms, "
+    print(f"{int(m['busy_items'])} responses at {m['busy_work_ms']:g} ms each: "
+          f"inline {1e3 * m['busy_inline_s']:.1f} ms, "
           f"pool 1 worker {1e3 * m['busy_pool_1w_s']:.1f} ms, 2 workers {1e3 * m['busy_pool_2w_s']:.1f} ms")
     if not args.skip_train:
         result["train"] = train(args.steps, args.skip)

@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="the actor of a checkpoint as a Hugging Face model folder")
     export.add_argument("run", help="the run folder (trainer.out) or one checkpoint folder (checkpoints/step_N)")
     export.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
-    export.add_argument("--out", required=True, help="the folder to write: new or empty (or a previous export, with --force)")
+    export.add_argument("--out", required=True,
+                        help="the folder to write: new or empty (or a previous export, with --force)")
     export.add_argument("--force", action="store_true", help="replace --out when it holds a previous export")
     export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the saved weights (default: the run's model.dtype)")

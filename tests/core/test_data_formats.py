@@ -92,7 +92,8 @@ def test_other_layouts_through_field_mapping(tmp_path, qwen2):
     ([{"prompt": "a", "label": 1}, {"prompt": "b"}], {"answer_key": "label"},
      r"d\.parquet, row 2: 'label' is null \(data\.answer_key\)"),
     ([{"prompt": "a", "reward_model": {"style": "rule"}}], {"answer_key": "reward_model.ground_truth"},
-     r"d\.parquet, row 1: no 'reward_model\.ground_truth' field \(data\.answer_key\); fields: \['prompt', 'reward_model'\]"),
+     r"d\.parquet, row 1: no 'reward_model\.ground_truth' field \(data\.answer_key\); "
+     r"fields: \['prompt', 'reward_model'\]"),
     ([{"prompt": "a", "data_source": 3}], {},
      r"d\.parquet, row 1: 'data_source' must be a string \(data\.data_source_key\), got int"),
     ([{"x": {"q": "a"}}, {"x": {"r": "b"}}], {"prompt_key": "x.q"},
@@ -109,7 +110,8 @@ def test_field_errors_name_file_row_and_field(tmp_path, rows, cfg, match):
 # --- rewards against the data, in the pre-flight -----------------------------------------------------
 
 def problems(tmp_path, overrides):
-    cfg = load_config(QUICKSTART, [f"trainer.out={tmp_path / 'run'}", f"model.tiny.tokenizer={FIXTURES / 'qwen2_tokenizer'}",
+    cfg = load_config(QUICKSTART, [f"trainer.out={tmp_path / 'run'}",
+                                   f"model.tiny.tokenizer={FIXTURES / 'qwen2_tokenizer'}",
                                    "data.max_prompt_len=120", "roles.rollout.max_new_tokens=4", *overrides])
     with pytest.raises(ConfigError) as err:
         prepare_run(cfg, get_registry(), ClusterSpec(1, 2, "cpu"))
@@ -125,7 +127,8 @@ def test_a_source_without_a_reward_is_found(tmp_path):
 
 def test_rows_without_a_reference_are_found(tmp_path):
     found = problems(tmp_path, [f"data.train={FIXTURES / 'verl_gsm8k_train.parquet'}",
-                                f"data.val={FIXTURES / 'trl_math_train.jsonl'}", "data.answer_key=reward_model.ground_truth",
+                                f"data.val={FIXTURES / 'trl_math_train.jsonl'}",
+                                "data.answer_key=reward_model.ground_truth",
                                 "roles.reward.fn=gsm8k"])
     assert "data.val" in found and "no 'reward_model.ground_truth' field (data.answer_key)" in found["data.val"]
 

@@ -11,5 +11,6 @@ def folder_state(root: Path) -> dict[str, tuple[int, str]]:
     state = {}
     for path in sorted(root.rglob("*")):
         if path.is_file():
-            state[path.relative_to(root).as_posix()] = (path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest())
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            state[path.relative_to(root).as_posix()] = (path.stat().st_size, digest)
     return state

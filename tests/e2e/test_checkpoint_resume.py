@@ -121,7 +121,8 @@ def test_periodic_saves_keep_the_newest(full_run) -> None:
     root = checkpoints_root(full_run["out"])
     assert sorted(p.name for p in root.iterdir()) == [LATEST, "step_000004"]
     assert latest_checkpoint(full_run["out"]) == root / "step_000004" and is_complete(root / "step_000004")
-    assert sorted(p.name for p in (root / "step_000004").iterdir()) == ["actor", "critic", "driver.json", "driver.pt", "manifest.json"]
+    assert sorted(p.name for p in (root / "step_000004").iterdir()) == ["actor", "critic", "driver.json", "driver.pt",
+                                                                       "manifest.json"]
 
 
 def test_export_loads_in_transformers_with_the_actors_logits(full_run, tmp_path) -> None:

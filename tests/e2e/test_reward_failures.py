@@ -17,7 +17,8 @@ QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 
 @pytest.mark.parametrize("runner", ["process"])
 def test_a_reward_failing_after_the_probe_stops_the_run_with_its_key(tmp_path, runner):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "core"), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(ROOT / "tests" / "core"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", str(QUICKSTART), "trainer.steps=3",
                            f"trainer.out={tmp_path / 'run'}", "data.prompts_per_step=4", "algorithm.n_samples=4",
                            "roles.reward.fn=_reward_helpers:late_failure", f"roles.reward.runner={runner}",

@@ -264,7 +264,8 @@ def damage(folder: Path, checksums: bool = True) -> str | None:
         try:
             load_driver_state(folder)
         except Exception as exc:  # noqa: BLE001 - whatever unpickling raises, the checkpoint is unusable
-            return f"{DRIVER_STATE} does not load ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            return f"{DRIVER_STATE} does not load ({type(exc).__name__}: {first_line})"
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{MANIFEST} does not parse ({exc})"

@@ -64,7 +64,8 @@ def model_folder_problems(key: str, path: Path, tokenizer: bool) -> Problems:
             problems.append((key, f"'{path}' lacks {len(missing)} of the {len(shards)} weight files {index.name} lists "
                                   f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})"))
     if not any(next(path.glob(g), None) for g in WEIGHT_GLOBS):
-        problems.append((key, f"'{path}' holds no weights (no *.safetensors or pytorch_model*.bin next to its config.json)"))
+        problems.append((key, f"'{path}' holds no weights "
+                              "(no *.safetensors or pytorch_model*.bin next to its config.json)"))
     if tokenizer and not any(next(path.glob(g), None) for g in TOKENIZER_GLOBS):
         problems.append((key, f"'{path}' holds no tokenizer (none of {', '.join(TOKENIZER_GLOBS)}); copy the "
                               "tokenizer files of the model it was trained from into it"))

@@ -77,7 +77,8 @@ def shape_problems(folder: Path, saved: dict[str, dict[str, Any]], current: dict
         then = saved.get(role)
         if then is None or then["shapes"] == now["shapes"]:
             continue
-        keys = sorted(k for k in set(then["config"]) | set(now["config"]) if then["config"].get(k) != now["config"].get(k))
+        keys = sorted(k for k in set(then["config"]) | set(now["config"])
+                      if then["config"].get(k) != now["config"].get(k))
         if keys:
             diff = ", ".join(f"{k} {then['config'].get(k)} there, {now['config'].get(k)} here" for k in keys[:6])
         else:

@@ -39,8 +39,9 @@ def softmax_stats(logits, row_stride, labels, lse_out, logp_out, entropy_out, in
 
 
 @triton.jit
-def softmax_grad(logits, row_stride, labels, lse_in, entropy_in, grad_lp_in, grad_ent_in, inv_temp, N_COLS: tl.constexpr,
-                 HAS_GRAD_LOG_PROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
+def softmax_grad(logits, row_stride, labels, lse_in, entropy_in, grad_lp_in, grad_ent_in, inv_temp,
+                 N_COLS: tl.constexpr, HAS_GRAD_LOG_PROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+                 BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * row_stride
     lanes = tl.arange(0, BLOCK)
