@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One measurement on the GPU host, after the engine's wheels were unpacked into SITE (see benchmarks/gpu/README.md).
-#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | install | megatron | grpo | micro | reshard-profile | gpu-tests | sglang-tests
+#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | install | megatron | grpo | model-sizes | micro | reshard-profile | gpu-tests | sglang-tests
 # Figures and logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 site=$1 step=$2; shift 2
@@ -19,11 +19,13 @@ case $step in
   grpo) backend=${1:-vllm}; shift
         python3 benchmarks/grpo_step.py --backend "$backend" --log "$OUT/grpo_$backend.log" \
           --out "$OUT/grpo_step_$backend${TAG:-}.json" "$@" ;;
+  model-sizes)  # issue 20: the workload at 0.5B/1.5B/3B/7B with the README defaults (or --variant tuned)
+        python3 benchmarks/model_sizes.py --out-dir "$OUT" --log-dir "$OUT" "$@" ;;
   install) ;;  # only the editable installs above (do it once before running steps side by side)
   micro) python3 benchmarks/vllm_rollout.py --parts micro --out "$OUT/${TAG:-vllm}_rollout.json" --log-dir "$OUT/${TAG:-vllm}" "$@" ;;
   reshard-profile) python3 benchmarks/reshard_profile.py --out "$OUT/reshard_profile${TAG:-}.json" "$@" ;;
   gpu-tests) python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/vllm/test_copy_plan.py tests/fsdp/test_fsdp_cuda.py \
-          "$@" 2>&1 | tee "$OUT/gpu_tests.log" ;;
+          tests/e2e/test_out_of_memory.py "$@" 2>&1 | tee "$OUT/gpu_tests.log" ;;
   sglang-tests)  # one pytest per file: a run cut short by the device's time still reports the first file's failures
           for f in tests/sglang/test_sglang_engine.py tests/sglang/test_sglang_kit.py; do
             python3 -m pytest -q -s -p no:cacheprovider -rfE "$f" "$@"

@@ -25,37 +25,55 @@ def parse_cluster(text: str, device: str) -> ClusterSpec:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """The device map, the auto choices and the memory per device. Needs no engine installed: a backend whose
+    engine is missing here is a warning (``hybridrl train`` refuses it)."""
+    from hybridrl.placement.plan import engine_warnings
     from hybridrl.runtime.cluster import detect_cluster
-    from hybridrl.run.preflight import check_config
+    from hybridrl.run.preflight import check_config, with_algorithm_roles
 
     cfg = load_config(args.config, args.overrides)
+    registry = _registry(cfg)
     cluster = parse_cluster(args.cluster, args.device) if args.cluster else detect_cluster(cfg.cluster)
-    _, plan, problems = check_config(cfg, _registry(cfg), cluster, check_engines=not args.skip_engine_check)
+    backends, plan, problems = check_config(cfg, registry, cluster, check_engines=False)
     if problems:
         raise ConfigError(problems)
     assert plan is not None
+    run_cfg, notes = with_algorithm_roles(cfg, registry)
+    auto_notes = _plan_memory(args, run_cfg, plan, registry, backends)
     print(plan.render())
-    print(_memory_table(args, cfg, plan))
+    for note in notes + auto_notes:
+        print(f"note: {note}")
+    if not args.skip_engine_check:
+        for warning in engine_warnings(backends):
+            print(f"WARNING: {warning}")
     return 0
 
 
-def _memory_table(args: argparse.Namespace, cfg: RunConfig, plan) -> str:
-    """The memory estimate per device, or why there is none (it never fails the plan)."""
+def _plan_memory(args: argparse.Namespace, cfg: RunConfig, plan, registry, backends) -> list[str]:
+    """Resolve the auto settings against the declared device and put the memory table into the plan (or why
+    there is none: it never fails the plan). Returns the auto choices as notes."""
     from pathlib import Path
 
-    from hybridrl.placement.memory import (MemoryEstimateError, device_memory_bytes, estimate_memory, model_shape,
-                                 model_shapes_by_role, render_memory)
+    from hybridrl.placement.auto import resolve_auto
+    from hybridrl.placement.memory import (MemoryEstimateError, device_memory_bytes, model_shape, model_shapes_by_role,
+                                           render_memory)
 
     here = Path(args.config).resolve().parent
     bases = (here, here.parent)  # model.path relative to the config's folder, or to the project holding it
+    declared = args.device_memory if args.device_memory is not None else cfg.cluster.device_memory_gb
+    device_bytes = device_memory_bytes(plan.cluster.device, declared)
+    names = {role: entry.name for role, entry in backends.items()}
     try:
         shape, source = model_shape(cfg, args.model_config, bases)
     except MemoryEstimateError as exc:
-        return f"memory estimate: skipped ({exc})"
-    declared = args.device_memory if args.device_memory is not None else cfg.cluster.device_memory_gb
-    estimate = estimate_memory(cfg, plan, shape, device_memory_bytes(plan.cluster.device, declared), source,
-                               model_shapes_by_role(cfg, bases))
-    return render_memory(estimate)
+        auto = resolve_auto(cfg, plan, registry, names, None, device_bytes)
+        plan.memory_table = f"memory estimate: skipped ({exc})"
+        return auto.notes()
+    auto = resolve_auto(cfg, plan, registry, names, shape, device_bytes, source, model_shapes_by_role(cfg, bases))
+    if auto.problems:
+        raise ConfigError(auto.problems)
+    plan.memory_table = render_memory(auto.estimate) if auto.estimate is not None else None
+    return auto.notes()
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -77,6 +95,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybridrl.run.faults import BadStepsError, WorkerDiedError
     from hybridrl.rewards.calling import RewardError
     from hybridrl.run.preflight import prepare_run
+    from hybridrl.run.oom import OutOfMemoryStop, memory_stop
     from hybridrl.run.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
@@ -85,8 +104,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         trainer.start()
         history = trainer.fit()
-    except (WorkerDiedError, BadStepsError, CheckpointError, RewardError) as exc:
+    except (WorkerDiedError, BadStepsError, CheckpointError, RewardError, OutOfMemoryStop) as exc:
         print(f"hybridrl: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # out of memory while the engines start (the training loop's guard is not up yet)
+        stop = memory_stop(exc, setup.plan, None, trainer.checkpointer.last_checkpoint_message())
+        if stop is None:
+            raise
+        print(f"hybridrl: {stop}", file=sys.stderr)
         return 1
     finally:
         trainer.shutdown()
@@ -145,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cluster", help="declare the cluster as NODESxDEVICES (e.g. 2x8) instead of detecting it")
     plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="device kind of --cluster")
     plan.add_argument("--skip-engine-check", action="store_true",
-                      help="plan for backends whose engines are not installed here")
+                      help="no warning for backends whose engines are not installed here")
     plan.add_argument("--device-memory", type=float, metavar="GIB",
                       help="memory of one device in GiB for the estimate "
                            "(default: cluster.device_memory_gb, else 80 on cuda)")

@@ -35,6 +35,19 @@ def engine_device(ctx: EngineContext) -> torch.device:
     return torch.device("cpu")
 
 
+def release_cached_device_memory(collect: bool = False) -> None:
+    """Give the CUDA caching allocator's free blocks back to the device: a colocated rollout calls it before it
+    maps its weights and KV cache back, since the trainers of the same process leave the activations and
+    logits of their phases cached there. ``collect`` first runs the garbage collector, for tensors only a
+    reference cycle still holds (a traceback, a closure). Nothing happens without an initialised CUDA."""
+    if collect:
+        import gc
+
+        gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def sampling_temperature(batch: Batch) -> float | None:
     """The rollout's sampling temperature, if it rescaled the logits (None/0 = greedy or unscaled)."""
     value = batch.info.get("temperature")

@@ -24,7 +24,9 @@ def test_quickstart_with_tensor_parallel_megatron(tmp_path: Path) -> None:
                            "roles.actor.backend=megatron", "roles.ref.backend=megatron",
                            "roles.actor.options.tensor_parallel=2", "pools.main.devices_per_node=2",
                            "trainer.steps=3", f"trainer.out={out}", "trainer.progress=false",
-                           "trainer.trackers=[jsonl]"], capture_output=True, text=True, cwd=ROOT, timeout=900)
+                           "trainer.trackers=[jsonl]",
+                           "roles.rollout.log_probs=true"],  # rollout/logp_diff reads them (auto: off without TIS)
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "actor[megatron] rank 1/2, ref[megatron] rank 1/2, rollout[hf] rank 1/2" in proc.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -486,6 +486,7 @@ def fake_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(compat, "version", lambda: compat.Version("0.5.16"))
     monkeypatch.setattr(compat, "start_engine", lambda kwargs, devices: started.append((kwargs, devices)) or fake)
     monkeypatch.setattr(compat, "current_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(compat, "device_memory", lambda: (100 * 2**30, 140 * 2**30))  # (free, total) of a GPU
     monkeypatch.setattr(compat, "synchronize", lambda: None)
     monkeypatch.setattr(compat, "ipc_collect", lambda: None)
     monkeypatch.setattr(compat, "supports_flattened_bucket", lambda: True)
@@ -662,3 +663,35 @@ def test_engine_close_shuts_sglang_down(fake_engine):
     engine.close()
     engine.close()
     assert fake_engine["fake"].calls == [("shutdown",)]
+
+
+# --- gpu_memory_utilization: auto (hybridrl.rollout.kv_budget) ------------------------------------------
+from hybridrl.rollout.kv_budget import KVCacheTooSmall, KVDemand  # noqa: E402
+
+GIB = 2**30
+
+def test_sglang_auto_fraction_makes_the_pool_the_target():
+    from hybridrl_sglang.options import LOAD_EXTRA_BYTES, SCHEDULER_START_BYTES, SGLangOptions, auto_fraction, \
+        engine_kwargs
+
+    assert SGLangOptions.from_options({}).gpu_memory_utilization == "auto"
+    demand = KVDemand(512, 384, 28672)  # 1.5B
+    free, weights = 100 * GIB, 3 * GIB
+    memory = auto_fraction(free, weights, overhead_bytes=3 * GIB, bytes_per_token=28672, demand=demand)
+    pre = free - SCHEDULER_START_BYTES
+    # SGLang 0.5.16: pool = (pre - weights - what loading adds) - pre x (1 - fraction) >= the target; the cap trims it
+    pool = (pre - weights - LOAD_EXTRA_BYTES) - pre * (1 - memory.fraction)
+    assert pool >= demand.target_bytes
+    assert memory.max_total_tokens == demand.target_bytes // 28672 >= demand.tokens
+    # what SGLang leaves outside its static share covers its graphs and activations
+    assert pre * (1 - memory.fraction) >= 3 * GIB
+    kwargs = engine_kwargs(SGLangOptions.from_options({}), model_path="/m", dtype="bfloat16", seed=0, memory=memory)
+    assert kwargs["mem_fraction_static"] == memory.fraction and kwargs["max_total_tokens"] == memory.max_total_tokens
+
+
+def test_sglang_numeric_fraction_must_hold_the_weights():
+    from hybridrl_sglang.options import check_fraction
+
+    check_fraction(0.5, free_bytes=60 * GIB, weights_bytes=15 * GIB)
+    with pytest.raises(KVCacheTooSmall, match="gpu_memory_utilization=0.2 gives SGLang"):
+        check_fraction(0.2, free_bytes=60 * GIB, weights_bytes=15 * GIB)

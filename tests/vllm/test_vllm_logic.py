@@ -287,3 +287,39 @@ def test_tied_embedding_is_sent_under_the_head_name_too():
     assert with_aliases(both, aliases) == both
     assert tied_aliases(SimpleNamespace(tie_word_embeddings=False)) == {}
     assert with_aliases([("a", q)], {}) == [("a", q)]
+
+
+# --- gpu_memory_utilization: auto (hybridrl.rollout.kv_budget) ------------------------------------------
+from hybridrl.rollout.kv_budget import KVCacheTooSmall, KVDemand  # noqa: E402
+
+GIB = 2**30
+
+def test_vllm_auto_passes_the_cache_and_a_share_of_what_is_free():
+    from hybridrl_vllm.options import START_SLACK_BYTES, VLLMOptions, llm_kwargs, start_memory
+
+    opts = VLLMOptions.from_options({})
+    assert opts.gpu_memory_utilization == "auto" and opts.auto_memory
+    demand = KVDemand(512, 384, 24576)
+    free, total = 120 * GIB, 140 * GIB
+    memory = start_memory(opts, free, total, weights_bytes=GIB, overhead_bytes=2 * GIB, demand=demand)
+    assert memory.kv_cache_bytes == demand.target_bytes
+    # vLLM 0.26 refuses to start unless free >= total x share; with kv_cache_memory_bytes the share does nothing else
+    assert memory.utilization * total <= free - START_SLACK_BYTES + 1
+    kwargs = llm_kwargs(opts, model_path="/m", dtype="bfloat16", device="cuda", seed=0, distributed=False,
+                        logprobs_kwargs={}, memory=memory)
+    assert kwargs["kv_cache_memory_bytes"] == demand.target_bytes
+    assert kwargs["gpu_memory_utilization"] == memory.utilization
+
+
+def test_vllm_numeric_share_must_be_free_at_start():
+    from hybridrl_vllm.options import VLLMOptions, start_memory
+
+    opts = VLLMOptions.from_options({"gpu_memory_utilization": 0.9})
+    ok = start_memory(opts, free_bytes=130 * GIB, total_bytes=140 * GIB, weights_bytes=GIB, overhead_bytes=GIB,
+                      demand=None)
+    assert ok.utilization == 0.9 and ok.kv_cache_bytes is None  # vLLM sizes it from the share
+    with pytest.raises(KVCacheTooSmall, match=r"gpu_memory_utilization=0.9 asks vLLM for 126.0 GiB .* at most 0.78"):
+        start_memory(opts, free_bytes=110 * GIB, total_bytes=140 * GIB, weights_bytes=GIB, overhead_bytes=GIB,
+                     demand=None)
+
+

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.vllm
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 # a large learning rate moves every weight each step, so a rollout that missed part of a sync would show
 SMALL = ["trainer.steps=3", "data.prompts_per_step=4", "algorithm.n_samples=4", "trainer.progress=false",
-         "trainer.trackers=[jsonl]", "roles.actor.lr=1e-2", "roles.rollout.backend=vllm", "trainer.sync_check_every=1"]
+         "trainer.trackers=[jsonl]", "roles.actor.lr=1e-2", "roles.rollout.backend=vllm", "trainer.sync_check_every=1",
+         "roles.rollout.log_probs=true"]  # rollout/logp_diff reads them (auto: off without TIS)
 LAYOUTS = {
     "colocated": ([], "InProcessBridge"),
     # two ranks, one engine over both (tensor parallel, vLLM joining the pool's gloo group)

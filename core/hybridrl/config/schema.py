@@ -195,8 +195,10 @@ class RolloutConfig(RoleBase):
     min_new_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     tensor_parallel: int = Field(1, gt=0)
-    log_probs: bool = Field(True, description="the engine returns the sampled tokens' log-probs (diagnostics, "
-                                                "off-policy corrections); false saves their cost in generation")
+    log_probs: bool | Literal["auto"] = Field(
+        "auto", description="the engine returns the sampled tokens' log-probs; auto: only when something reads them "
+                            "(truncated importance sampling, a component that declares it needs them), since they "
+                            "cost the engine a log-softmax per sampled token; true also logs rollout/logp_diff")
     bucket_mb: float = Field(64.0, gt=0)
     weight_transport: Literal["auto", "in_process", "broadcast", "object_store"] = Field(
         "auto", description="how actor weights reach the rollout; auto follows the placement")
@@ -332,6 +334,9 @@ class RunConfig(Strict):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     plugins: list[str] = Field(default_factory=list, description="extra plugin modules to load")
+    auto: dict[str, Any] = Field(default_factory=dict, description="written by the pre-flight: what each auto setting "
+                                                                   "resolved to and why, and the planned memory per "
+                                                                   "phase (a value given here is replaced)")
 
     def role_configs(self) -> dict[str, RoleBase]:
         """The enabled roles that run on a pool (the reward role only when it has a model: rule rewards run

@@ -8,6 +8,7 @@ into one process per device, and a device may hold at most ``cluster.max_colocat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridrl.config import ConfigError, RunConfig
 from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError
@@ -71,6 +72,8 @@ class PlacementPlan:
     groups: list[ProcessGroupPlan]
     role_pool: dict[str, str] = field(default_factory=dict)
     pipelined_staleness: int | None = None  # trainer.max_staleness when trainer.pipelined, else None
+    memory_table: str | None = None  # the memory estimate (placement.memory.render_memory), printed with the map
+    memory: Any = None  # that estimate (placement.memory.MemoryEstimate): an out-of-memory answer quotes it
 
     def group_of(self, role: str) -> ProcessGroupPlan:
         for group in self.groups:
@@ -137,6 +140,8 @@ class PlacementPlan:
         if self.pipelined_staleness is not None and "rollout" in self.role_pool:
             lines.append(f"pipelined: pool '{self.role_pool['rollout']}' generates step k+1 while step k trains "
                          f"(batches at most {self.pipelined_staleness} update(s) stale)")
+        if self.memory_table:
+            lines.append(self.memory_table)
         return "\n".join(lines)
 
 
@@ -159,6 +164,18 @@ def resolve_backends(cfg: RunConfig, registry: Registry, check_engines: bool = T
             problems.append((f"roles.{role}.backend", f"backend '{name}' from {entry.plugin} is {problem}"))
         entries[role] = entry
     return entries, problems
+
+
+def engine_warnings(backends: dict[str, BackendEntry]) -> list[str]:
+    """Backends whose engine is not installed here: a plan needs only the registry's metadata (a laptop plans for
+    a GPU cluster), a training run refuses them (``resolve_backends``)."""
+    out = []
+    for role, entry in backends.items():
+        problem = entry.engine_problem()
+        if problem:
+            out.append(f"roles.{role}.backend: backend '{entry.name}' from {entry.plugin} is {problem}; the plan "
+                       "does not need it, hybridrl train on this machine would refuse it")
+    return out
 
 
 def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, BackendEntry]) -> PlacementPlan:

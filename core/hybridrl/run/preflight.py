@@ -39,6 +39,7 @@ class RunSetup:
     resume_from: Path | None = None  # the checkpoint pre-flight verified and fitted to this run (None: a new run)
     model_signatures: dict[str, Any] = field(default_factory=dict)  # trained role -> model shape (hybridrl.run.compat)
     val_prompts: list[Any] | None = None  # tokenised validation prompts (data.val)
+    memory: Any = None  # the plan's memory estimate with the auto choices (placement.memory.MemoryEstimate)
 
 
 def with_algorithm_roles(cfg: RunConfig, registry: Registry) -> tuple[RunConfig, list[str]]:
@@ -254,9 +255,14 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
     signatures = run_checks.model_signatures(run_cfg, list(trained))
     if folder.resume_from is not None and signatures is not None and prompts is not None:
         problems += run_checks.resume_fit_problems(folder.resume_from, trained, signatures, len(prompts))
+    auto = resolve_run_auto(run_cfg, plan, registry, backends) if plan is not None else None
+    if auto is not None:
+        problems += auto.problems
     if problems:
         raise ConfigError(problems)
-    assert plan is not None and prompts is not None
+    assert plan is not None and prompts is not None and auto is not None
+    run_cfg = auto.cfg
+    notes = notes + auto.notes()
     # --- every check has passed: from here on the run writes into trainer.out ---
     notes = folder.notes + notes
     if folder.move_aside:
@@ -267,4 +273,32 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
     return RunSetup(run_cfg, registry, backends, plan, model_path, tokenizer, list(prompts), rules,
                     prompts.dropped, role_model_paths(run_cfg), notes, resume_from=folder.resume_from,
                     model_signatures=signatures or {},
-                    val_prompts=list(val_prompts) if val_prompts is not None else None)
+                    val_prompts=list(val_prompts) if val_prompts is not None else None, memory=auto.estimate)
+
+
+def resolve_run_auto(cfg: RunConfig, plan: PlacementPlan, registry: Registry, backends: dict[str, BackendEntry],
+                     declared_memory_gib: float | None = None):
+    """The run's ``auto`` settings (``hybridrl.placement.auto``), planned against this machine's device memory
+    (``cluster.device_memory_gb`` when declared); the memory table is added to the printed device map, and the
+    estimate kept with the plan (an out-of-memory answer quotes it)."""
+    from hybridrl.placement.auto import resolve_auto
+    from hybridrl.placement.memory import (GIB, MemoryEstimateError, device_memory_bytes, local_device_memory_bytes,
+                                           model_shape, model_shapes_by_role, render_memory)
+
+    device = plan.cluster.device
+    declared = declared_memory_gib if declared_memory_gib is not None else cfg.cluster.device_memory_gb
+    device_bytes = device_memory_bytes(device, declared)
+    if declared is None and device == "cuda" and not plan.cluster.declared:
+        device_bytes = local_device_memory_bytes() or device_bytes
+    try:
+        shape, source = model_shape(cfg)
+    except MemoryEstimateError:
+        shape, source = None, ""
+    names = {role: entry.name for role, entry in backends.items()}
+    auto = resolve_auto(cfg, plan, registry, names, shape, device_bytes, source, model_shapes_by_role(cfg))
+    plan.memory = auto.estimate
+    if auto.estimate is not None:
+        plan.memory_table = render_memory(auto.estimate)
+    elif device_bytes is not None:
+        plan.memory_table = f"memory estimate: skipped (no model config; {device_bytes / GIB:.0f} GiB per device)"
+    return auto

@@ -111,6 +111,11 @@ class StepGuard:
             try:
                 yield
             except Exception as exc:
+                from hybridrl.run.oom import memory_stop
+
+                oom = memory_stop(exc, self.plan, step(), self.checkpointer.last_checkpoint_message())
+                if oom is not None:
+                    raise oom from exc
                 if is_worker_death(exc):
                     where = describe_dead_worker(groups, self.plan.cluster.device, exc)
                     raise WorkerDiedError(f"{where} during step {step()}. "

@@ -18,6 +18,7 @@ from hybridrl.weights.bridges import sync_in_process
 from hybridrl.weights.channel import WeightChannel, bucket_specs
 from hybridrl.runtime.distributed import free_port, init_process_group, node_ip
 from hybridrl.engines import DataParallelInfo, EngineContext, RolloutEngine, TrainEngine
+from hybridrl.observe.memory import DeviceMemoryMeter
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.roles import role_spec
 
@@ -32,6 +33,7 @@ class RoleWorker:
         if threads:
             torch.set_num_threads(threads)
         self.engines: dict[str, TrainEngine | RolloutEngine] = {}
+        self.memory = DeviceMemoryMeter(device, rank)  # device peak per phase; OOM -> DeviceOutOfMemory
 
     # --- set-up ---------------------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -50,7 +52,8 @@ class RoleWorker:
         engine_cls = entry.load()
         ctx = EngineContext(role=role, backend=backend, rank=self.rank, world_size=self.world_size,
                             device=self.device, **ctx_fields)
-        self.engines[role] = engine_cls(ctx)
+        with self.memory.watch(role, "build"):
+            self.engines[role] = engine_cls(ctx)
         return self.engines[role].data_parallel()
 
     # --- calls ----------------------------------------------------------------------------------------
@@ -58,13 +61,15 @@ class RoleWorker:
         """``(engine.method(*args, **kwargs), seconds it took)`` in one round trip: the seconds are the model
         compute the driver sets against the phase's wall time (dispatch, serialisation, data handling)."""
         start = time.perf_counter()
-        result = getattr(self.engines[role], method)(*args, **kwargs)
+        with self.memory.watch(role, method):
+            result = getattr(self.engines[role], method)(*args, **kwargs)
         return result, time.perf_counter() - start
 
     # --- weights --------------------------------------------------------------------------------------
     def sync_in_process(self, trainer_role: str, rollout_role: str, bucket_bytes: int) -> dict[str, float]:
         """Colocated bridge: buckets go from the trainer to the rollout inside this process."""
-        return sync_in_process(self.engines[trainer_role], self.engines[rollout_role], bucket_bytes)
+        with self.memory.watch(rollout_role, "reshard"):
+            return sync_in_process(self.engines[trainer_role], self.engines[rollout_role], bucket_bytes)
 
     def export_buckets(self, trainer_role: str, bucket_bytes: int) -> list | None:
         """Split-pool fallback: every rank takes part in the gather; the exporting rank returns the buckets."""
@@ -118,6 +123,10 @@ class RoleWorker:
         if isinstance(engine, TrainEngine):
             return {n: t.detach().cpu().clone() for b in engine.export_weights(1 << 30) for n, t in b}
         return {n: t.detach().cpu().clone() for n, t in engine.named_weights()}
+
+    def memory_report(self) -> dict[str, float]:
+        """The device peak (MiB) of each phase this worker ran since the last report (GPU only)."""
+        return self.memory.report()
 
     def peak_memory_mb(self) -> float:
         if self.device == "cuda":

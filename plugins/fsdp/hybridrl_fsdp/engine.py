@@ -20,6 +20,7 @@ import inspect
 import math
 from pathlib import Path
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -37,11 +38,14 @@ from hybridrl.engine_support import (WeightedMean, check_same_count, engine_devi
 from hybridrl.engines import VALUES, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
 from hybridrl.weights.sync_check import GREEDY_MARGIN, greedy_margins
 from hybridrl.weights.buckets import group_into_buckets
+from hybridrl.placement.memory import OPTIMIZER_GROUP_BYTES
 from hybridrl.roles import role_spec
 
 from hybridrl_fsdp.fused_head import install_log_prob_head
 from hybridrl_fsdp.logprobs import chunked_log_probs
 from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter_rows
+from hybridrl_fsdp.offload import MODES as OFFLOAD_MODES, HostCopy, OffloadPolicy, optimizer_state_tensors, \
+    step_group_by_group
 
 #: the per-micro-batch tensors the LM head can hand to an objective.
 SUPPORTED_OUTPUTS = frozenset({LOG_PROBS, ENTROPY})
@@ -66,6 +70,7 @@ class FSDPSettings:
     max_tokens_per_micro_batch: int | None = None  # token budget per micro-batch (replaces micro_batch)
     head: str = "lm"  # "lm", "value" (critic) or "reward" (reward model)
     fused_lm_head: bool = True  # log-probs/entropies through the fused head (no full logits); False: plain head
+    offload: str = "none"  # what stays in host memory between the role's phases (hybridrl_fsdp.offload)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> "FSDPSettings":
@@ -79,12 +84,15 @@ class FSDPSettings:
             betas=(float(betas[0]), float(betas[1])),
             grad_clip=None if grad_clip is None else float(grad_clip),
             warmup_steps=int(options.get("warmup_steps", cls.warmup_steps)),
-            gradient_checkpointing=bool(options.get("gradient_checkpointing", False)),
+            gradient_checkpointing=_flag(options.get("gradient_checkpointing")),
             attn_implementation=options.get("attn_implementation"),
             max_tokens_per_micro_batch=None if budget is None else int(budget),
             head=str(options.get("head") or role_spec(role).head or "lm"),
             fused_lm_head=bool(options.get("fused_lm_head", cls.fused_lm_head)),
+            offload=_offload_mode(options.get("offload")),
         )
+        if settings.offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload must be one of {('auto', *OFFLOAD_MODES)}, got {settings.offload!r}")
         if settings.head not in HEAD_OUTPUTS:
             raise ValueError(f"unknown head '{settings.head}' (known: {', '.join(HEAD_OUTPUTS)})")
         if settings.max_tokens_per_micro_batch is not None and settings.max_tokens_per_micro_batch <= 0:
@@ -109,6 +117,11 @@ class FSDPEngine(TrainEngine):
         self.master_dtype = torch.float32
         torch.manual_seed(ctx.seed)  # before anything random (seeds CUDA too)
         self.model = _load_model(ctx, self.settings)
+        if not ctx.trainable and self.device.type == "cuda" and ctx.torch_dtype != torch.float32:
+            # a frozen role computes in the compute dtype anyway (mixed precision casts every gather to it):
+            # keeping its shards in it gives the same numbers in half the memory
+            for param in self.model.parameters():
+                param.data = param.data.to(ctx.torch_dtype)
         self._supports_logits_to_keep = (self.head == "lm" and
                                          "logits_to_keep" in inspect.signature(type(self.model).forward).parameters)
         # The fused head needs the model to select the positions it runs on (``logits_to_keep`` as indices).
@@ -118,15 +131,31 @@ class FSDPEngine(TrainEngine):
         _shard_model(self.model, self.mesh, _mixed_precision(ctx, self.device))
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        offload = self.settings.offload
         if ctx.trainable:
             self.optimizer = _build_optimizer(self.model, self.settings)
             self.scheduler = _build_scheduler(self.optimizer, self.settings.warmup_steps)
+            # the moments exist from the start, so what a colocated rollout finds free when it sizes its KV
+            # cache is what the trainer leaves it for the whole run (lazily they would appear at step 1)
+            host_groups = _init_optimizer_state(self.optimizer, offload_groups=offload in ("optimizer", "all"))
+        elif offload == "optimizer":
+            raise ValueError(f"role '{ctx.role}' has no optimizer to offload: offload must be 'none' or 'all'")
+        else:
+            host_groups = None
+        self.offload_policy = OffloadPolicy.build(offload, list(self.model.parameters()), self.optimizer,
+                                                  optimizer_groups=host_groups)
+        #: after which call the weights go back to the host under ``offload: all``: a frozen role's forward,
+        #: the actor's weight export (it follows the update), a critic's update.
+        self._release_after = ("forward" if not ctx.trainable else
+                               "export" if role_spec(ctx.role).reshard == "send" else "update")
+        self.offload_policy.release_weights()
 
     # --- forward ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Batch:
         """Log-probs (and entropies) of the response tokens; 0 at padded response positions."""
         self._require_head("lm", "compute_log_probs")
+        self.offload_policy.ensure_weights()
         temperature = sampling_temperature(batch)
         keys = [LOG_PROBS, ENTROPY] if with_entropy else [LOG_PROBS]
         return self._forward_rows(batch, keys, lambda micro: self._response_outputs(micro, temperature, with_entropy))
@@ -135,6 +164,7 @@ class FSDPEngine(TrainEngine):
     def compute_greedy_margins(self, batch: Batch) -> Batch:
         """See ``TrainEngine.compute_greedy_margins`` (the trainer's sync check)."""
         self._require_head("lm", "compute_greedy_margins")
+        self.offload_policy.ensure_weights()
 
         def margins(micro: Batch) -> dict[str, torch.Tensor]:
             logits, labels, mask = self._micro_response_logits(micro)
@@ -146,17 +176,20 @@ class FSDPEngine(TrainEngine):
     def compute_values(self, batch: Batch) -> Batch:
         """Critic: ``values`` (B, R), the value of the state before each response token; 0 at padding."""
         self._require_head("value", "compute_values")
+        self.offload_policy.ensure_weights()
         return self._forward_rows(batch, [VALUES], lambda micro: {VALUES: self._response_values(micro)})
 
     @torch.no_grad()
     def compute_scores(self, batch: Batch) -> Batch:
         """Reward model: ``scores`` (B,), each prompt+response scored at its last real token."""
         self._require_head("reward", "compute_scores")
+        self.offload_policy.ensure_weights()
         self.model.eval()
         parts = []
         for micro in self._plan(batch):
             ids, mask, pos = (t.to(self.device) for t in sequence_tensors(micro.batch))
             parts.append((micro.index, self.model(ids, mask, pos).float().cpu()))
+        self._after_forward()
         scores = torch.zeros(len(batch), dtype=torch.float32)
         for index, values in parts:
             scores[index] = values
@@ -171,7 +204,16 @@ class FSDPEngine(TrainEngine):
         for micro in self._plan(batch):
             for key, value in forward(micro.batch).items():
                 parts[key].append((micro.index, value.float().cpu()))
+        self._after_forward()
         return Batch.from_tensors({key: scatter_rows(parts[key], len(batch), width) for key in keys})
+
+    def _after_forward(self) -> None:
+        """Free what a forward-only pass leaves behind: the root module's gathered parameters (FSDP2 keeps the
+        root unsharded after a forward, expecting a backward) and, for a frozen role with ``offload: all``, its
+        weights."""
+        self.model.reshard()
+        if self._release_after == "forward":
+            self.offload_policy.release_weights()
 
     def _require_head(self, head: str, method: str) -> None:
         if self.head != head:
@@ -250,6 +292,7 @@ class FSDPEngine(TrainEngine):
         if unsupported:
             raise ValueError(f"FSDPEngine with the '{self.head}' head cannot compute {sorted(unsupported)}; "
                              f"it provides {sorted(provided) or 'nothing to train on'}")
+        self.offload_policy.ensure_weights()
         micro_batches = [m.batch for m in self._plan(batch, check_counts=False)]
         scale = self._loss_scale(batch, len(micro_batches))
         temperature = sampling_temperature(batch)
@@ -273,12 +316,17 @@ class FSDPEngine(TrainEngine):
         grad_norm = self._clip_gradients()
         skipped = not math.isfinite(grad_norm)
         if not skipped:
-            self.optimizer.step()
+            if self.offload_policy.optimizer:
+                step_group_by_group(self.optimizer, self.offload_policy.optimizer_groups)
+            else:
+                self.optimizer.step()
             self.scheduler.step()  # type: ignore[union-attr]
         # A skipped step leaves weights, AdamW moments and the lr schedule untouched (every rank sees the same
         # global norm, so every rank skips together).
         self.optimizer.zero_grad(set_to_none=True)
         (global_loss,) = all_reduce_sum([local_loss], self.ctx.device)
+        if self._release_after == "update":
+            self.offload_policy.release_weights()
         return {**metrics.result(), "loss": global_loss / self.ctx.world_size, "grad_norm": grad_norm, "lr": lr,
                 "skipped_step": float(skipped)}
 
@@ -316,15 +364,26 @@ class FSDPEngine(TrainEngine):
 
         A bucket closes once it holds ``bucket_bytes``; a tensor of at least ``bucket_bytes`` travels alone.
         Tensors stay on the engine's device (the bridge decides where they go)."""
-        return group_into_buckets(self._full_named_tensors(), bucket_bytes)
+        self.offload_policy.ensure_weights()
+        return self._released_at_end(group_into_buckets(self._full_named_tensors(), bucket_bytes))
 
     def export_weights_transient(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """``export_weights`` for an importer that copies at once (colocated, same process): with one rank the
         live fp32 shards themselves (the importer's copy casts them), with several the all-gather runs in the
         compute dtype (half the bytes on the wire). No copy of the model is made."""
+        self.offload_policy.ensure_weights()
         if self.ctx.world_size == 1:
-            return group_into_buckets(self._local_named_tensors(), bucket_bytes)
-        return group_into_buckets(self._gathered_named_tensors(), bucket_bytes)
+            return self._released_at_end(group_into_buckets(self._local_named_tensors(), bucket_bytes))
+        return self._released_at_end(group_into_buckets(self._gathered_named_tensors(), bucket_bytes))
+
+    def _released_at_end(self, buckets: Iterator[WeightBucket]) -> Iterator[WeightBucket]:
+        """``buckets``, and under ``offload: all`` the actor's weights back to the host once the export ran
+        to its end (the sync is the last use of the weights in a step)."""
+        try:
+            yield from buckets
+        finally:
+            if self._release_after == "export":
+                self.offload_policy.release_weights()
 
     def transient_export_holds_views(self) -> bool:
         """One rank: the transient export is the live shards themselves (see ``export_weights_transient``)."""
@@ -351,6 +410,7 @@ class FSDPEngine(TrainEngine):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights on CPU, keyed like ``export_weights`` (a tied ``lm_head.weight`` appears once, as
         ``model.embed_tokens.weight``). Collective."""
+        self.offload_policy.ensure_weights()
         return {name: tensor.cpu() for name, tensor in self._full_named_tensors()}
 
     @torch.no_grad()
@@ -371,7 +431,8 @@ class FSDPEngine(TrainEngine):
 
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        dcp.save(self._dcp_state(), checkpoint_id=str(out / DCP_DIR))
+        with self._state_on_device():
+            dcp.save(self._dcp_state(), checkpoint_id=str(out / DCP_DIR))
         extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                  "rng": _rng_state(), "trainable": self.optimizer is not None}
         torch.save(extra, out / _rank_file(self.ctx.rank))
@@ -394,12 +455,18 @@ class FSDPEngine(TrainEngine):
         src = Path(path)
         if not (src / DCP_DIR).is_dir():
             raise FileNotFoundError(f"no FSDP checkpoint in '{src}' (missing {DCP_DIR}/)")
-        state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(src / DCP_DIR))
-        if self.optimizer is not None:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        else:
-            set_model_state_dict(self.model, state["model"])
+        with self._state_on_device():
+            state = self._dcp_state()
+            dcp.load(state, checkpoint_id=str(src / DCP_DIR))
+            if self.optimizer is not None:
+                set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                               optim_state_dict=state["optim"])
+            else:
+                set_model_state_dict(self.model, state["model"])
+            del state
+            # loading replaces AdamW's state tensors: the host copies must follow the new ones
+            self.offload_policy = OffloadPolicy.build(self.settings.offload, list(self.model.parameters()),
+                                                      self.optimizer)
         rank_file = src / _rank_file(self.ctx.rank)
         if rank_file.is_file():  # absent when resuming on more ranks than were saved: keep the fresh RNG
             extra = torch.load(rank_file, map_location="cpu", weights_only=False)
@@ -409,6 +476,19 @@ class FSDPEngine(TrainEngine):
         dist.barrier()
 
     # --- memory -------------------------------------------------------------------------------------------
+    @contextmanager
+    def _state_on_device(self) -> Iterator[None]:
+        """Everything ``offload`` keeps on the host brought back for the block (checkpoints read and write the
+        live tensors), and put back after it."""
+        self.offload_policy.ensure_weights()
+        self.offload_policy.ensure_optimizer()
+        try:
+            yield
+        finally:
+            if self.offload_policy.optimizer:
+                self.offload_policy.release_optimizer()
+            self.offload_policy.release_weights()
+
     def offload(self) -> None:
         """Move parameter shards, gradients and AdamW state to host memory (CUDA only).
 
@@ -416,6 +496,9 @@ class FSDPEngine(TrainEngine):
         would only copy them; it is a no-op."""
         if self.device.type != "cuda":
             return
+        self.offload_policy.ensure_weights()  # the whole-engine move below takes over from options.offload
+        self.offload_policy.ensure_optimizer()
+        self.offload_policy = OffloadPolicy("none")
         self.model.to("cpu")  # FSDP2 reshards first and swaps the DTensor shards in place (params keep identity)
         _move_optimizer_state(self.optimizer, torch.device("cpu"))
         torch.cuda.synchronize()
@@ -481,8 +564,50 @@ def _shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPo
 
 
 def _build_optimizer(model: nn.Module, settings: FSDPSettings) -> torch.optim.Optimizer:
+    """AdamW over param groups of at most ``OPTIMIZER_GROUP_BYTES`` of fp32 parameters each (one group for a
+    model under that size): foreach's temporaries (a copy of a group's second moments) stay within a group,
+    and an offloaded optimizer streams through the device a group at a time. The update of a parameter
+    reads only that parameter's state, so the grouping changes no number."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
+    groups: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        nbytes = _local_numel(p) * 4
+        if groups[-1] and size + nbytes > OPTIMIZER_GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += nbytes
+    return torch.optim.AdamW([{"params": g} for g in groups if g], lr=settings.lr, betas=settings.betas,
+                             weight_decay=settings.weight_decay)
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    local = getattr(param, "_local_tensor", None)
+    return int(local.numel()) if isinstance(local, torch.Tensor) else int(param.numel())
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer, offload_groups: bool) -> list[HostCopy] | None:
+    """AdamW's per-parameter state as its first step would create it (a CPU ``step`` of 0, zero moments shaped
+    like the parameter), created now; with ``offload_groups`` each group's moments go to the host as soon as
+    they exist, so the device never holds more than one group's."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    copies: list[HostCopy] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state:
+                continue
+            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if offload_groups:
+            copies.append(HostCopy(optimizer_state_tensors(optimizer, group)))
+            copies[-1].offload()
+    return copies if offload_groups else None
 
 
 def _build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -495,6 +620,16 @@ def _build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> tor
 
 
 # --- small helpers ----------------------------------------------------------------------------------------
+def _flag(value: Any) -> bool:
+    """A boolean option where ``auto`` (resolved by the pre-flight; unresolved: off) and None mean off."""
+    return value is True or (isinstance(value, str) and value.lower() in ("true", "1", "yes"))
+
+
+def _offload_mode(value: Any) -> str:
+    """``options.offload``: ``auto`` (resolved by the pre-flight; unresolved: nothing) and None mean none."""
+    return "none" if value in (None, "auto") else str(value)
+
+
 def _all_reduce_max(value: int, device: str) -> int:
     """The largest ``value`` over the ranks (identity without a process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

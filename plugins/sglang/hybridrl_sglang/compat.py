@@ -123,6 +123,20 @@ def context_length(engine: Any) -> int | None:
     return int(value) if value else None
 
 
+def device_memory() -> tuple[int, int]:
+    """(free, total) bytes of this process's GPU, all processes counted (the schedulers' too)."""
+    free, total = torch.cuda.mem_get_info()
+    return int(free), int(total)
+
+
+def pool_tokens(engine: Any) -> int | None:
+    """Tokens the engine's KV pool holds (``max_total_num_tokens`` of its first scheduler; None: unknown)."""
+    try:
+        return int(engine._scheduler_init_result.scheduler_infos[0]["max_total_num_tokens"])
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        return None
+
+
 def release(engine: Any, tags: Sequence[str]) -> None:
     if tags:
         engine.release_memory_occupation(tags=list(tags))

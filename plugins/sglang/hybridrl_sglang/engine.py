@@ -25,7 +25,7 @@ from hybridrl.rollout.common import special_ids
 
 from hybridrl_sglang import compat
 from hybridrl_sglang.buckets import flatten
-from hybridrl_sglang.options import SGLangOptions, engine_kwargs
+from hybridrl_sglang.options import PoolMemory, SGLangOptions, auto_fraction, check_fraction, engine_kwargs
 from hybridrl_sglang.packing import (Completion, check_context, ended, pack_responses, parse_output, renormalise,
                                      unpad_prompts)
 from hybridrl_sglang.parallel import ReplicaLayout, engine_devices
@@ -84,15 +84,71 @@ class SGLangRollout(RolloutEngine):
             self.start_seconds = 0.0
             self.context_length = None
             return
+        self.memory = self._start_memory(ctx)
         kwargs = engine_kwargs(self.opts, model_path=ctx.model_path, dtype=ctx.dtype,
-                               seed=engine_seed(ctx.seed, self.layout.replica))
+                               seed=engine_seed(ctx.seed, self.layout.replica), memory=self.memory)
         start = time.perf_counter()
         self.engine = compat.start_engine(kwargs, devices)
         self.start_seconds = time.perf_counter() - start
         self.context_length = compat.context_length(self.engine)
+        self._check_pool()
 
     def data_parallel(self) -> DataParallelInfo:
         return self.layout.data_parallel()
+
+    # --- memory at start ----------------------------------------------------------------------------------
+    def _start_memory(self, ctx: EngineContext) -> PoolMemory | None:
+        """``gpu_memory_utilization: auto``: the KV pool from what is free now, the trainers of this process
+        built (``hybridrl.rollout.kv_budget``, ``options.auto_fraction``); a number is checked against it."""
+        from hybridrl.engine_support import release_cached_device_memory
+        from hybridrl.placement.memory import DTYPE_BYTES, read_hf_config, rollout_overhead_bytes, shape_from_hf_config
+        from hybridrl.rollout.kv_budget import AUTO, demand_from_options
+
+        release_cached_device_memory(collect=True)
+        free, total = compat.device_memory()
+        shape = shape_from_hf_config(read_hf_config(ctx.model_path))
+        dtype_bytes = DTYPE_BYTES.get(ctx.dtype, 2)
+        tp = self.opts.tensor_parallel
+        self.kv_bytes_per_token = shape.kv_bytes_per_token(dtype_bytes) // tp
+        self.weights_bytes = shape.param_count() * dtype_bytes // tp
+        self.demand = demand_from_options(ctx.options, self.layout.replicas, self.kv_bytes_per_token,
+                                          context_tokens=self.opts.max_model_len or shape.max_positions)
+        device = str(self.device)
+        if self.opts.gpu_memory_utilization != AUTO:
+            check_fraction(float(self.opts.gpu_memory_utilization), int(free), int(self.weights_bytes), device)
+            return None
+        activations, graphs = rollout_overhead_bytes(shape, dtype_bytes, "sglang", dict(ctx.options), total, tp)
+        return auto_fraction(int(free), int(self.weights_bytes), int(activations + graphs), self.kv_bytes_per_token,
+                             self.demand, device)
+
+    def _check_pool(self) -> None:
+        """The KV pool SGLang made must hold the step's sequences."""
+        from hybridrl.rollout.kv_budget import KVCacheTooSmall, UTILIZATION_KEY
+
+        tokens = compat.pool_tokens(self.engine)
+        self.pool_bytes = tokens * self.kv_bytes_per_token if tokens else None
+        demand = self.demand
+        if demand is not None and tokens is not None and tokens < demand.tokens:
+            raise KVCacheTooSmall(f"{UTILIZATION_KEY}: SGLang's KV pool holds {tokens} tokens, fewer than the "
+                                  f"{demand.tokens} of the step's {demand.describe()}",
+                                  {"pool_tokens": tokens, "floor_tokens": demand.tokens})
+
+    def _make_room(self, tags: list[str]) -> None:
+        """Before the memory saver maps ``tags`` back: the caching allocator's free blocks of this process (the
+        trainers' activations and logits) go back to the device, and what must come back has to be free."""
+        from hybridrl.engine_support import release_cached_device_memory
+
+        release_cached_device_memory()
+        need = (getattr(self, "pool_bytes", None) or 0) * ("kv_cache" in tags) + \
+            getattr(self, "weights_bytes", 0) * ("weights" in tags)
+        free = compat.device_memory()[0]
+        if need > free:
+            release_cached_device_memory(collect=True)
+            free = compat.device_memory()[0]
+        if need > free:
+            raise torch.OutOfMemoryError(
+                f"waking the SGLang engine maps back {need / 2**30:.2f} GiB ({', '.join(tags)}) but only "
+                f"{free / 2**30:.2f} GiB are free on {self.device} with the trainers' state resident")
 
     # --- generation ---------------------------------------------------------------------------------------
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
@@ -144,6 +200,7 @@ class SGLangRollout(RolloutEngine):
         self._import_marks = [time.perf_counter()]
         tags = self.state.on_import_begin() if self.can_sleep else []
         if tags and self.engine is not None:
+            self._make_room(tags)
             compat.resume(self.engine, tags)
         self._import_marks.append(time.perf_counter())
         self.importing = True
@@ -236,6 +293,7 @@ class SGLangRollout(RolloutEngine):
             return
         tags = self.state.on_wake()
         if tags and self.engine is not None:
+            self._make_room(tags)
             compat.resume(self.engine, tags)
 
     def named_weights(self) -> Iterator[NamedTensor]:

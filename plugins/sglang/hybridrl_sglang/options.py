@@ -6,8 +6,12 @@ only change a config needs; keys of other backends (``sleep_level``, ``weight_lo
 
 =========================  ==========================================================================
 ``tensor_parallel``        ranks per engine replica (``tp_size``; consecutive ranks of the pool)
-``gpu_memory_utilization`` share of the GPU for weights + KV cache (``mem_fraction_static``; default
-                           0.5: it shares the GPU with the trainer)
+``gpu_memory_utilization`` ``auto`` (default): the KV pool holds the step's sequences (the ``workload`` the
+                           pre-flight writes), sized from what is free when the engine starts, after the
+                           trainers' resident state (``hybridrl.rollout.kv_budget``; given to SGLang as
+                           ``mem_fraction_static`` and ``max_total_tokens``, see ``auto_fraction``); or a
+                           number: ``mem_fraction_static`` itself, in SGLang 0.5.16 the share of the memory
+                           *free at its start* that weights and KV pool may take
 ``max_model_len``          context length (``context_length``; default: the model's)
 ``max_num_seqs``           requests decoded at once (``max_running_requests``)
 ``max_num_batched_tokens`` tokens per prefill chunk (``chunked_prefill_size``)
@@ -37,17 +41,26 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from hybridrl.rollout.common import ENGINE_OPTION_CASTS, check_choice, check_engine_options, read_choices, read_options
+from hybridrl.rollout.kv_budget import AUTO, UTILIZATION_KEY, KVCacheTooSmall, KVDemand, KVSizing, is_auto, size_kv_cache
 
 SEED_MODES = ("engine", "request")
 WEIGHT_SYNCS = ("channel", "distributed")
 #: how ``from_options`` reads each typed key (an unset or ``None`` key keeps the field's default).
-_CASTS = {**ENGINE_OPTION_CASTS, "prefill_cuda_graph": bool, "weights_cpu_backup": bool, "logprob_top_n": int}
+_CASTS = {**{k: v for k, v in ENGINE_OPTION_CASTS.items() if k != "gpu_memory_utilization"},
+          "prefill_cuda_graph": bool, "weights_cpu_backup": bool, "logprob_top_n": int}
+GIB = float(2**30)
+#: device memory the scheduler process takes before it measures what is free (its CUDA context, NCCL).
+SCHEDULER_START_BYTES = int(1.0 * GIB)
+#: what loading the weights allocates besides them (buffers, rotary caches), charged to the static share.
+LOAD_EXTRA_BYTES = int(0.5 * GIB)
+#: the largest ``mem_fraction_static`` asked for (SGLang needs some memory outside it in any case).
+MAX_FRACTION = 0.97
 
 
 @dataclass(frozen=True)
 class SGLangOptions:
     tensor_parallel: int = 1
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float | str = AUTO
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -63,35 +76,80 @@ class SGLangOptions:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> "SGLangOptions":
+        value = options.get("gpu_memory_utilization")
         made = cls(
             **read_options(options, _CASTS),
             **read_choices(options, ("seed_mode", "weight_sync")),
+            gpu_memory_utilization=AUTO if is_auto(value) else float(value),
             engine_kwargs=dict(options.get("engine_kwargs") or {}),
         )
         made.validate()
         return made
 
     def validate(self) -> None:
-        check_engine_options(self.tensor_parallel, self.gpu_memory_utilization)
+        check_engine_options(self.tensor_parallel, 0.5 if self.gpu_memory_utilization == AUTO
+                             else self.gpu_memory_utilization)
         check_choice("seed_mode", self.seed_mode, SEED_MODES)
         check_choice("weight_sync", self.weight_sync, WEIGHT_SYNCS)
         if self.logprob_top_n < 1:
             raise ValueError(f"logprob_top_n must be >= 1, got {self.logprob_top_n}")
 
 
-def engine_kwargs(opts: SGLangOptions, *, model_path: str, dtype: str, seed: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PoolMemory:
+    """What SGLang is told at start: ``mem_fraction_static``, and the KV pool's size in tokens (None: SGLang's
+    own from the fraction)."""
+
+    fraction: float
+    max_total_tokens: int | None = None
+    sizing: KVSizing | None = None
+
+
+def auto_fraction(free_bytes: int, weights_bytes: int, overhead_bytes: int, bytes_per_token: int,
+                  demand: KVDemand | None, device: str = "the GPU") -> PoolMemory:
+    """``gpu_memory_utilization: auto`` in SGLang 0.5.16's terms. Its scheduler measures the memory free before
+    loading (``pre``), loads the weights, and makes the KV pool ``free after loading - pre x (1 - fraction)``;
+    ``max_total_tokens`` then caps the pool. So the pool is sized here by ``size_kv_cache`` from what will be
+    free (``free_bytes`` less the scheduler's own start), the fraction is the share of ``pre`` that weights,
+    what loading adds and the pool take (the rest, ``pre x (1 - fraction)``, is left to SGLang's graphs and
+    activations, ``overhead_bytes`` at least), and the cap makes the pool exactly that size."""
+    pre = free_bytes - SCHEDULER_START_BYTES
+    sizing = size_kv_cache(demand, pre, weights_bytes + LOAD_EXTRA_BYTES, overhead_bytes, device=device)
+    static = weights_bytes + LOAD_EXTRA_BYTES + int(sizing.kv_bytes * 1.02)  # a little over: the cap trims it
+    fraction = min(MAX_FRACTION, static / pre)
+    tokens = sizing.kv_bytes // max(1, bytes_per_token)
+    return PoolMemory(round(fraction, 4), int(tokens), sizing)
+
+
+def check_fraction(fraction: float, free_bytes: int, weights_bytes: int, device: str = "the GPU") -> None:
+    """A number: SGLang's share of the memory free at its start must at least hold the weights."""
+    pre = free_bytes - SCHEDULER_START_BYTES
+    if fraction * pre <= weights_bytes + LOAD_EXTRA_BYTES:
+        raise KVCacheTooSmall(
+            f"{UTILIZATION_KEY}={fraction:g} gives SGLang {fraction * pre / GIB:.1f} GiB ({fraction:g} of the "
+            f"{pre / GIB:.1f} GiB free on {device} at its start), not even its {weights_bytes / GIB:.1f} GiB of "
+            "weights: set it to auto or raise it", {"free_bytes": free_bytes, "fraction": fraction})
+
+
+def engine_kwargs(opts: SGLangOptions, *, model_path: str, dtype: str, seed: int,
+                  memory: PoolMemory | None = None) -> dict[str, Any]:
     """Keyword arguments of ``sglang.Engine`` (``ServerArgs`` fields). Token-in/token-out: no tokenizer
-    (``skip_tokenizer_init``), so no detokenizer work per step; EOS ids are passed per request."""
+    (``skip_tokenizer_init``), so no detokenizer work per step; EOS ids are passed per request. ``memory``:
+    the start's sizing (``auto_fraction``); without it a numeric share goes to SGLang as it is."""
+    fraction = memory.fraction if memory is not None else (
+        0.5 if opts.gpu_memory_utilization == AUTO else opts.gpu_memory_utilization)
     kwargs: dict[str, Any] = {
         "model_path": model_path,
         "dtype": dtype,
         "tp_size": opts.tensor_parallel,
-        "mem_fraction_static": opts.gpu_memory_utilization,
+        "mem_fraction_static": fraction,
         "random_seed": int(seed),
         "skip_tokenizer_init": True,
         "enable_memory_saver": opts.sleep_mode,
         "log_level": "error",
     }
+    if memory is not None and memory.max_total_tokens:
+        kwargs["max_total_tokens"] = memory.max_total_tokens
     if opts.weights_cpu_backup:
         kwargs["enable_weights_cpu_backup"] = True
     if opts.enforce_eager:

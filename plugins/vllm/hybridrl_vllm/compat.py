@@ -242,6 +242,27 @@ def _resume_kv_allocations(worker: Any) -> None:
         runner.post_kv_cache_wake_up()
 
 
+def _asleep_bytes(worker: Any, tags: list[str]) -> int:
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    return sum(int(data.handle[1]) for data in CuMemAllocator.get_instance().pointer_to_data.values()
+               if data.is_asleep and data.tag in tags)
+
+
+def asleep_bytes(llm: Any, tags: list[str]) -> int:
+    """Device bytes that waking ``tags`` maps back (the sleep-mode allocator's unmapped allocations)."""
+    return sum(run_on_workers(llm, _asleep_bytes, list(tags)))
+
+
+def kv_cache_bytes(llm: Any, bytes_per_token: int) -> int | None:
+    """The KV cache the engine made: its blocks x tokens per block x ``bytes_per_token`` (None: unknown)."""
+    cache = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+    blocks, block = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+    if not blocks or not block or not bytes_per_token:
+        return None
+    return int(blocks) * int(block) * int(bytes_per_token)
+
+
 def release_kv_cache(llm: Any) -> int:
     """Sleep with the weights resident: clear the prefix cache (its blocks' contents are about to go), then
     release the KV cache's device memory. vLLM's own ``sleep`` has no such level (1 offloads the weights, 2

@@ -28,7 +28,8 @@ from hybridrl.rollout.common import special_ids
 
 from hybridrl_vllm import compat
 from hybridrl_vllm.copy_plan import CopyPlan, GraphedCopies, checksum
-from hybridrl_vllm.options import VLLMOptions, check_weight_load, llm_kwargs, resolve_weight_load
+from hybridrl_vllm.options import StartMemory, VLLMOptions, check_weight_load, llm_kwargs, resolve_weight_load, \
+    start_memory
 from hybridrl_vllm.packing import check_context, pack_responses, sampled_logprobs, unpad_prompts
 from hybridrl_vllm.parallel import ReplicaLayout
 from hybridrl_vllm.sampling import engine_seed, per_request_kwargs, resolve_seed_mode
@@ -142,13 +143,16 @@ class VLLMRollout(RolloutEngine):
 
         hf_config = AutoConfig.from_pretrained(ctx.model_path)
         self.eos_ids, self.pad_id = special_ids(ctx.model_path, hf_config)
+        self.memory: StartMemory | None = self._start_memory(ctx) if self.device == "cuda" else None
         kwargs = llm_kwargs(self.opts, model_path=ctx.model_path, dtype=ctx.dtype, device=self.device,
                             seed=engine_seed(ctx.seed, self.layout.replica), distributed=distributed,
-                            logprobs_kwargs=compat.logprobs_kwargs())
+                            logprobs_kwargs=compat.logprobs_kwargs(), memory=self.memory)
         start = time.perf_counter()
         with _RandomState():
             self.llm = compat.llm_class(self.device)(**kwargs)
         self.start_seconds = time.perf_counter() - start
+        if self.memory is not None:
+            self._check_kv_cache()
         self.context_length = compat.context_length(self.llm)
         self.weight_load = resolve_weight_load(self.opts.weight_load, self.device, compat.quantized(self.llm))
         # The layerwise reload processes the tied output head only when it receives the matrix by its own name.
@@ -170,6 +174,41 @@ class VLLMRollout(RolloutEngine):
 
     def data_parallel(self) -> DataParallelInfo:
         return self.layout.data_parallel()
+
+    # --- memory at start ----------------------------------------------------------------------------------
+    def _start_memory(self, ctx: EngineContext) -> StartMemory:
+        """The KV cache from what is free now: the trainers of this process are built and hold their resident
+        state (``gpu_memory_utilization: auto``, ``hybridrl.rollout.kv_budget``)."""
+        from hybridrl.engine_support import release_cached_device_memory
+        from hybridrl.placement.memory import DTYPE_BYTES, read_hf_config, rollout_overhead_bytes, shape_from_hf_config
+        from hybridrl.rollout.kv_budget import demand_from_options
+
+        release_cached_device_memory(collect=True)
+        free, total = torch.cuda.mem_get_info()
+        shape = shape_from_hf_config(read_hf_config(ctx.model_path))
+        dtype_bytes = DTYPE_BYTES.get(ctx.dtype, 2)
+        tp = self.opts.tensor_parallel
+        self.kv_bytes_per_token = shape.kv_bytes_per_token(dtype_bytes) // tp
+        self.demand = demand_from_options(ctx.options, self.layout.replicas, self.kv_bytes_per_token,
+                                          context_tokens=self.opts.max_model_len or shape.max_positions)
+        activations, graphs = rollout_overhead_bytes(shape, dtype_bytes, "vllm", dict(ctx.options), total, tp)
+        memory = start_memory(self.opts, int(free), int(total), int(shape.param_count() * dtype_bytes // tp),
+                              int(activations + graphs), self.demand, device=f"cuda:{torch.cuda.current_device()}")
+        if memory.sizing is not None:
+            log.info("vLLM KV cache: %.2f GiB for %s (free %.1f GiB of %.1f GiB at start)", memory.sizing.kv_bytes / 2**30,
+                     self.demand.describe() if self.demand else "no workload", free / 2**30, total / 2**30)
+        return memory
+
+    def _check_kv_cache(self) -> None:
+        """The cache vLLM made must hold the step's sequences (vLLM rounds to blocks and may keep fewer)."""
+        from hybridrl.rollout.kv_budget import KVCacheTooSmall, UTILIZATION_KEY
+
+        self.kv_cache_bytes = compat.kv_cache_bytes(self.llm, getattr(self, "kv_bytes_per_token", 0))
+        demand = getattr(self, "demand", None)
+        if demand is not None and self.kv_cache_bytes is not None and self.kv_cache_bytes < demand.floor_bytes:
+            raise KVCacheTooSmall(f"{UTILIZATION_KEY}: vLLM's KV cache holds {self.kv_cache_bytes / 2**30:.2f} GiB, less "
+                                  f"than the {demand.floor_bytes / 2**30:.2f} GiB of the step's {demand.describe()}",
+                                  {"kv_bytes": self.kv_cache_bytes, "floor_bytes": demand.floor_bytes})
 
     # --- generation ---------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -214,6 +253,7 @@ class VLLMRollout(RolloutEngine):
         self._import_marks = [time.perf_counter()]
         tags = self.state.on_import_begin() if self.can_sleep else []
         if tags:
+            self._make_room(tags)
             compat.wake_up(self.llm, tags)
         self._import_marks.append(time.perf_counter())
         if self.weight_load == "layerwise":
@@ -307,12 +347,32 @@ class VLLMRollout(RolloutEngine):
         if not self.can_sleep:
             return
         tags = self.state.on_wake()
+        if tags:
+            self._make_room(tags)
         if tags and self.last_sleep_level == KV_ONLY:  # how it slept, not how it is set now
             if tags != [KV_CACHE]:
                 raise RuntimeError(f"sleep_level=kv_cache keeps the weights resident, yet {tags} must wake")
             compat.resume_kv_cache(self.llm)
         elif tags:
             compat.wake_up(self.llm, tags)
+
+    def _make_room(self, tags: list[str]) -> None:
+        """Before mapping ``tags`` back: give the caching allocator's free blocks back to the device (the
+        trainers' activations and logits of the phases just run, cached in this same process), and refuse
+        with the numbers, instead of failing inside vLLM's allocator, when what must come back is not free."""
+        from hybridrl.engine_support import release_cached_device_memory
+
+        release_cached_device_memory()
+        need = compat.asleep_bytes(self.llm, tags)
+        free = torch.cuda.mem_get_info()[0]
+        if need > free:  # lingering references (a traceback, a cycle) may hold tensors: collect, then look again
+            release_cached_device_memory(collect=True)
+            free = torch.cuda.mem_get_info()[0]
+        if need > free:
+            raise torch.OutOfMemoryError(
+                f"waking the vLLM engine maps back {need / 2**30:.2f} GiB ({', '.join(tags)}) but only "
+                f"{free / 2**30:.2f} GiB are free on cuda:{torch.cuda.current_device()} with the trainers' state "
+                f"resident ({torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated by torch)")
 
     def named_weights(self) -> Iterator[NamedTensor]:
         raise NotImplementedError("VLLMRollout keeps weights in vLLM's fused layout (qkv_proj, gate_up_proj; "

@@ -5,8 +5,13 @@ Keys of ``roles.rollout`` (typed) and ``roles.rollout.options`` (free-form) that
 
 =========================  ==========================================================================
 ``tensor_parallel``        ranks per engine replica (consecutive ranks of the pool)
-``gpu_memory_utilization`` share of the GPU the engine may take (default 0.5: it shares with the trainer)
-``kv_cache_gb``            fixed KV-cache size instead of the share above (GiB)
+``gpu_memory_utilization`` ``auto`` (default): the KV cache holds the step's sequences (the ``workload`` the
+                           pre-flight writes), sized from what is free when the engine starts, after the
+                           trainers' resident state (``hybridrl.rollout.kv_budget``); or a number: vLLM's
+                           own share of the device's *total* memory (weights, activations, graphs and KV
+                           cache), which must be free when it starts
+``kv_cache_gb``            fixed KV-cache size instead of either (GiB)
+``workload``               ``{sequences, tokens_per_sequence}`` of one step (written by the pre-flight)
 ``max_model_len``          context length (default: the model's)
 ``max_num_seqs``           sequences decoded at once (default: vLLM's)
 ``max_num_batched_tokens`` tokens per engine step (default: vLLM's)
@@ -36,19 +41,24 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from hybridrl.rollout.common import ENGINE_OPTION_CASTS, check_choice, check_engine_options, read_choices, read_options
+from hybridrl.rollout.kv_budget import AUTO, UTILIZATION_KEY, KVCacheTooSmall, KVDemand, KVSizing, is_auto, size_kv_cache
 
 from hybridrl_vllm.sampling import SEED_MODES
 from hybridrl_vllm.sleep import LEVELS
 
 WEIGHT_LOADS = ("auto", "direct", "layerwise")
 #: how ``from_options`` reads each typed key (an unset or ``None`` key keeps the field's default).
-_CASTS = {**ENGINE_OPTION_CASTS, "kv_cache_gb": float, "fast_import": bool, "copy_graphs": bool}
+_CASTS = {**{k: v for k, v in ENGINE_OPTION_CASTS.items() if k != "gpu_memory_utilization"},
+          "kv_cache_gb": float, "fast_import": bool, "copy_graphs": bool}
+#: left free at start beyond the share asked of vLLM (it allocates a little before checking).
+START_SLACK_BYTES = 512 * 2**20
+GIB = float(2**30)
 
 
 @dataclass(frozen=True)
 class VLLMOptions:
     tensor_parallel: int = 1
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float | str = AUTO
     kv_cache_gb: float | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None
@@ -69,20 +79,69 @@ class VLLMOptions:
         made = cls(
             **read_options(options, _CASTS),
             **read_choices(options, ("seed_mode", "weight_load")),
+            gpu_memory_utilization=read_utilization(options.get("gpu_memory_utilization")),
             sleep_level=_sleep_level(level),
             engine_kwargs=dict(options.get("engine_kwargs") or {}),
         )
         made.validate()
         return made
 
+    @property
+    def auto_memory(self) -> bool:
+        return self.gpu_memory_utilization == AUTO and self.kv_cache_gb is None
+
     def validate(self) -> None:
-        check_engine_options(self.tensor_parallel, self.gpu_memory_utilization)
+        check_engine_options(self.tensor_parallel, 0.5 if self.gpu_memory_utilization == AUTO
+                             else self.gpu_memory_utilization)
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         if self.sleep_level not in LEVELS:
             raise ValueError(f"sleep_level must be one of {LEVELS}, got {self.sleep_level!r}")
         check_choice("seed_mode", self.seed_mode, SEED_MODES)
         check_choice("weight_load", self.weight_load, WEIGHT_LOADS)
+
+
+def read_utilization(value: Any) -> float | str:
+    """``auto`` (also unset), or a share in (0, 1] (checked by ``validate``)."""
+    return AUTO if is_auto(value) else float(value)
+
+
+@dataclass(frozen=True)
+class StartMemory:
+    """What the engine is told at start: the KV cache's bytes (None: vLLM's own rule), the share of the device
+    it may take (vLLM checks at start that this much is free), and how the cache was sized."""
+
+    utilization: float
+    kv_cache_bytes: int | None = None
+    sizing: KVSizing | None = None
+
+
+def start_memory(opts: VLLMOptions, free_bytes: int, total_bytes: int, weights_bytes: int, overhead_bytes: int,
+                 demand: KVDemand | None, device: str = "the GPU") -> StartMemory:
+    """``gpu_memory_utilization: auto``: the cache from ``size_kv_cache``, given to vLLM as
+    ``kv_cache_memory_bytes`` (vLLM then skips its own sizing), and a share that passes vLLM's start-up
+    check (free >= total x share: what is free now, less a little). A number: vLLM's rule, refused here with
+    the numbers when the share is not free (vLLM would fail the same check with a traceback)."""
+    if opts.kv_cache_gb is not None:
+        utilization = opts.gpu_memory_utilization if opts.gpu_memory_utilization != AUTO else \
+            _share_of_free(free_bytes, total_bytes)
+        return StartMemory(float(utilization), int(opts.kv_cache_gb * GIB))
+    if opts.gpu_memory_utilization != AUTO:
+        share = float(opts.gpu_memory_utilization)
+        if share * total_bytes > free_bytes:
+            raise KVCacheTooSmall(
+                f"{UTILIZATION_KEY}={share:g} asks vLLM for {share * total_bytes / GIB:.1f} GiB ({share:g} of the "
+                f"{total_bytes / GIB:.1f} GiB of {device}) but only {free_bytes / GIB:.1f} GiB are free after the "
+                f"trainers' resident state: set it to auto (the KV cache sized from what is free) or at most "
+                f"{max(free_bytes - START_SLACK_BYTES, 0) / total_bytes:.2f}",
+                {"free_bytes": free_bytes, "total_bytes": total_bytes, "utilization": share})
+        return StartMemory(share)
+    sizing = size_kv_cache(demand, free_bytes, weights_bytes, overhead_bytes, device=device)
+    return StartMemory(_share_of_free(free_bytes, total_bytes), sizing.kv_bytes, sizing)
+
+
+def _share_of_free(free_bytes: int, total_bytes: int) -> float:
+    return max(0.01, min(1.0, (free_bytes - START_SLACK_BYTES) / total_bytes))
 
 
 def _sleep_level(value: Any) -> int | str:
@@ -119,7 +178,8 @@ def check_weight_load(choice: str, device: str, quantized: bool = False) -> None
 
 
 def llm_kwargs(opts: VLLMOptions, *, model_path: str, dtype: str, device: str, seed: int,
-               distributed: bool, logprobs_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+               distributed: bool, logprobs_kwargs: Mapping[str, Any], memory: StartMemory | None = None
+               ) -> dict[str, Any]:
     """Arguments of ``vllm.LLM``. ``distributed``: the host process already has a default process group
     (then vLLM joins it as an external launcher, each tensor-parallel group of it one engine);
     ``logprobs_kwargs``: the version's way to ask for processed log-probs (``compat``)."""
@@ -135,9 +195,14 @@ def llm_kwargs(opts: VLLMOptions, *, model_path: str, dtype: str, device: str, s
         **logprobs_kwargs,
     }
     if cuda:
-        kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
+        if memory is not None:
+            kwargs["gpu_memory_utilization"] = memory.utilization
+        elif opts.gpu_memory_utilization != AUTO:
+            kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = True if opts.sleep_mode is None else opts.sleep_mode
-    if opts.kv_cache_gb is not None:
+    if memory is not None and memory.kv_cache_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = int(memory.kv_cache_bytes)
+    elif opts.kv_cache_gb is not None:
         kwargs["kv_cache_memory_bytes"] = int(opts.kv_cache_gb * 2**30)
     if distributed:
         kwargs["distributed_executor_backend"] = "external_launcher"

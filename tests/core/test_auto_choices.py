@@ -1,0 +1,172 @@
+"""The ``auto`` settings (``hybridrl.placement.auto``): what each resolves to, why, and that an explicit value is
+never overridden; and the plan they are chosen from (``hybridrl.placement.memory``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybridrl import hookimpl
+from hybridrl.config import RunConfig, load_config
+from hybridrl.placement.auto import USABLE_SHARE, resolve_auto
+from hybridrl.placement.memory import GIB, read_hf_config, shape_from_hf_config
+from hybridrl.placement.plan import ClusterSpec, plan_placement, resolve_backends
+from hybridrl.plugins.discovery import get_registry
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "examples" / "configs"
+H200 = 139.8 * GIB
+
+
+def workload(size: str, *overrides: str, tmp_path: Path) -> RunConfig:
+    """The issue's workload (GRPO 64 x 8, 128-token prompts, 256 new tokens, KL loss) on one GPU, README keys only."""
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "12"}\n')
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"""
+model: {{path: {CONFIGS / f'qwen2.5-{size}'}, dtype: bfloat16}}
+data: {{train: {data}, max_prompt_len: 128, prompts_per_step: 64}}
+algorithm: {{name: grpo, n_samples: 8, kl: {{coef: 0.001, estimator: k3, as: loss}}}}
+roles:
+  rollout: {{backend: vllm, max_new_tokens: 256, min_new_tokens: 256, ignore_eos: true}}
+""")
+    return load_config(cfg, list(overrides))
+
+
+def resolve(cfg: RunConfig, device_bytes: float | None = H200, device: str = "cuda", registry=None):
+    registry = registry or get_registry(tuple(cfg.plugins))
+    backends, problems = resolve_backends(cfg, registry, check_engines=False)
+    assert not problems
+    plan = plan_placement(cfg, ClusterSpec(1, 1, device, declared=True), backends)
+    shape = shape_from_hf_config(read_hf_config(cfg.model.path))
+    result = resolve_auto(cfg, plan, registry, {r: e.name for r, e in backends.items()}, shape, device_bytes)
+    return result, {c.key: c.value for c in result.choices}
+
+
+def test_rollout_log_probs_are_off_unless_something_reads_them(tmp_path):
+    _, choices = resolve(workload("0.5b", tmp_path=tmp_path))
+    assert choices["roles.rollout.log_probs"] is False
+    result, choices = resolve(workload("0.5b", "algorithm.tis_cap=2.0", tmp_path=tmp_path))
+    assert choices["roles.rollout.log_probs"] is True and result.cfg.roles.rollout.log_probs is True
+    assert "truncated importance sampling" in next(c.reason for c in result.choices if c.key.endswith("log_probs"))
+    for explicit in (True, False):  # a value given is kept and not reported as a choice
+        result, choices = resolve(workload("0.5b", f"roles.rollout.log_probs={str(explicit).lower()}", tmp_path=tmp_path))
+        assert "roles.rollout.log_probs" not in choices and result.cfg.roles.rollout.log_probs is explicit
+
+
+def needs_rollout_log_probs(*args, **kwargs):  # pragma: no cover - never called: only its declaration is read
+    raise NotImplementedError
+
+
+needs_rollout_log_probs.needs = ("rollout_log_probs",)
+
+
+class DeclaringPlugin:
+    @hookimpl
+    def hybridrl_register_algorithms(self, registry):
+        registry.add_policy_loss("reads_rollout", needs_rollout_log_probs)
+
+
+def test_a_component_that_declares_it_needs_them_turns_them_on(tmp_path):
+    from hybridrl.plugins.discovery import build_registry, plugin_manager
+
+    pm = plugin_manager()
+    pm.register(DeclaringPlugin(), name="declaring")
+    registry = build_registry(pm)  # a registry of its own: the cached one stays as it is
+    result, choices = resolve(workload("0.5b", "algorithm.policy_loss=reads_rollout", tmp_path=tmp_path),
+                              registry=registry)
+    assert choices["roles.rollout.log_probs"] is True
+    assert "the policy loss 'reads_rollout'" in next(c.reason for c in result.choices if c.key.endswith("log_probs"))
+
+
+def test_small_model_on_an_h200_takes_large_micro_batches_and_nothing_else(tmp_path):
+    result, choices = resolve(workload("0.5b", tmp_path=tmp_path))
+    assert choices["roles.actor.max_tokens_per_micro_batch"] >= 16384
+    assert choices["roles.ref.max_tokens_per_micro_batch"] >= choices["roles.actor.max_tokens_per_micro_batch"]
+    assert choices["roles.actor.options.gradient_checkpointing"] is False
+    assert choices["roles.actor.options.offload"] == choices["roles.ref.options.offload"] == "none"
+    (pool,) = result.estimate.pools
+    assert pool.peak <= USABLE_SHARE * H200
+    assert result.cfg.roles.actor.max_tokens_per_micro_batch == choices["roles.actor.max_tokens_per_micro_batch"]
+    assert result.cfg.roles.rollout.options["workload"] == {"sequences": 512, "tokens_per_sequence": 384}
+
+
+def test_larger_models_take_smaller_micro_batches_then_offload(tmp_path):
+    budgets = {}
+    for size in ("0.5b", "1.5b", "3b"):
+        result, choices = resolve(workload(size, tmp_path=tmp_path))
+        budgets[size] = choices["roles.actor.max_tokens_per_micro_batch"]
+        assert choices["roles.actor.options.offload"] == "none"
+        assert result.estimate.pools[0].peak <= USABLE_SHARE * H200
+    assert budgets["0.5b"] > budgets["1.5b"] > budgets["3b"]
+    result, choices = resolve(workload("7b", tmp_path=tmp_path))  # 16 bytes a parameter do not fit with the engine
+    assert choices["roles.actor.options.offload"] in ("optimizer", "all")
+    assert result.estimate.pools[0].peak <= USABLE_SHARE * H200
+    assert result.estimate.pools[0].fits
+
+
+def test_offload_or_checkpointing_on_a_smaller_device(tmp_path):
+    result, choices = resolve(workload("1.5b", tmp_path=tmp_path), device_bytes=40 * GIB)
+    assert choices["roles.actor.options.offload"] == "optimizer"  # a second of copies beats a recomputed forward
+    assert result.estimate.pools[0].peak <= USABLE_SHARE * 40 * GIB
+    no_offload = workload("1.5b", "roles.actor.options.offload=none", "roles.ref.options.offload=none",
+                          tmp_path=tmp_path)
+    result, choices = resolve(no_offload, device_bytes=38 * GIB)  # without checkpointing: a sequence per micro-batch
+    assert choices["roles.actor.options.gradient_checkpointing"] is True
+    assert "do not fit without it" in next(c.reason for c in result.choices if c.key.endswith("checkpointing"))
+    assert choices["roles.actor.max_tokens_per_micro_batch"] >= 1024
+    assert result.estimate.pools[0].peak <= USABLE_SHARE * 38 * GIB
+
+
+def test_explicit_settings_are_kept(tmp_path):
+    cfg = workload("1.5b", "roles.actor.micro_batch=8", "roles.actor.options.gradient_checkpointing=true",
+                   "roles.ref.options.offload=all", tmp_path=tmp_path)
+    result, choices = resolve(cfg)
+    assert not any(k.startswith(("roles.actor.max_tokens", "roles.ref.max_tokens")) for k in choices)  # ref inherits
+    assert "roles.actor.options.gradient_checkpointing" not in choices and "roles.ref.options.offload" not in choices
+    assert result.cfg.roles.actor.options["gradient_checkpointing"] is True
+    assert result.cfg.roles.ref.options["offload"] == "all"
+    assert "roles.actor.options.offload" in choices  # still auto
+
+
+def test_bad_offload_values_are_refused_with_their_key(tmp_path):
+    result, _ = resolve(workload("0.5b", "roles.actor.options.offload=weights", "roles.ref.options.offload=optimizer",
+                                 "roles.actor.options.gradient_checkpointing=maybe", tmp_path=tmp_path))
+    keys = dict(result.problems)
+    assert "roles.actor.options.offload" in keys and "roles.ref.options.offload" in keys
+    assert "has no optimizer" in keys["roles.ref.options.offload"]
+    assert "true, false or auto" in keys["roles.actor.options.gradient_checkpointing"]
+
+
+def test_on_cpu_nothing_is_offloaded_or_checkpointed(tmp_path):
+    cfg = workload("0.5b", "roles.rollout.backend=hf", tmp_path=tmp_path)
+    result, choices = resolve(cfg, device_bytes=None, device="cpu")
+    assert choices["roles.actor.options.gradient_checkpointing"] is False
+    assert choices["roles.actor.options.offload"] == "none"
+    assert "roles.actor.max_tokens_per_micro_batch" not in choices  # the backend's micro-batch
+    assert "workload" not in (result.cfg.roles.rollout.options or {})  # the hf rollout sizes its cache by demand
+
+
+def test_choices_and_the_planned_memory_are_recorded(tmp_path):
+    result, choices = resolve(workload("1.5b", tmp_path=tmp_path))
+    auto = result.cfg.auto
+    assert set(auto["choices"]) == set(choices)
+    assert all(entry["reason"] for entry in auto["choices"].values())
+    pool = auto["memory"]["pools"]["default"]
+    assert pool["peak_mb"] == pytest.approx(result.estimate.pools[0].peak / 2**20)
+    assert {"gen", "ref", "update_actor"} <= set(pool["phases_mb"])
+    dumped = result.cfg.model_dump(mode="json", by_alias=True)  # what config.json holds
+    assert dumped["auto"]["choices"]["roles.rollout.log_probs"]["value"] is False
+
+
+def test_the_gen_phase_holds_what_the_engine_maps_back(tmp_path):
+    result, _ = resolve(workload("1.5b", tmp_path=tmp_path))
+    (pool,) = result.estimate.pools
+    roles = {m.role: m for m in result.estimate.roles}
+    rollout = roles["rollout"]
+    assert rollout.kv_cache > 0 and rollout.graphs > 0 and rollout.activations > 0
+    trainers = roles["actor"].idle + roles["ref"].idle
+    assert pool.phases["gen"] > trainers + rollout.weights + rollout.kv_cache + rollout.graphs
+    # asleep, the engine keeps its graphs only: the update phase holds them beside the actor's peak
+    assert pool.phases["update_actor"] > roles["actor"].active + roles["ref"].idle + rollout.asleep
