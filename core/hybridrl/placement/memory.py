@@ -232,6 +232,10 @@ TRAIN_LOGITS_COPIES = 3
 #: the fp32 chunks of the chunked log-prob (``hybridrl_fsdp.logprobs``): forward, and backward.
 LOG_PROB_CHUNKS_FORWARD = 2 * 256 * 2**20
 LOG_PROB_CHUNKS_BACKWARD = 4 * 256 * 2**20
+#: the FSDP engine's fused LM head (``hybridrl_fsdp.fused_head``, on unless ``options.fused_lm_head: false``) makes
+#: the logits a chunk of tokens at a time: bytes of one chunk and its softmax temporaries (Triton on a GPU: the
+#: chunk in the compute dtype; eager elsewhere: fp32 chunks of 256 MiB).
+FUSED_HEAD_CHUNK_BYTES = {"cuda": 1.5 * 2**30, "cpu": 3 * 256 * 2**20}
 #: the caching allocator's rounding and fragmentation on a backward's transient memory.
 ALLOCATOR_SLACK = 1.05
 #: a rollout engine's CUDA graph pool: a fixed part and a share of its weights.
@@ -375,7 +379,12 @@ def train_role_memory(cfg: RunConfig, role: str, pool: str, shape: ModelShape, d
     vocab = shape.vocab_size if role_spec(role).vocab_head else 1  # critic and reward model: a scalar head
     layer_forward = tokens * shape.forward_bytes_per_token_layer(cb)
     chunk_cap = 4 * resp_tokens * vocab * 4  # the fp32 chunks never exceed the logits themselves
-    forward_logits = resp_tokens * vocab * cb + (min(LOG_PROB_CHUNKS_FORWARD, chunk_cap) if vocab > 1 else 0)
+    fused = vocab > 1 and role_options(cfg, role).get("fused_lm_head", True) is not False
+    fused_chunk = min(FUSED_HEAD_CHUNK_BYTES["cuda" if device == "cuda" else "cpu"], chunk_cap)
+    if fused:  # the head's logits a chunk at a time, never all at once
+        forward_logits = fused_chunk
+    else:
+        forward_logits = resp_tokens * vocab * cb + (min(LOG_PROB_CHUNKS_FORWARD, chunk_cap) if vocab > 1 else 0)
     mem = RoleMemory(role, pool, "train" if trainable else "frozen", f"1/{dp} FSDP", offload=settings.offload,
                      tokens=tokens, checkpointing=settings.checkpointing)
     master_bytes = 4 if trainable or device != "cuda" else cb
@@ -392,8 +401,11 @@ def train_role_memory(cfg: RunConfig, role: str, pool: str, shape: ModelShape, d
             layers = tokens * (shape.num_layers * shape.hidden_size * cb + per_layer)
         else:
             layers = tokens * shape.num_layers * per_layer
-        logits = resp_tokens * vocab * cb * TRAIN_LOGITS_COPIES + (min(LOG_PROB_CHUNKS_BACKWARD, chunk_cap)
-                                                                   if vocab > 1 else 0)
+        if fused:  # backward: a chunk, the head's fp32 weight gradient and a chunk's product, the hidden's gradient
+            logits = fused_chunk + vocab * shape.hidden_size * (4 + cb) + resp_tokens * shape.hidden_size * cb
+        else:
+            logits = resp_tokens * vocab * cb * TRAIN_LOGITS_COPIES + (min(LOG_PROB_CHUNKS_BACKWARD, chunk_cap)
+                                                                       if vocab > 1 else 0)
         mem.activations = (layers + logits + tokens * shape.backward_bytes_per_token_layer(cb)) * ALLOCATOR_SLACK
         if settings.offload == "none":
             mem.forward += mem.optimizer
