@@ -54,7 +54,8 @@ TUNED = {
     "1.5b": ["roles.actor.micro_batch=64", "roles.actor.options.gradient_checkpointing=true",
              "roles.ref.micro_batch=128", "roles.rollout.log_probs=false",
              "roles.rollout.options.gpu_memory_utilization=0.3"],
-    "3b": ["roles.actor.micro_batch=32", "roles.actor.options.gradient_checkpointing=false", "roles.ref.micro_batch=128",
+    "3b": ["roles.actor.micro_batch=32", "roles.actor.options.gradient_checkpointing=false",
+           "roles.ref.micro_batch=128",
            "roles.rollout.log_probs=false", "roles.rollout.options.gpu_memory_utilization=0.25"],
     "7b": ["roles.actor.micro_batch=16", "roles.actor.options.gradient_checkpointing=true",
            "roles.actor.options.offload=optimizer", "roles.ref.micro_batch=64", "roles.rollout.log_probs=false",
@@ -277,8 +278,11 @@ def main() -> None:
         build_model(args.build_only, args.dtype, Path(args.workdir) / f"model-{args.build_only}-{args.dtype}")
         return
     if args.compare:
-        files = sorted(Path(args.out_dir).glob("model_sizes_*.json"),
-                       key=lambda p: (SIZES.index(p.stem.split("_")[2]) if p.stem.split("_")[2] in SIZES else 9, p.name))
+        def order(path: Path) -> tuple[int, str]:
+            size = path.stem.split("_")[2]
+            return (SIZES.index(size) if size in SIZES else len(SIZES), path.name)
+
+        files = sorted(Path(args.out_dir).glob("model_sizes_*.json"), key=order)
         print(compare([json.loads(p.read_text()) for p in files]))
         return
     start = time.perf_counter()

@@ -51,7 +51,8 @@ def test_rollout_log_probs_are_off_unless_something_reads_them(tmp_path):
     assert choices["roles.rollout.log_probs"] is True and result.cfg.roles.rollout.log_probs is True
     assert "truncated importance sampling" in next(c.reason for c in result.choices if c.key.endswith("log_probs"))
     for explicit in (True, False):  # a value given is kept and not reported as a choice
-        result, choices = resolve(workload("0.5b", f"roles.rollout.log_probs={str(explicit).lower()}", tmp_path=tmp_path))
+        key = f"roles.rollout.log_probs={str(explicit).lower()}"
+        result, choices = resolve(workload("0.5b", key, tmp_path=tmp_path))
         assert "roles.rollout.log_probs" not in choices and result.cfg.roles.rollout.log_probs is explicit
 
 

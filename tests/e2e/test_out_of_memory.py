@@ -73,7 +73,8 @@ def test_a_real_cuda_out_of_memory_in_the_update_is_answered(tmp_path):
     proc = run_train(tmp_path, "roles.actor.backend=oom_fsdp", "cluster.device=cuda", "model.dtype=bfloat16")
     assert proc.returncode == 1, proc.stderr[-4000:]
     message = proc.stderr[proc.stderr.index("hybridrl: out of memory"):]
-    assert "out of memory in phase update_actor of step 2: role actor (pool 'main'), rank 0 of 1, cuda device" in message
+    assert ("out of memory in phase update_actor of step 2: role actor (pool 'main'), rank 0 of 1, cuda device"
+            in message)
     assert " in update_actor of the " in message  # planned, against the device's memory
     assert "GiB in use of" in message and "torch" in message and "allocated" in message  # measured on the device
     fixes = message[message.index("keys that would fix it, cheapest first: "):].splitlines()[0]

@@ -60,8 +60,8 @@ def test_example_plugin_trains_the_quick_start(site: Path, tmp_path: Path) -> No
                           "roles.rollout.backend=example",
                           "trainer.steps=2", f"trainer.out={run}", "data.prompts_per_step=4", "algorithm.n_samples=4",
                           "trainer.progress=false",
-                          "roles.rollout.log_probs=true"]  # auto leaves them off; rollout/logp_diff needs them, capture_output=True, text=True, env=_env(site), cwd=ROOT,
-                         timeout=600)
+                          "roles.rollout.log_probs=true"],  # auto leaves them off; rollout/logp_diff needs them
+                         capture_output=True, text=True, env=_env(site), cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "rollout[example] rank 0/1" in out.stdout
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

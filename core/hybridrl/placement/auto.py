@@ -150,7 +150,8 @@ def option_problems(cfg: RunConfig) -> list[tuple[str, str]]:
                              + ("" if role_spec(role).trainable else f" ({role} has no optimizer)")))
         ckpt = options.get("gradient_checkpointing")
         if ckpt is not None and ckpt != AUTO and not isinstance(ckpt, bool):
-            problems.append((f"roles.{role}.options.gradient_checkpointing", f"must be true, false or auto, got {ckpt!r}"))
+            problems.append((f"roles.{role}.options.gradient_checkpointing",
+                             f"must be true, false or auto, got {ckpt!r}"))
     return problems
 
 
@@ -164,8 +165,8 @@ def _knobs(cfg: RunConfig, role: str) -> Knobs:
     elif role == "reward":  # its micro-batch is roles.reward.model.micro_batch, rows only
         budget = False
     else:
-        budget = (getattr(rcfg, "micro_batch", None) is None and getattr(rcfg, "max_tokens_per_micro_batch", None) is None
-                  and actor_budget_auto)
+        budget = (getattr(rcfg, "micro_batch", None) is None
+                  and getattr(rcfg, "max_tokens_per_micro_batch", None) is None and actor_budget_auto)
     trainable = role_spec(role).trainable
     return Knobs(budget=budget, checkpointing=trainable and options.get("gradient_checkpointing", AUTO) == AUTO,
                  offload=options.get("offload", AUTO) == AUTO, trainable=trainable)
@@ -209,7 +210,8 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
     result = AutoResult(cfg, problems=option_problems(cfg))
     if result.problems:
         return result
-    modelled = [r for r in plan.role_pool if role_spec(r).kind == "train" and backends.get(r) in MEMORY_MODELLED_BACKENDS]
+    modelled = [r for r in plan.role_pool
+                if role_spec(r).kind == "train" and backends.get(r) in MEMORY_MODELLED_BACKENDS]
     knobs = {r: _knobs(cfg, r) for r in modelled}
     auto_roles = [r for r, k in knobs.items() if k.budget or k.checkpointing or k.offload]
     if plan.cluster.device != "cuda" or device_bytes is None or not auto_roles:

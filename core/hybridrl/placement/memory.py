@@ -328,7 +328,8 @@ class RoleMemory:
         compute = self.weights + self.grads + self.gathered + self.activations + resident_optimizer
         # offloaded AdamW states come through the device one param group at a time for the step
         streamed = min(self.optimizer, 2 * OPTIMIZER_GROUP_BYTES)
-        step = self.weights + self.grads + (self.optimizer if self.offload == "none" else streamed) + self.optimizer_step
+        optimizer = self.optimizer if self.offload == "none" else streamed
+        step = self.weights + self.grads + optimizer + self.optimizer_step
         return max(compute, step if self.grads else 0.0)
 
 
@@ -429,7 +430,8 @@ def rollout_batch(backend: str, options: dict[str, Any], device_bytes: float | N
 
 
 def rollout_overhead_bytes(shape: ModelShape, dtype_bytes: int, backend: str, options: dict[str, Any],
-                           device_bytes: float | None, tp: int = 1, sequences: int | None = None) -> tuple[float, float]:
+                           device_bytes: float | None, tp: int = 1, sequences: int | None = None
+                           ) -> tuple[float, float]:
     """(activations, CUDA graph pool) of a preallocating engine: the larger of a prefill step's transients
     and the sampler's logits for ``sequences`` at once (the engine's own maximum when None: what it
     profiles at start), and its graph pool (none with ``enforce_eager``)."""
@@ -597,7 +599,8 @@ def _advice(cfg: RunConfig, worst: RoleMemory) -> str:
     if worst.kind == "train" and options.get("gradient_checkpointing") is not True:
         tips.append(f"set roles.{worst.role}.options.gradient_checkpointing=true")
     if worst.offload != "all":
-        tips.append(f"roles.{worst.role}.options.offload={'optimizer' if worst.kind == 'train' and worst.offload == 'none' else 'all'}")
+        mode = "optimizer" if worst.kind == "train" and worst.offload == "none" else "all"
+        tips.append(f"roles.{worst.role}.options.offload={mode}")
     tips.append(f"spread {worst.role} over more devices (pools.{worst.pool})")
     return f"{worst.role} holds the most: " + ", ".join(tips)
 

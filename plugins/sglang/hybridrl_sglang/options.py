@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from hybridrl.rollout.common import ENGINE_OPTION_CASTS, check_choice, check_engine_options, read_choices, read_options
-from hybridrl.rollout.kv_budget import AUTO, UTILIZATION_KEY, KVCacheTooSmall, KVDemand, KVSizing, is_auto, size_kv_cache
+from hybridrl.rollout.kv_budget import (AUTO, UTILIZATION_KEY, KVCacheTooSmall, KVDemand, KVSizing, is_auto,
+                                       size_kv_cache)
 
 SEED_MODES = ("engine", "request")
 WEIGHT_SYNCS = ("channel", "distributed")

@@ -195,7 +195,8 @@ class VLLMRollout(RolloutEngine):
         memory = start_memory(self.opts, int(free), int(total), int(shape.param_count() * dtype_bytes // tp),
                               int(activations + graphs), self.demand, device=f"cuda:{torch.cuda.current_device()}")
         if memory.sizing is not None:
-            log.info("vLLM KV cache: %.2f GiB for %s (free %.1f GiB of %.1f GiB at start)", memory.sizing.kv_bytes / 2**30,
+            log.info("vLLM KV cache: %.2f GiB for %s (free %.1f GiB of %.1f GiB at start)",
+                     memory.sizing.kv_bytes / 2**30,
                      self.demand.describe() if self.demand else "no workload", free / 2**30, total / 2**30)
         return memory
 
@@ -206,7 +207,8 @@ class VLLMRollout(RolloutEngine):
         self.kv_cache_bytes = compat.kv_cache_bytes(self.llm, getattr(self, "kv_bytes_per_token", 0))
         demand = getattr(self, "demand", None)
         if demand is not None and self.kv_cache_bytes is not None and self.kv_cache_bytes < demand.floor_bytes:
-            raise KVCacheTooSmall(f"{UTILIZATION_KEY}: vLLM's KV cache holds {self.kv_cache_bytes / 2**30:.2f} GiB, less "
+            raise KVCacheTooSmall(f"{UTILIZATION_KEY}: vLLM's KV cache holds {self.kv_cache_bytes / 2**30:.2f} GiB, "
+                                  "less "
                                   f"than the {demand.floor_bytes / 2**30:.2f} GiB of the step's {demand.describe()}",
                                   {"kv_bytes": self.kv_cache_bytes, "floor_bytes": demand.floor_bytes})
 
