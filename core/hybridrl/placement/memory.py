@@ -652,20 +652,28 @@ def device_memory_bytes(device: str, declared_gib: float | None) -> float | None
 
 
 def local_device_memory_bytes() -> float | None:
-    """The memory of the smallest GPU of this machine, asked of ``nvidia-smi`` (the driver process never
-    opens a CUDA context on a GPU the workers will use); None when it cannot tell."""
+    """The memory of the smallest GPU of this machine, asked of ``nvidia-smi``, else of torch in a child process
+    (the driver never opens a CUDA context on a GPU the workers will use); None when it cannot tell."""
     import shutil
     import subprocess
+    import sys
 
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-        sizes = [float(line) for line in out.split() if line.strip()]
+    if shutil.which("nvidia-smi") is not None:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=20, check=True).stdout
+            sizes = [float(line) for line in out.split() if line.strip()]
+            if sizes:
+                return min(sizes) * 2**20
+        except (OSError, subprocess.SubprocessError, ValueError):
+            pass
+    probe = ("import torch; n = torch.cuda.device_count(); "
+             "print(min(torch.cuda.get_device_properties(i).total_memory for i in range(n)) if n else '')")
+    try:  # torch in a process of its own: its CUDA context ends with it
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120).stdout
+        return float(out.strip()) if out.strip() else None
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
-    return min(sizes) * 2**20 if sizes else None
 
 
 def model_shapes_by_role(cfg: RunConfig, base_dirs: Sequence[str | Path] = ()) -> dict[str, ModelShape]:

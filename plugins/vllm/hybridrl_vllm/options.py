@@ -52,7 +52,7 @@ WEIGHT_LOADS = ("auto", "direct", "layerwise")
 _CASTS = {**{k: v for k, v in ENGINE_OPTION_CASTS.items() if k != "gpu_memory_utilization"},
           "kv_cache_gb": float, "fast_import": bool, "copy_graphs": bool}
 #: left free at start beyond the share asked of vLLM (it allocates a little before checking).
-START_SLACK_BYTES = 512 * 2**20
+START_SLACK_BYTES = 2**30
 GIB = float(2**30)
 
 
