@@ -319,6 +319,16 @@ class TrainerConfig(Strict):
                                                        "(hybridrl.weights.sync_check; 0: never; synchronous steps "
                                                        "only)")
 
+    val_every: int = Field(0, ge=0, description="validate on data.val every N steps (0: only before training, "
+                                                "with val_before_train, and after the last step)")
+    val_before_train: bool = Field(True, description="validate once before the first step (with data.val)")
+    val_n: int = Field(1, gt=0, description="responses per validation prompt (pass@k, mean@k over them)")
+    val_temperature: float = Field(0.0, ge=0, description="sampling temperature of validation (0: greedy)")
+    val_pass_threshold: float = Field(1.0, description="a validation response passes (pass@k) at this score or more")
+    keep_best: str | None = Field(None, description="a validation metric (val/reward/mean ...): keep the checkpoint "
+                                                    "that scored best on it in <out>/best")
+    keep_best_mode: Literal["max", "min"] = "max"
+
     @field_validator("trackers")
     @classmethod
     def _jsonl_always(cls, value: list[str]) -> list[str]:

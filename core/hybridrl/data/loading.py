@@ -113,6 +113,8 @@ def _from_dataset(cfg: DataConfig, registry: Any, args: dict[str, Any]) -> Rows:
         produced = fn(**args)
     except TypeError as exc:
         raise DataError(f"dataset '{name}' does not accept data.dataset_args={args}: {exc}") from None
+    except (ValueError, ImportError) as exc:  # its own refusal of the arguments, or a package it needs
+        raise DataError(f"dataset '{name}' with {args}: {exc}") from None
     rows = list(produced)
     for i, row in enumerate(rows):
         if not isinstance(row, dict):

@@ -16,7 +16,7 @@ from typing import Any
 PHASE_ROLES: dict[str, tuple[str, ...]] = {
     "wake": ("rollout",), "gen": ("rollout",), "sleep": ("rollout",), "ref": ("ref",), "values": ("critic",),
     "old_log_prob": ("actor",), "update_critic": ("critic",), "update_actor": ("actor",),
-    "reshard": ("actor", "rollout"), "reward": ("reward",),
+    "reshard": ("actor", "rollout"), "reward": ("reward",), "val": ("rollout",),
 }
 DRIVER = "driver"
 IDLE = "idle"
@@ -143,6 +143,22 @@ class Summary:
     busy_share: dict[str, float]  # pool -> share of wall time its devices were busy
     mfu: float | None = None
     peak_memory_mb: dict[str, float] = field(default_factory=dict)
+    val: dict[str, dict[str, float]] = field(default_factory=dict)  # val metric -> first, last, best, best_step
+
+
+def validation_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """First, last and best (highest) value of each top-level validation metric (``val/reward/mean``,
+    ``val/pass@k``, ``val/best@k``), with the step of the best."""
+    keys = sorted({k for row in rows for k in row
+                   if (k.startswith("val/") and k.count("/") == 1) or k == "val/reward/mean"})
+    out: dict[str, dict[str, float]] = {}
+    for key in keys:
+        steps, values = series(rows, key)
+        if values:
+            best = max(range(len(values)), key=values.__getitem__)
+            out[key] = {"first": values[0], "first_step": float(steps[0]), "last": values[-1],
+                        "last_step": float(steps[-1]), "best": values[best], "best_step": float(steps[best])}
+    return out
 
 
 def _mean(values: list[float]) -> float | None:
@@ -165,12 +181,12 @@ def summarize(rows: list[dict[str, Any]], config: dict[str, Any]) -> Summary:
     peak_keys = sorted({k for r in rows for k in r if k.startswith("memory/") and k.endswith("/peak_mb")})
     memory = {k.split("/")[1]: max(series(rows, k)[1]) for k in peak_keys if series(rows, k)[1]}
     return Summary(
-        steps=len(rows), last_step=int(rows[-1]["step"]),
+        steps=len(step_s) or len(rows), last_step=int(rows[-1]["step"]),
         reward_first=_mean(reward[:window]) if window else None,
         reward_last=_mean(reward[-window:]) if window else None, window=window,
         median_step_s=statistics.median(step_s) if step_s else None, total_s=total,
         phase_share=shares, overhead_share=overhead, busy_share=busy,
-        mfu=_mean(series(rows, "perf/mfu")[1]), peak_memory_mb=memory)
+        mfu=_mean(series(rows, "perf/mfu")[1]), peak_memory_mb=memory, val=validation_summary(rows))
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -190,6 +206,10 @@ def render_summary(s: Summary, plots: dict[str, str], config: dict[str, Any]) ->
              f"| overhead share (outside model compute) | {_num(overhead_pct, '.1f')} % |"]
     if s.mfu is not None:
         lines.append(f"| mean MFU | {100 * s.mfu:.1f} % |")
+    if s.val:
+        lines += ["", "## Validation", "", "| metric | first | last | best (step) |", "|---|---|---|---|"]
+        lines += [f"| {key} | {v['first']:.4f} (step {v['first_step']:.0f}) | {v['last']:.4f} (step "
+                  f"{v['last_step']:.0f}) | {v['best']:.4f} (step {v['best_step']:.0f}) |" for key, v in s.val.items()]
     lines += ["", "## Phase shares of step time", "", "| phase | share |", "|---|---|"]
     lines += [f"| {p} | {100 * v:.1f} % |" for p, v in sorted(s.phase_share.items(), key=lambda kv: -kv[1])]
     lines += ["", "## Device busy time", "", "| pool | devices | busy share |", "|---|---|---|"]
@@ -228,6 +248,9 @@ def plot_reward(rows: list[dict[str, Any]], path: Path) -> None:
         ax.fill_between([r["step"] for r in band], [r["reward/min"] for r in band], [r["reward/max"] for r in band],
                         alpha=0.2, label="min-max")
     ax.plot(steps, mean, label="mean")
+    val_steps, val_mean = series(rows, "val/reward/mean")
+    if val_mean:
+        ax.plot(val_steps, val_mean, marker="o", label="validation mean")
     ax.set(xlabel="step", ylabel="reward", title="Reward")
     _integer_steps(ax)
     ax.legend(loc="best")

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from hybridrl import hookimpl
 
-CONSOLE_KEYS = ("reward/mean", "response_length/mean", "actor/kl_loss", "actor/entropy", "timing/step")
+CONSOLE_KEYS = ("reward/mean", "val/reward/mean", "response_length/mean", "actor/kl_loss", "actor/entropy", "timing/step")
 
 
 class Tracker(Protocol):

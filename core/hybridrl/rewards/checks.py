@@ -41,6 +41,7 @@ def data_problems(spec: RuleSpec, rows_by_split: dict[str, Sequence[tuple[str, d
     from hybridrl.plugins.registry import load_object
 
     problems: Problems = []
+    needs = {id(t): needs_ground_truth(load_object(t.target)) for t in spec.all_terms()}
     for split, rows in rows_by_split.items():
         uncovered: dict[Any, list[str]] = {}
         missing: dict[str, list[str]] = {}
@@ -52,7 +53,7 @@ def data_problems(spec: RuleSpec, rows_by_split: dict[str, Sequence[tuple[str, d
                 continue
             if "ground_truth" not in fields:
                 for term in terms:
-                    if needs_ground_truth(load_object(term.target)):
+                    if needs[id(term)]:
                         missing.setdefault(term.name, []).append(where)
         for source, places in uncovered.items():
             problems.append(("roles.reward.by_source",

@@ -210,7 +210,13 @@ def math_reward(prompt: str, response: str, ground_truth: Any = None, verifier: 
     return float(format_score)
 
 
+def _warm_math() -> None:
+    if math_verify_available():
+        math_verify_equal("1", "1")  # imports sympy and the LaTeX parser (seconds) before the first timed call
+
+
 math_reward.needs_ground_truth = True  # type: ignore[attr-defined]
+math_reward.warmup = _warm_math  # type: ignore[attr-defined]
 
 
 # --- format ----------------------------------------------------------------------------------------

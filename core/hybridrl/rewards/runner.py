@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -46,13 +47,19 @@ def score_item(rules: Rules, item: Item) -> Outcome:
         return Outcome(rules.score(*item))
     except RewardFailure as exc:
         return Outcome(0.0, str(exc))
-    except BaseException as exc:  # noqa: BLE001 - SystemExit, KeyboardInterrupt raised by a reward function
-        if isinstance(exc, KeyboardInterrupt) and os.getpid() == _DRIVER_PID:
-            raise
-        return Outcome(0.0, f"raised {type(exc).__name__}: {exc}")
+    except SystemExit as exc:  # a reward calling sys.exit(): a failure like any other (Ctrl-C is not caught)
+        return Outcome(0.0, f"raised SystemExit: {exc}")
 
 
-_DRIVER_PID = os.getpid()
+def warm_up(spec: RuleSpec) -> None:
+    """Call each function's ``warmup()`` if it has one (``math`` imports sympy there), so that the first
+    scored response does not pay for it against its timeout."""
+    from hybridrl.plugins.registry import load_object
+
+    for term in spec.all_terms():
+        warm = getattr(load_object(term.target), "warmup", None)
+        if callable(warm):
+            warm()
 
 
 class InlineRunner:
@@ -63,6 +70,7 @@ class InlineRunner:
     def __init__(self, spec: RuleSpec, timeout_s: float | None = None) -> None:
         self.rules = Rules(spec)
         self.timeout_s = timeout_s
+        warm_up(spec)
 
     def run(self, items: Sequence[Item]) -> list[Outcome]:
         return [score_item(self.rules, item) for item in items]
@@ -77,8 +85,10 @@ def _worker_main(conn: Connection, spec: RuleSpec, running: Any) -> None:
     """A pool process: build the rules, then score chunks until told to stop. ``running`` (shared memory)
     holds the position in the chunk of the call under way and when it started, for the driver's deadline;
     the outcomes of a chunk go back in one message."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle (it finishes the step)
     try:
         rules = Rules(spec)
+        warm_up(spec)
     except BaseException as exc:  # noqa: BLE001 - reported to the driver, which raises it
         conn.send(("init_error", f"{type(exc).__name__}: {exc}"))
         return

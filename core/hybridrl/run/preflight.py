@@ -215,6 +215,7 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
     from hybridrl.data.loading import DataError, load_rows, tokenize_rows
     from hybridrl.rewards.checks import run_problems as reward_run_problems
     from hybridrl.rewards.rules import build_spec
+    from hybridrl.run.validation import validation_problems
 
     backends, plan, problems = check_config(cfg, registry, cluster)
     run_cfg, notes = with_algorithm_roles(cfg, registry)
@@ -252,6 +253,7 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
         rules, _ = build_spec(run_cfg.roles.reward, registry)
         if rules is not None and prompts:  # terms, sources, reference answers, a probe (hybridrl.rewards.checks)
             problems += reward_run_problems(rules, run_cfg.roles.reward, cfg.data, raw, prompts)
+    problems += validation_problems(run_cfg, val_prompts, trained, registry)
     signatures = run_checks.model_signatures(run_cfg, list(trained))
     if folder.resume_from is not None and signatures is not None and prompts is not None:
         problems += run_checks.resume_fit_problems(folder.resume_from, trained, signatures, len(prompts))

@@ -31,6 +31,7 @@ from hybridrl.observe.memory import peak_memory_metrics
 from hybridrl.observe.timing import PhaseTimer
 from hybridrl.observe.tracking import build_trackers
 from hybridrl.rewards.scorer import RewardScorer, on_last_token
+from hybridrl.run.validation import Validator
 from hybridrl.roles import role_spec
 from hybridrl.run import checkpoint as ckpt
 from hybridrl.run.pipeline import GenerationJob, needs_sync, staleness_of
@@ -125,6 +126,7 @@ class Trainer:
             "actor_options": role_options(cfg, "actor"), "seed": cfg.trainer.seed,
             "model_signatures": setup.model_signatures, "data_rows": self.loader.num_rows})
         self.guard = StepGuard(cfg.trainer.max_bad_steps, setup.plan, self.checkpointer)
+        self.validator = Validator(self, setup.val_prompts) if setup.val_prompts else None  # data.val
 
     # --- Stateful: what a checkpoint keeps of the driver ------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -476,8 +478,14 @@ class Trainer:
                    dynamic_ncols=True)
         try:
             with self.guard.guarding(self.groups, lambda: self.step + 1):
+                if self.validator is not None and self.step == 0 and self.validator.due(0):
+                    before = self.validator.run(self)  # logged as step 0
+                    for tracker in self.trackers:
+                        tracker.log(before, 0)
                 while self.step < tcfg.steps:
                     metrics = self.train_step()
+                    if self.validator is not None and self.validator.due(self.step):
+                        metrics.update(self.validator.run(self))
                     bad = self.guard.observe(self.step, metrics)
                     history.append(metrics)
                     if self.step % tcfg.log_every == 0 or self.step == tcfg.steps:

@@ -1,5 +1,5 @@
-"""The core's bundled task: registers the ``reverse`` reward and dataset (registered directly by the host,
-``plugins.discovery.CORE_PLUGINS``)."""
+"""The core's bundled tasks: registers the ``reverse`` reward and dataset, the ``arithmetic`` dataset, and the
+``reasoning_gym`` dataset and reward (registered directly by the host, ``plugins.discovery.CORE_PLUGINS``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ if TYPE_CHECKING:
 @hookimpl
 def hybridrl_register_rewards(registry: "Registry") -> None:
     registry.add_reward("reverse", "hybridrl.tasks.reverse:reverse_reward")
+    registry.add_reward("reasoning_gym", "hybridrl.tasks.reasoning_gym:reasoning_gym_reward")
 
 
 @hookimpl
 def hybridrl_register_datasets(registry: "Registry") -> None:
     registry.add_dataset("reverse", "hybridrl.tasks.reverse:make_reverse_rows")
+    registry.add_dataset("arithmetic", "hybridrl.tasks.arithmetic:make_arithmetic_rows")
+    registry.add_dataset("reasoning_gym", "hybridrl.tasks.reasoning_gym:make_reasoning_gym_rows")
