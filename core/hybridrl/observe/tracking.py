@@ -18,7 +18,8 @@ from typing import Any, Protocol
 
 from hybridrl import hookimpl
 
-CONSOLE_KEYS = ("reward/mean", "val/reward/mean", "response_length/mean", "actor/kl_loss", "actor/entropy", "timing/step")
+CONSOLE_KEYS = ("reward/mean", "val/reward/mean", "response_length/mean", "actor/kl_loss", "actor/entropy",
+                "timing/step")
 
 
 class Tracker(Protocol):
