@@ -3,6 +3,14 @@
 Tensor layout (B = sequences): prompts are left-padded to P tokens, responses right-padded to R tokens, so
 ``input_ids = cat(prompt_ids, response_ids)`` puts every response at the same columns ``P .. P+R``.
 Per-token tensors of the response (log-probs, advantages, masks) are all ``(B, R)``.
+
+A multi-turn trajectory (``hybridrl.environments``) is one row too: ``response_ids`` holds every token after the
+prompt, the model's turns and the environment's observations (tool results ...) interleaved. Two masks then
+differ: ``response_mask`` is 1 on the model's own tokens only, the tokens that are trained (log-probs, KL,
+advantages and losses are all taken under it), and ``response_attention_mask`` is 1 on every real token, the
+observations included, which are context the model attends to. A batch without ``response_attention_mask``
+(single-turn) attends to exactly its trained tokens. Use ``response_attention_mask(batch)`` and
+``sequence_tensors(batch)`` rather than reading ``response_mask`` as the attention.
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ ADVANTAGES = "advantages"
 RETURNS = "returns"
 TOKEN_REWARDS = "token_rewards"
 SCORES = "scores"
+#: multi-turn rows: 1 on every real response token (model and observation); see the module docstring.
+RESPONSE_ATTENTION_MASK = "response_attention_mask"
+#: what a forward over prompt+response needs (``sequence_keys`` adds the attention mask where a batch has one).
+SEQUENCE_KEYS = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
 
 
 _NUMPY_INCOMPATIBLE = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
@@ -170,10 +182,32 @@ def first_row_of_each_group(group_index: Sequence[int]) -> dict[int, int]:
     return first
 
 
+def response_attention_mask(batch: Batch) -> torch.Tensor:
+    """``(B, R)``: 1 on every real response token, the observations of a multi-turn row included
+    (``response_attention_mask``); a single-turn batch has none and attends to its ``response_mask``."""
+    return batch[RESPONSE_ATTENTION_MASK] if RESPONSE_ATTENTION_MASK in batch else batch[RESPONSE_MASK]
+
+
+def sequence_keys(batch: Batch) -> tuple[str, ...]:
+    """The keys a forward over prompt+response reads (``SEQUENCE_KEYS``, plus the attention mask of a
+    multi-turn batch): select these, not ``SEQUENCE_KEYS`` alone, or the observations become padding."""
+    return SEQUENCE_KEYS + ((RESPONSE_ATTENTION_MASK,) if RESPONSE_ATTENTION_MASK in batch else ())
+
+
+def last_positions(mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` column of each row's last 1 in ``mask`` (0 for a row without any): the last trained token of
+    a response (``response_mask``), which a multi-turn row need not have at ``mask.sum() - 1``."""
+    if mask.shape[-1] == 0:
+        return torch.zeros(mask.shape[:-1], dtype=torch.long, device=mask.device)
+    columns = torch.arange(1, mask.shape[-1] + 1, device=mask.device)  # 1-based: 0 marks "no token"
+    return ((mask != 0).long() * columns).amax(dim=-1).sub(1).clamp(min=0)
+
+
 def sequence_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask, position_ids)`` of prompt+response, positions counted over real tokens."""
+    """``(input_ids, attention_mask, position_ids)`` of prompt+response, positions counted over real tokens
+    (the observation tokens of a multi-turn row are real: attended to, never trained)."""
     input_ids = torch.cat([batch[PROMPT_IDS], batch[RESPONSE_IDS]], dim=1)
-    attention_mask = torch.cat([batch[PROMPT_MASK], batch[RESPONSE_MASK]], dim=1).long()
+    attention_mask = torch.cat([batch[PROMPT_MASK], response_attention_mask(batch)], dim=1).long()
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return input_ids, attention_mask, position_ids
 

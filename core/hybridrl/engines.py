@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import torch
 
 from hybridrl.batch import Batch
+
+if TYPE_CHECKING:
+    from hybridrl.environments.spec import EnvironmentSpec
 
 NamedTensor = tuple[str, torch.Tensor]
 #: per-token critic values ``(B, R)`` (``TrainEngine.compute_values``; also an ``Objective.needs`` entry).
@@ -67,6 +70,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GeneratedTokens:
+    """One request's completion (``RolloutEngine.generate_request``): the sampled ids (the stop token
+    included when it stopped), their log-probs as in ``generate`` (None when ``params.logprobs`` is off)."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -188,6 +200,31 @@ class RolloutEngine(ABC):
         and ``rollout_log_probs``: log-probs of the sampled tokens under the distribution they were drawn
         from (logits / temperature, after top-k/top-p renormalisation; raw log-softmax when greedy).
         ``params.seed`` is shared by all ranks; an engine mixes in its rank so replicas draw distinct streams."""
+
+    async def generate_request(self, prompt_ids: list[int], params: SamplingParams) -> GeneratedTokens:
+        """Sample one response to ``prompt_ids`` (no padding), awaitable so that many run at once (the
+        per-request episode runner awaits one per live trajectory). Same sampling and log-prob contract as
+        ``generate``; ``params.seed`` is this request's own (the runner mixes in row and turn), which an
+        engine mixes with its replica as ``generate`` does with rows. Optional: an engine that serves single
+        requests concurrently (continuous batching) declares ``supports={"requests"}`` at registration, and
+        multi-turn episodes then run one request per turn, none waiting for another."""
+        raise NotImplementedError(f"{type(self).__name__} does not generate single requests")
+
+    def run_requests(self, coroutine: Any) -> Any:
+        """Run the episode runner's coroutine (which awaits ``generate_request``) to completion on the event
+        loop the engine's requests belong to. Default: a fresh loop (``asyncio.run``); an engine bound to a
+        loop of its own (SGLang's) runs it there."""
+        import asyncio
+
+        return asyncio.run(coroutine)
+
+    def generate_episodes(self, batch: Batch, params: SamplingParams, environment: "EnvironmentSpec") -> Batch:
+        """Play one episode of ``environment`` per row (``prompt_ids``/``prompt_mask``, and the rows'
+        ``prompt``/``meta`` fields) and return the trainer's rows (``hybridrl.environments.trajectory``).
+        Runs in the rollout worker, next to the engine; engines inherit it and need not override it."""
+        from hybridrl.environments.runner import run_episodes
+
+        return run_episodes(self, batch, params, environment)
 
     @abstractmethod
     def import_weights(self, bucket: WeightBucket) -> None:

@@ -44,3 +44,55 @@ def test_sequence_tensors_positions_skip_left_padding():
     assert ids.tolist() == [[5, 6, 8, 0], [0, 7, 9, 10]]
     assert mask.tolist() == [[1, 1, 1, 0], [0, 1, 1, 1]]
     assert pos[1, 1:].tolist() == [0, 1, 2] and pos[0, :3].tolist() == [0, 1, 2]
+
+
+# --- multi-turn rows: trained tokens and attended tokens differ ----------------------------------------------
+def multi_turn_batch() -> Batch:
+    """Row 0: model [11, 12], observation [21, 22], model [13]; row 1: one model turn [14, 15]."""
+    from hybridrl.batch import RESPONSE_ATTENTION_MASK
+
+    p_ids, p_mask = left_pad([[5, 6], [7]], pad_id=0)
+    r_ids, attention = right_pad([[11, 12, 21, 22, 13], [14, 15]], pad_id=0, width=6)
+    trained = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 0, 0]])
+    return Batch.from_tensors({PROMPT_IDS: p_ids, PROMPT_MASK: p_mask, RESPONSE_IDS: r_ids, RESPONSE_MASK: trained,
+                               RESPONSE_ATTENTION_MASK: attention})
+
+
+def test_sequence_tensors_attend_to_observations_and_keys_carry_the_attention_mask():
+    from hybridrl.batch import RESPONSE_ATTENTION_MASK, SEQUENCE_KEYS, response_attention_mask, sequence_keys
+
+    batch = multi_turn_batch()
+    _, attention, positions = sequence_tensors(batch)
+    assert attention.tolist() == [[1, 1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0, 0, 0]]
+    assert positions[0].tolist()[:7] == [0, 1, 2, 3, 4, 5, 6]
+    assert torch.equal(response_attention_mask(batch), batch[RESPONSE_ATTENTION_MASK])
+    assert sequence_keys(batch) == SEQUENCE_KEYS + (RESPONSE_ATTENTION_MASK,)
+    single = batch.select(*SEQUENCE_KEYS)
+    assert sequence_keys(single) == SEQUENCE_KEYS
+    assert torch.equal(response_attention_mask(single), single[RESPONSE_MASK])
+
+
+def test_reward_sits_on_the_last_model_token_and_text_covers_observations():
+    from hybridrl.batch import last_positions
+    from hybridrl.data.tokenizer import build_char_tokenizer
+    from hybridrl.rewards.scorer import decode_responses, on_last_token
+
+    batch = multi_turn_batch()
+    assert last_positions(batch[RESPONSE_MASK]).tolist() == [4, 1]
+    assert last_positions(torch.zeros(2, 3)).tolist() == [0, 0]
+    rewards = on_last_token(torch.tensor([2.0, 3.0]), batch[RESPONSE_MASK])
+    assert rewards.tolist() == [[0, 0, 0, 0, 2.0, 0], [0, 3.0, 0, 0, 0, 0]]
+    contiguous = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    expected = [[0, 0, 1, 0], [2, 0, 0, 0], [0, 0, 0, 0]]
+    assert on_last_token(torch.tensor([1.0, 2.0, 3.0]), contiguous).tolist() == expected
+    tok = build_char_tokenizer()
+    ids = [tok.convert_tokens_to_ids(c) for c in "abxyc"]
+    batch[RESPONSE_IDS][0, :5] = torch.tensor(ids)
+    assert decode_responses(tok, batch)[0] == "abxyc"
+
+
+def test_padding_rows_copy_the_attention_mask_but_train_nothing():
+    from hybridrl.batch import RESPONSE_ATTENTION_MASK
+
+    padded, pad = multi_turn_batch().pad_to_multiple(4, zero_keys=(RESPONSE_MASK,))
+    assert pad == 2 and padded[RESPONSE_MASK][2:].sum() == 0 and padded[RESPONSE_ATTENTION_MASK][2:].sum() > 0

@@ -1,5 +1,5 @@
-"""``examples/math-chat.yaml`` learns on CPU: the tiny model with the chat tokenizer, small additions in chat form,
-the built-in gsm8k reward plus a format bonus; the greedy validation reward rises (on demand:
+"""``examples/math-chat.yaml`` learns on CPU: the tiny model with the chat tokenizer, one-digit addition in chat
+form, the built-in gsm8k reward plus a format bonus; the greedy validation reward rises (on demand:
 ``HYBRIDRL_SLOW=1 python -m pytest tests/e2e/test_math_chat_learns.py``; minutes of CPU)."""
 
 from __future__ import annotations

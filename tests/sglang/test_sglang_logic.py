@@ -422,6 +422,9 @@ class FakeSGLang:
         self.calls: list[tuple] = []
         self.top_asked: list[int | None] = []
         self.gen = torch.Generator().manual_seed(0)
+        import asyncio
+
+        self.loop = asyncio.new_event_loop()  # as Engine.__init__ makes one
 
     def generate(self, input_ids, sampling_params, return_logprob, top_logprobs_num=None):
         self.calls.append(("generate", [list(i) for i in input_ids], [dict(s) for s in sampling_params],
@@ -456,6 +459,14 @@ class FakeSGLang:
                 meta["output_top_logprobs"] = tops
             outs.append({"output_ids": toks, "meta_info": meta})
         return outs
+
+    async def async_generate(self, input_ids, sampling_params, return_logprob, top_logprobs_num=None):
+        """One request, as ``Engine.async_generate``; it yields first, so requests interleave."""
+        import asyncio
+
+        assert asyncio.get_running_loop() is self.loop, "async_generate awaited off the engine's loop"
+        await asyncio.sleep(0)
+        return self.generate([input_ids], [sampling_params], return_logprob, top_logprobs_num)[0]
 
     def release_memory_occupation(self, tags):
         self.calls.append(("release", list(tags)))
@@ -695,3 +706,48 @@ def test_sglang_numeric_fraction_must_hold_the_weights():
     check_fraction(0.5, free_bytes=60 * GIB, weights_bytes=15 * GIB)
     with pytest.raises(KVCacheTooSmall, match="gpu_memory_utilization=0.2 gives SGLang"):
         check_fraction(0.2, free_bytes=60 * GIB, weights_bytes=15 * GIB)
+
+
+# --- single requests (multi-turn episodes) on the fake engine ------------------------------------------------
+@pytest.mark.parametrize("min_new", [0, 4])
+def test_a_request_runs_the_phases_of_generate(fake_engine, min_new):
+    import asyncio
+
+    engine, table = fake_engine["make"](), fake_engine["table"]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, min_new_tokens=min_new)
+
+    async def all_requests():
+        return await asyncio.gather(*(engine.generate_request(p, params) for p in PROMPTS))
+
+    outs = engine.run_requests(all_requests())
+    for prompt, out in zip(PROMPTS, outs):
+        toks, lps = _greedy(table, prompt, 6, min_new)
+        assert out.token_ids == toks
+        torch.testing.assert_close(torch.tensor(out.log_probs, dtype=torch.float64),
+                                   torch.tensor(lps, dtype=torch.float64))
+    singles = [c for c in fake_engine["fake"].calls if c[0] == "generate"]
+    assert len(singles) == len(PROMPTS) * (2 if min_new else 1)  # one call per request and phase
+
+
+def test_episodes_per_request_equal_batched_rounds(fake_engine, tmp_path):
+    from dataclasses import replace
+
+    from hybridrl.data.tokenizer import build_char_tokenizer
+    from hybridrl.environments.runner import run_episodes
+    from hybridrl.environments.spec import EnvironmentSpec
+    from hybridrl.environments.trajectory import NUM_TURNS
+    from hybridrl.plugins.discovery import get_registry
+
+    assert get_registry().backend("rollout", "sglang").can("requests")
+    engine = fake_engine["make"]()
+    build_char_tokenizer().save_pretrained(engine.ctx.model_path)  # the runner decodes turns with it
+    batch = _prompts()
+    batch.set("prompt", ["a", "b", "c"])
+    batch.set("meta", [{}, {}, {}])
+    spec = EnvironmentSpec(name="tools", max_turns=3, max_total_tokens=20, tools=("calculator",), tool_parser="arith",
+                           plain_template="{content}")
+    params = SamplingParams(temperature=0.0, max_new_tokens=5)
+    per_request = run_episodes(engine, batch, params, replace(spec, mode="requests"))
+    batched = run_episodes(engine, batch, params, replace(spec, mode="batched"))
+    for key in (RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, NUM_TURNS):
+        assert torch.equal(per_request[key], batched[key]), key

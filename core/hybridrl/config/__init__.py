@@ -3,10 +3,12 @@ one (``loading``). Every bad value is a ``ConfigError`` naming its key path."""
 
 from hybridrl.config.loading import apply_overrides, load_config, parse_override
 from hybridrl.config.schema import (ActorConfig, AlgorithmConfig, ClusterConfig, ConfigError, CriticConfig, DataConfig,
-                                    KLConfig, ModelConfig, PoolConfig, RefConfig, RewardConfig, RewardModelConfig,
+                                    EnvironmentConfig, KLConfig, ModelConfig, PoolConfig, RefConfig, RewardConfig,
+                                    RewardModelConfig,
                                     RoleBase, RolesConfig, RolloutConfig, RunConfig, TinyModelConfig, TrainerConfig)
 
-__all__ = ["ActorConfig", "AlgorithmConfig", "ClusterConfig", "ConfigError", "CriticConfig", "DataConfig", "KLConfig",
+__all__ = ["ActorConfig", "AlgorithmConfig", "ClusterConfig", "ConfigError", "CriticConfig", "DataConfig",
+           "EnvironmentConfig", "KLConfig",
            "ModelConfig", "PoolConfig", "RefConfig", "RewardConfig", "RewardModelConfig", "RoleBase", "RolesConfig",
            "RolloutConfig", "RunConfig", "TinyModelConfig", "TrainerConfig", "apply_overrides", "load_config",
            "parse_override"]

@@ -265,9 +265,7 @@ class RewardConfig(RoleBase):
             self.fn = None  # with a dispatch table, a source outside it has no reward unless fn is given
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"roles.reward.url must start with http:// or https://, got '{self.url}'")
-        if self.fn is None and self.model is None and self.url is None and not self.by_source:
-            raise ValueError("give roles.reward.fn (a rule reward), roles.reward.by_source, roles.reward.url, "
-                             "roles.reward.model, or several")
+        # that some reward is given (these, or an environment's own) is checked by RunConfig, which sees both
         if self.model is None and self.pool is not None:
             raise ValueError("roles.reward.pool places a reward model: set roles.reward.model too "
                              "(rule rewards run in the driver)")
@@ -335,18 +333,52 @@ class TrainerConfig(Strict):
         return value if "jsonl" in value else [*value, "jsonl"]
 
 
+class EnvironmentConfig(Strict):
+    """Episodes (``hybridrl.environments``): one generation per prompt by default; a multi-turn environment
+    answers each model turn (tool results ...) and one row per trajectory is trained on the model's tokens."""
+
+    name: str = Field("single_turn", min_length=1, description="a registered environment: single_turn (one "
+                                                               "generation, today's path), tools, calc, or a plugin's")
+    options: dict[str, Any] = Field(default_factory=dict, description="the environment's own options")
+    max_turns: int = Field(1, gt=0, description="model turns per episode at most")
+    max_total_tokens: int | None = Field(
+        None, gt=0, description="tokens after the prompt per episode at most, model and observation tokens together "
+                                "(the trained rows' response width); default max_turns * roles.rollout.max_new_tokens")
+    tools: list[str] = Field(default_factory=list, description="registered tools the episodes may call "
+                                                                "(calculator, python ...)")
+    tool_options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="options per tool, by name")
+    tool_parser: str | None = Field("hermes", description="a registered tool-call parser (hermes: <tool_call> JSON)")
+    plain_template: str = Field("{content}", description="how an observation message is written when there is no "
+                                                         "chat template ({role}, {name}, {content})")
+    mode: Literal["auto", "batched", "requests"] = Field(
+        "auto", description="requests: one engine request per turn of each episode (vLLM, SGLang); batched: one "
+                            "generate call per round of turns (any engine); auto: requests where the engine can")
+    env_workers: int = Field(8, gt=0, description="threads stepping environments (requests mode)")
+
+
 class RunConfig(Strict):
     model: ModelConfig
     data: DataConfig
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     pools: dict[str, PoolConfig] = Field(default_factory=lambda: {"default": PoolConfig()})
     roles: RolesConfig = Field(default_factory=RolesConfig)
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     plugins: list[str] = Field(default_factory=list, description="extra plugin modules to load")
     auto: dict[str, Any] = Field(default_factory=dict, description="written by the pre-flight: what each auto setting "
                                                                    "resolved to and why, and the planned memory per "
                                                                    "phase (a value given here is replaced)")
+
+    @model_validator(mode="after")
+    def _some_reward(self) -> "RunConfig":
+        reward = self.roles.reward
+        if (reward.fn is None and reward.model is None and reward.url is None and not reward.by_source
+                and self.environment.name == "single_turn"):
+            raise ValueError("give roles.reward.fn (a rule reward), roles.reward.by_source, roles.reward.url, "
+                             "roles.reward.model, or several (or an environment whose episodes reward themselves, "
+                             "environment.name)")
+        return self
 
     def role_configs(self) -> dict[str, RoleBase]:
         """The enabled roles that run on a pool (the reward role only when it has a model: rule rewards run

@@ -125,11 +125,11 @@ def step_perf_metrics(model_path: str, plan: Any, dtype: str, epochs: int, batch
     """MFU and achieved TFLOP/s per phase for one step, from the model at ``model_path``, the placement
     ``plan`` (devices per role), the step's token counts and its ``timing/*`` metrics (called at the end of
     ``Trainer.train_step``; never fails the step)."""
-    from hybridrl.batch import PROMPT_MASK, RESPONSE_MASK
+    from hybridrl.batch import PROMPT_MASK, response_attention_mask
 
     try:
         shape = _shape_of(model_path)
-        lengths = (batch[PROMPT_MASK].sum(-1) + batch[RESPONSE_MASK].sum(-1)).tolist()
+        lengths = (batch[PROMPT_MASK].sum(-1) + response_attention_mask(batch).sum(-1)).tolist()
         devices = {role: plan.group_of(role).world_size for role in plan.role_pool}
         devices["all"] = sum(len(d) for d in plan.pools.values())
         seconds = {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")}

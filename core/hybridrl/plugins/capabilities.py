@@ -22,6 +22,7 @@ TRAIN_CAPABILITIES: dict[str, str] = {
 ROLLOUT_CAPABILITIES: dict[str, str] = {
     "sleep": "sleep / wake release and restore device memory (colocated with trainers)",
     "named_weights": "named_weights: the engine's weights under Hugging Face names (weight checks)",
+    "requests": "generate_request: single requests served concurrently (multi-turn episodes, one request per turn)",
 }
 KNOWN = {"train": TRAIN_CAPABILITIES, "rollout": ROLLOUT_CAPABILITIES}
 

@@ -20,6 +20,7 @@ HOOKS = (
     "hybridrl_register_rewards",
     "hybridrl_register_trackers",
     "hybridrl_register_datasets",
+    "hybridrl_register_environments",
 )
 #: the core's default plugins: they register through the same hooks as any third-party plugin.
 CORE_PLUGINS = (
@@ -29,6 +30,7 @@ CORE_PLUGINS = (
     "hybridrl.rewards.plugin",
     "hybridrl.observe.tracking",
     "hybridrl.weights.bridges",
+    "hybridrl.environments.plugin",
 )
 # Extra plugin modules, comma separated, for code that is importable but not pip-installed.
 EXTRA_PLUGINS_ENV = "HYBRIDRL_PLUGINS"

@@ -41,3 +41,9 @@ def hybridrl_register_trackers(registry: "Registry") -> None:
 @hookspec
 def hybridrl_register_datasets(registry: "Registry") -> None:
     """Add named prompt datasets (``registry.add_dataset``)."""
+
+
+@hookspec
+def hybridrl_register_environments(registry: "Registry") -> None:
+    """Add episode environments, the tools they call and tool-call parsers (``registry.add_environment``,
+    ``add_tool``, ``add_tool_parser``)."""

@@ -1,4 +1,5 @@
-"""The registry object handed to every hook: plugins add backends, algorithms, rewards, trackers, datasets.
+"""The registry object handed to every hook: plugins add backends, algorithms, rewards, trackers, datasets,
+environments, tools and tool-call parsers.
 
 Backends are registered by *import path* (``"hybridrl_vllm.engine:VLLMRollout"``) together with the engine
 packages they need, so that listing plugins or validating a config never imports a heavy engine, and a
@@ -231,6 +232,19 @@ class Registry:
 
     def add_dataset(self, name: str, fn: Callable | str) -> None:
         self._add_named("dataset", name, fn)
+
+    def add_environment(self, name: str, cls: type | str) -> None:
+        """An episode environment (``hybridrl.environments.base.Environment`` subclass, or a factory called
+        as ``cls(context, **environment.options)``), chosen by ``environment.name``."""
+        self._add_named("environment", name, cls)
+
+    def add_tool(self, name: str, cls: type | str) -> None:
+        """A tool (``hybridrl.tools.base.Tool`` subclass, built as ``cls(**environment.tool_options[name])``)."""
+        self._add_named("tool", name, cls)
+
+    def add_tool_parser(self, name: str, fn: Callable | str) -> None:
+        """A tool-call parser: ``fn(turn_text) -> hybridrl.tools.parsers.ParsedTurn``."""
+        self._add_named("tool_parser", name, fn)
 
     def get(self, category: str, name: str) -> Any:
         """Load a named component, with an error listing the known names."""

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hybridrl.run.atomic_dir import replaced_atomically
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, SCORES, Batch
+from hybridrl.batch import RESPONSE_IDS, SCORES, Batch, last_positions, response_attention_mask, sequence_keys
 from hybridrl.rewards.calling import RewardError
 from hybridrl.rewards.rules import RuleSpec, Term
 from hybridrl.rewards.runner import InlineRunner, Item, Outcome, ProcessRunner, default_workers
@@ -36,16 +36,17 @@ LOGGED_FAILURES = 3
 
 
 def decode_responses(tokenizer: Any, batch: Batch) -> list[str]:
-    lengths = batch[RESPONSE_MASK].sum(-1).tolist()
+    """Each row's response text: every real token after the prompt (a multi-turn row's observations too)."""
+    lengths = response_attention_mask(batch).sum(-1).tolist()
     ids = batch[RESPONSE_IDS]
     return [tokenizer.decode(ids[i, : int(n)].tolist(), skip_special_tokens=True) for i, n in enumerate(lengths)]
 
 
 def on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B, R) token rewards holding each row's score on its last response token."""
-    lengths = mask.sum(-1)
+    """(B, R) token rewards holding each row's score on its last trained token (``mask``: the response mask;
+    in a multi-turn row the model's last token, wherever the observations before it put it)."""
     token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
-    token_rewards[torch.arange(len(scores)), (lengths - 1).clamp(min=0)] = scores.float()
+    token_rewards[torch.arange(len(scores)), last_positions(mask)] = scores.float()
     return token_rewards * mask
 
 
@@ -156,8 +157,7 @@ class RewardScorer:
             failures = _merge(failures, outcomes)
         model_compute_s = None
         if self.model_group is not None:
-            keys = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
-            result = self.model_group.call("reward", "compute_scores", batch.select(*keys))
+            result = self.model_group.call("reward", "compute_scores", batch.select(*sequence_keys(batch)))
             parts["model"] = result.value[SCORES].float()
             model_compute_s = result.compute_s
         total = torch.zeros(len(batch), dtype=torch.float32)

@@ -12,6 +12,7 @@ from typing import Any
 
 from hybridrl.config import ConfigError, CriticConfig, RunConfig
 from hybridrl.run.checks import capability_problems
+from hybridrl.environments.checks import environment_problems, probe_problems as environment_probe_problems
 from hybridrl.run.pipeline import pipelining_problems
 from hybridrl.placement.plan import ClusterSpec, PlacementPlan, plan_placement, resolve_backends
 from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError
@@ -131,6 +132,7 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
         if path is not None and not (Path(path) / "config.json").is_file():
             problems.append(("roles.critic.model_path", f"'{path}' is not an HF checkpoint folder (no config.json)"))
     problems += _reward_problems(cfg, registry)
+    problems += environment_problems(cfg, registry, backends, greedy_baseline)
     if cfg.algorithm.tis_cap is not None and not cfg.roles.rollout.log_probs:
         problems.append(("roles.rollout.log_probs", "algorithm.tis_cap (truncated importance sampling, on by default "
                          "when trainer.pipelined) needs the rollout's log-probs: set roles.rollout.log_probs=true "
@@ -248,6 +250,9 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
     if tokenized:
         longest = max(len(p.token_ids) for rows in tokenized.values() for p in rows)
         problems += run_checks.context_problems(cfg, cfg.model.path or "", longest)
+    if prompts and not any(k.startswith("environment") for k, _ in problems):  # an episode on the longest prompt
+        problems += environment_probe_problems(cfg, registry, tokenizer, prompts,
+                                               run_checks.max_positions(cfg, cfg.model.path or ""))
     rules = None
     if not any(k.startswith(("roles.reward.fn", "roles.reward.by_source")) for k, _ in problems):
         rules, _ = build_spec(run_cfg.roles.reward, registry)

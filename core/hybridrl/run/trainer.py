@@ -24,8 +24,9 @@ from hybridrl.algorithms.kl_control import build_kl_controller
 from hybridrl.algorithms.objective import PolicyObjective, ValueObjective, resolve_algorithm
 from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, REF_LOG_PROBS, RESPONSE_IDS,
                             RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, SCORES, TOKEN_REWARDS, Batch,
-                            first_row_of_each_group, left_pad)
+                            first_row_of_each_group, left_pad, response_attention_mask, sequence_keys)
 from hybridrl.engines import VALUES, SamplingParams
+from hybridrl.environments.driver import Episodes
 from hybridrl.observe.flops import step_perf_metrics
 from hybridrl.observe.memory import peak_memory_metrics
 from hybridrl.observe.timing import PhaseTimer
@@ -44,7 +45,6 @@ from hybridrl.weights.sync_check import GREEDY_MARGIN, SyncCheck
 
 log = logging.getLogger(__name__)
 
-SEQUENCE_KEYS = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
 
 
 def value_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -102,6 +102,7 @@ class Trainer:
         self.kl_ctrl = build_kl_controller(kl_cfg) if self.kl_in_reward else None
         self.policy_objective = PolicyObjective(cfg.algorithm, self.registry)
         self.scorer = RewardScorer(self.tokenizer, setup.rules, reward_cfg=cfg.roles.reward)
+        self.episodes = Episodes.for_run(cfg, self.registry)  # None: single-turn generation
         r = cfg.roles.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
@@ -198,8 +199,10 @@ class Trainer:
         rows = next(self.loader)
         ids, mask = left_pad([r.token_ids for r in rows], self.pad_id)
         n = self.cfg.algorithm.n_samples
-        batch = Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask},
-                                   {"prompt": [r.prompt for r in rows], "meta": [r.meta for r in rows]})
+        fields = {"prompt": [r.prompt for r in rows], "meta": [r.meta for r in rows]}
+        if self.episodes is not None:
+            fields["messages"] = [r.messages for r in rows]
+        batch = Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask}, fields)
         batch = batch.repeat_interleave(n)
         batch.set("group_index", torch.arange(len(rows)).repeat_interleave(n))
         batch.info["temperature"] = self.sampling.temperature if self.sampling.temperature > 0 else 1.0
@@ -267,7 +270,11 @@ class Trainer:
     def submit_generation(self, batch: Batch, step: int) -> GenerationJob:
         """Dispatch the generation of ``batch`` (the prompts of ``step``) without waiting for it."""
         params = dataclasses.replace(self.sampling, seed=self.cfg.trainer.seed * 100_003 + step)
-        pending = self.groups["rollout"].submit("rollout", "generate", batch.select(PROMPT_IDS, PROMPT_MASK), params)
+        rollout = self.groups["rollout"]
+        if self.episodes is not None:  # multi-turn: one episode per row, played next to the engine
+            pending = self.episodes.submit(rollout, batch, params)
+        else:
+            pending = rollout.submit("rollout", "generate", batch.select(PROMPT_IDS, PROMPT_MASK), params)
         return GenerationJob(batch, step, self.rollout_version, pending)
 
     def collect_generation(self, job: GenerationJob, log: StepLog) -> Batch:
@@ -305,17 +312,20 @@ class Trainer:
         timer, metrics = log.timer, log.metrics
         if "ref" in self.groups and self.algo.uses_ref:
             with timer.phase("ref"):
-                ref = log.took("ref", self.groups["ref"].call("ref", "compute_log_probs", batch.select(*SEQUENCE_KEYS)))
+                ref = log.took("ref", self.groups["ref"].call("ref", "compute_log_probs",
+                                                              batch.select(*sequence_keys(batch))))
                 batch.set(REF_LOG_PROBS, ref["log_probs"])
         actor = self.groups["actor"]
         if self.recompute_old_log_probs:
             with timer.phase("old_log_prob"):
-                old = log.took("old_log_prob", actor.call("actor", "compute_log_probs", batch.select(*SEQUENCE_KEYS)))
+                old = log.took("old_log_prob", actor.call("actor", "compute_log_probs",
+                                                          batch.select(*sequence_keys(batch))))
                 batch.set(OLD_LOG_PROBS, old["log_probs"])
         critic = self.groups.get("critic")
         if critic is not None:
             with timer.phase("values"):
-                values = log.took("values", critic.call("critic", "compute_values", batch.select(*SEQUENCE_KEYS)))
+                values = log.took("values", critic.call("critic", "compute_values",
+                                                        batch.select(*sequence_keys(batch))))
                 batch.set(VALUES, values[VALUES])
         with timer.phase("adv"):
             metrics.update(self.advantages(batch))
@@ -342,7 +352,7 @@ class Trainer:
         metrics["perf/overhead_fraction"] = max(0.0, 1.0 - sum(compute.values()) / step_seconds)
         metrics.update({f"reshard/{k}": float(v) for k, v in reshard.items()})
         resp_tokens = float(batch[RESPONSE_MASK].sum())
-        all_tokens = resp_tokens + float(batch[PROMPT_MASK].sum())
+        all_tokens = float(response_attention_mask(batch).sum()) + float(batch[PROMPT_MASK].sum())
         metrics["perf/gen_tokens_per_s"] = resp_tokens / max(timer.seconds["gen"], 1e-9)
         if "update_actor" in timer.seconds:
             metrics["perf/train_tokens_per_s"] = all_tokens / max(timer.seconds["update_actor"], 1e-9)
@@ -372,7 +382,7 @@ class Trainer:
 
     def update_actor(self, batch: Batch, log: StepLog) -> dict[str, float]:
         optional = [k for k in (OLD_LOG_PROBS, REF_LOG_PROBS, ROLLOUT_LOG_PROBS) if k in batch]
-        batch = batch.select(*SEQUENCE_KEYS, ADVANTAGES, *optional)
+        batch = batch.select(*sequence_keys(batch), ADVANTAGES, *optional)
         return self._mini_batch_updates(
             "actor", batch, self.cfg.roles.actor.mini_batch, log,
             lambda group, mini: group.call("actor", "update", mini, self.policy_objective,
@@ -385,7 +395,7 @@ class Trainer:
         objective = ValueObjective(critic_cfg.cliprange_value, aggregation)
         mini_batch = critic_cfg.mini_batch or self.cfg.roles.actor.mini_batch
         metrics = self._mini_batch_updates(
-            "critic", batch.select(*SEQUENCE_KEYS, VALUES, RETURNS), mini_batch,
+            "critic", batch.select(*sequence_keys(batch), VALUES, RETURNS), mini_batch,
             log, lambda group, mini: group.call("critic", "update", mini, objective, zero_pad_keys=(RESPONSE_MASK,)))
         metrics.update(value_metrics(batch[VALUES], batch[RETURNS], batch[RESPONSE_MASK]))
         return metrics
@@ -398,7 +408,8 @@ class Trainer:
         generated = self.groups["rollout"].call("rollout", "generate", prompts, params).value
         prompts.update(generated)
         prompts.info["temperature"] = 1.0
-        margins = self.groups["actor"].call("actor", "compute_greedy_margins", prompts.select(*SEQUENCE_KEYS)).value
+        margins = self.groups["actor"].call("actor", "compute_greedy_margins",
+                                            prompts.select(*sequence_keys(prompts))).value
         metrics = self.sync_check.metrics(generated, margins[GREEDY_MARGIN])
         if metrics["sync_check/off_argmax"] > 0:
             log.warning("step %d: after the weight sync %d of %d greedy rollout tokens are not the actor's argmax "
@@ -426,12 +437,12 @@ class Trainer:
         scored = self.scorer(batch)
         if scored.model_compute_s is not None:
             log.compute["reward"] = scored.model_compute_s
-        scores, mask = scored.scores, batch[RESPONSE_MASK]
+        scores, mask = scored.scores + Episodes.reward(batch), batch[RESPONSE_MASK]
         batch.set("response_text", scored.texts)
         batch.set(SCORES, scores)
         batch.set(TOKEN_REWARDS, on_last_token(scores, mask))
-        lengths = mask.sum(-1)
-        max_len = self.sampling.max_new_tokens
+        lengths = response_attention_mask(batch).sum(-1)  # a multi-turn row's observations included
+        max_len = batch[RESPONSE_IDS].shape[1]
         finished = ((batch[RESPONSE_IDS] == self.eos_id) & mask.bool() if self.eos_id is not None
                     else torch.zeros_like(mask).bool())
         clipped = (lengths >= max_len) & ~finished.any(-1)
@@ -442,6 +453,7 @@ class Trainer:
         if "model" in scored.parts or len(scored.parts) > 1:
             metrics.update({f"reward/{name}_mean": part.mean().item() for name, part in scored.parts.items()})
         metrics.update(scored.metrics)  # reward/errors, reward/timeouts, reward/<data_source>/mean
+        metrics.update(Episodes.metrics(batch, self.groups["rollout"].dp_size("rollout")))  # turns, tools, timing/env
         return metrics
 
     def advantages(self, batch: Batch) -> dict[str, float]:

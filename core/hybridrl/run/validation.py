@@ -21,7 +21,6 @@ RUN/best`` reads, with ``best.json`` naming the metric, its value and the step.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -146,7 +145,7 @@ class Validator:
         scores, lengths, index, texts, metas, prompts = [], [], [], [], [], []
         try:
             for i, batch in enumerate(self.batches()):
-                params = dataclasses.replace(self.params, seed=trainer.cfg.trainer.seed * 7_777 + i)
+                params = SamplingParams(**{**self.params.__dict__, "seed": trainer.cfg.trainer.seed * 7_777 + i})
                 batch.update(rollout.call("rollout", "generate", batch.select(PROMPT_IDS, PROMPT_MASK), params).value)
                 scored = trainer.scorer(batch)
                 scores += scored.scores.tolist()

@@ -1,5 +1,6 @@
-"""The core's bundled tasks: registers the ``reverse`` reward and dataset, the ``arithmetic`` dataset, and the
-``reasoning_gym`` dataset and reward (registered directly by the host, ``plugins.discovery.CORE_PLUGINS``)."""
+"""The core's bundled tasks: the ``reverse`` reward and dataset, the ``arithmetic`` dataset, the
+``reasoning_gym`` dataset and reward, and the ``calc`` tool task (dataset, environment, ``arith`` call parser)
+(registered directly by the host, ``plugins.discovery.CORE_PLUGINS``)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,10 @@ def hybridrl_register_datasets(registry: "Registry") -> None:
     registry.add_dataset("reverse", "hybridrl.tasks.reverse:make_reverse_rows")
     registry.add_dataset("arithmetic", "hybridrl.tasks.arithmetic:make_arithmetic_rows")
     registry.add_dataset("reasoning_gym", "hybridrl.tasks.reasoning_gym:make_reasoning_gym_rows")
+    registry.add_dataset("calc", "hybridrl.tasks.calc:make_calc_rows")
+
+
+@hookimpl
+def hybridrl_register_environments(registry: "Registry") -> None:
+    registry.add_environment("calc", "hybridrl.tasks.calc:CalcEnvironment")
+    registry.add_tool_parser("arith", "hybridrl.tasks.calc:arith")

@@ -14,6 +14,9 @@ Two ways to run it (see docs/plugins.md):
       class TestMyRollout(RolloutEngineContract):
           backend = "mine"
 
+Environments have a battery of their own, ``EnvironmentContract`` (``environment = "name"``), played by a
+scripted policy instead of a model.
+
 The names below load lazily, so that the pytest plugin (imported by every pytest run in an environment
 where hybridrl is installed) costs nothing until the kit is used.
 """
@@ -26,6 +29,8 @@ _EXPORTS = {
     "RolloutEngineContract": "hybridrl.testing.rollout_contract",
     "TrainEngineContract": "hybridrl.testing.train_contract",
     "BridgeContract": "hybridrl.testing.bridge_contract",
+    "EnvironmentContract": "hybridrl.testing.environment_contract",
+    "ScriptedPolicy": "hybridrl.testing.environment_contract",
     "KitModels": "hybridrl.testing.models",
     "KitModelSpec": "hybridrl.testing.models",
     "build_kit_models": "hybridrl.testing.models",

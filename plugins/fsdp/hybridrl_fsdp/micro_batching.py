@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch
+from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, response_attention_mask
 
 PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK)
 
@@ -31,7 +31,8 @@ class MicroBatch:
 
 
 def real_lengths(batch: Batch) -> tuple[list[int], list[int]]:
-    return batch[PROMPT_MASK].sum(-1).tolist(), batch[RESPONSE_MASK].sum(-1).tolist()
+    """Real prompt and response tokens per row (a multi-turn row's observations count: they are attended)."""
+    return batch[PROMPT_MASK].sum(-1).tolist(), response_attention_mask(batch).sum(-1).tolist()
 
 
 def _cost(rows: list[int], prompt_lens: list[int], response_lens: list[int]) -> int:
@@ -75,7 +76,7 @@ def trim(batch: Batch) -> tuple[Batch, int]:
     """Drop all-padding prompt columns (left) and response columns (right). Every other 2-D tensor with the
     response's width is response-aligned (``(B, R)``: masks, advantages, old log-probs ...) and is cut with it.
     Returns the trimmed batch and its response width (at least 1)."""
-    prompt_mask, response_mask = batch[PROMPT_MASK], batch[RESPONSE_MASK]
+    prompt_mask, response_mask = batch[PROMPT_MASK], response_attention_mask(batch)
     p_full, r_full = prompt_mask.shape[1], response_mask.shape[1]
     p_keep = max(int(prompt_mask.sum(-1).max()) if len(batch) else 1, 1)
     r_keep = max(int(response_mask.sum(-1).max()) if len(batch) else 1, 1)

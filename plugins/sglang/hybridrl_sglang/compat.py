@@ -117,6 +117,22 @@ def generate(engine: Any, input_ids: list[list[int]], sampling_params: list[dict
     return [out] if isinstance(out, dict) else list(out)
 
 
+async def async_generate(engine: Any, input_ids: list[int], sampling_params: dict[str, Any], top_logprobs: int = 0,
+                         logprobs: bool = True) -> dict[str, Any]:
+    """One request through ``Engine.async_generate`` (awaited on the engine's loop, see ``run_on_loop``)."""
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": logprobs}
+    if top_logprobs > 0:
+        kwargs["top_logprobs_num"] = int(top_logprobs)
+    out = await engine.async_generate(**kwargs)
+    return out[0] if isinstance(out, list) else out
+
+
+def run_on_loop(engine: Any, coroutine: Any) -> Any:
+    """Run a coroutine on the event loop the engine made at start (its tokenizer manager's), as its own
+    ``generate`` does."""
+    return engine.loop.run_until_complete(coroutine)
+
+
 def context_length(engine: Any) -> int | None:
     manager = getattr(engine, "tokenizer_manager", None)
     value = getattr(manager, "context_len", None)

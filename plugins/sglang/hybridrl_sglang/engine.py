@@ -20,7 +20,8 @@ from typing import Any, Iterator
 import torch
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch
-from hybridrl.engines import DataParallelInfo, EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
+from hybridrl.engines import (DataParallelInfo, EngineContext, GeneratedTokens, NamedTensor, RolloutEngine,
+                              SamplingParams, WeightBucket)
 from hybridrl.rollout.common import special_ids
 
 from hybridrl_sglang import compat
@@ -29,6 +30,7 @@ from hybridrl_sglang.options import PoolMemory, SGLangOptions, auto_fraction, ch
 from hybridrl_sglang.packing import (Completion, check_context, ended, pack_responses, parse_output, renormalise,
                                      unpad_prompts)
 from hybridrl_sglang.parallel import ReplicaLayout, engine_devices
+from hybridrl_sglang.requests import generate_one_request
 from hybridrl_sglang.sampling import engine_seed, per_request, phases, top_logprobs_wanted
 from hybridrl_sglang.sleep import MemoryState
 
@@ -183,6 +185,36 @@ class SGLangRollout(RolloutEngine):
                 if want:
                     logps[i].extend(self._sampling_logprobs(done, params))
         return pack_responses(tokens, logps if want else None, width, self.pad_id)
+
+    # --- single requests (multi-turn episodes) ---------------------------------------------------------------
+    def generate_episodes(self, batch: Batch, params: SamplingParams, environment: Any) -> Batch:
+        """See ``RolloutEngine.generate_episodes``; the other ranks of a tensor-parallel replica hold no engine
+        (the leader's serves them all) and return an empty batch the driver ignores."""
+        if self.engine is None:
+            return Batch.from_tensors({})
+        return super().generate_episodes(batch, params, environment)
+
+    def run_requests(self, coroutine: Any) -> Any:
+        """On the engine's own event loop (its tokenizer manager lives there)."""
+        return compat.run_on_loop(self.engine, coroutine)
+
+    async def generate_request(self, prompt_ids: list[int], params: SamplingParams) -> GeneratedTokens:
+        """See ``RolloutEngine.generate_request``: the phases of ``generate`` for one request
+        (``hybridrl_sglang.requests``), awaited while other requests decode in the same scheduler batches."""
+        if self.importing:
+            raise RuntimeError("SGLangRollout.generate_request called during a weight import")
+        if self.engine is None:
+            raise RuntimeError("SGLangRollout.generate_request on a rank without an engine (not a replica's leader)")
+        self.state.on_generate()
+        check_context([prompt_ids], int(params.max_new_tokens), self.context_length)
+        want = bool(params.logprobs)
+        top_n = top_logprobs_wanted(params, self.opts.logprob_top_n, self.vocab_size) if want else 0
+
+        async def one(input_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+            return await compat.async_generate(self.engine, input_ids, sampling, top_n, logprobs=want)
+
+        return await generate_one_request(one, prompt_ids, params, self.eos_ids, self.layout.replica,
+                                          self.opts.seed_mode, lambda done: self._sampling_logprobs(done, params))
 
     def _sampling_logprobs(self, done: Completion, params: SamplingParams) -> list[float]:
         """The tokens' log-probs under the truncated distribution they were drawn from."""

@@ -284,3 +284,29 @@ def sleep_supported(device: str) -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_sleep_mode_available())
+
+
+# --- single requests (multi-turn episodes: hybridrl_vllm.requests) --------------------------------------------
+def final_only(params: Any) -> Any:
+    """``params`` set to return a request's output once, when it finishes (what ``LLM.generate`` sets too)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
+
+
+def add_request(llm: Any, request_id: str, prompt: Any, params: Any) -> None:
+    """Queue one request on the in-process ``LLMEngine`` (outputs carry ``request_id`` as given)."""
+    llm.llm_engine.add_request(request_id, prompt, params)
+
+
+def step(llm: Any) -> list[Any]:
+    """One engine step (schedule, forward, sample) over every queued request; the outputs it produced."""
+    import torch
+
+    with torch.inference_mode():
+        return llm.llm_engine.step()
+
+
+def abort_requests(llm: Any, request_ids: list[str]) -> None:
+    llm.llm_engine.abort_request(list(request_ids))

@@ -15,6 +15,8 @@ vLLM joins the process group the host made (gloo on CPU, NCCL on GPU) as an *ext
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -23,7 +25,8 @@ from typing import Any, Iterator
 import torch
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch
-from hybridrl.engines import DataParallelInfo, EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
+from hybridrl.engines import (DataParallelInfo, EngineContext, GeneratedTokens, NamedTensor, RolloutEngine,
+                              SamplingParams, WeightBucket)
 from hybridrl.rollout.common import special_ids
 
 from hybridrl_vllm import compat
@@ -32,6 +35,7 @@ from hybridrl_vllm.options import StartMemory, VLLMOptions, check_weight_load, l
     start_memory
 from hybridrl_vllm.packing import check_context, pack_responses, sampled_logprobs, unpad_prompts
 from hybridrl_vllm.parallel import ReplicaLayout
+from hybridrl_vllm.requests import RequestPump
 from hybridrl_vllm.sampling import engine_seed, per_request_kwargs, resolve_seed_mode
 from hybridrl_vllm.sleep import KV_CACHE, KV_ONLY, SleepState
 from hybridrl_vllm.weights import tied_aliases, with_aliases
@@ -171,6 +175,7 @@ class VLLMRollout(RolloutEngine):
         self._import_marks: list[float] = []  # the last update's begin, woken, loaded, closed (import_stats)
         self.prefix_reset = True  # whether the last update had to reset the prefix cache
         self.last_sleep_level: str | int | None = None  # how the engine last slept (wake undoes exactly that)
+        self._pump: RequestPump | None = None  # single requests (generate_request), one per run_requests
 
     def data_parallel(self) -> DataParallelInfo:
         return self.layout.data_parallel()
@@ -249,6 +254,45 @@ class VLLMRollout(RolloutEngine):
         self.generate_timing = {"prepare_s": engine_start - start, "engine_s": engine_end - engine_start,
                                 "pack_s": time.perf_counter() - engine_end}
         return packed
+
+    # --- single requests (multi-turn episodes) ---------------------------------------------------------------
+    def generate_episodes(self, batch: Batch, params: SamplingParams, environment: Any) -> Batch:
+        """See ``RolloutEngine.generate_episodes``. With tensor parallelism every rank of a replica runs the
+        engine (vLLM's external launcher) and must schedule the same requests in the same order, which
+        environments finishing at their own pace would break: such a replica plays batched rounds instead."""
+        if self.layout.tp > 1 and environment.mode != "batched":
+            if environment.mode == "requests":
+                log.info("vLLM with tensor_parallel=%d plays episodes in batched rounds (its ranks must schedule "
+                         "identically)", self.layout.tp)
+            environment = dataclasses.replace(environment, mode="batched")
+        return super().generate_episodes(batch, params, environment)
+
+    def run_requests(self, coroutine: Any) -> Any:
+        """Run the episode runner's coroutine with a request pump of its own (``hybridrl_vllm.requests``)."""
+        self._pump = RequestPump(lambda rid, prompt, sampling: compat.add_request(self.llm, rid, prompt, sampling),
+                                 lambda: compat.step(self.llm), lambda ids: compat.abort_requests(self.llm, ids))
+        try:
+            return asyncio.run(coroutine)
+        finally:
+            self._pump = None
+
+    async def generate_request(self, prompt_ids: list[int], params: SamplingParams) -> GeneratedTokens:
+        """See ``RolloutEngine.generate_request``: one request through the engine's step loop, decoded in the
+        same forwards as every other request in flight. Same sampling settings as ``generate`` (the request's
+        seed mixed with the replica index, ``seed_mode="request"``)."""
+        if self.importing:
+            raise RuntimeError("VLLMRollout.generate_request called during a weight import")
+        self.state.on_generate()
+        if self._pump is None:  # awaited outside run_requests
+            self._pump = RequestPump(lambda rid, p, s: compat.add_request(self.llm, rid, p, s),
+                                     lambda: compat.step(self.llm), lambda ids: compat.abort_requests(self.llm, ids))
+        check_context([prompt_ids], int(params.max_new_tokens), self.context_length)
+        kwargs = per_request_kwargs(params, self.eos_ids, 1, self.layout.replica, self.seed_mode, self.flat_logprobs)
+        sampling = compat.final_only(compat.make_sampling_params(kwargs))
+        out = await self._pump.generate(compat.tokens_prompts([prompt_ids])[0], sampling)
+        completion = out.outputs[0]
+        ids = list(completion.token_ids)
+        return GeneratedTokens(ids, sampled_logprobs(ids, completion.logprobs) if params.logprobs else None)
 
     # --- weights ------------------------------------------------------------------------------------------
     def _begin_import(self) -> None:

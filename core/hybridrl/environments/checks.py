@@ -1,0 +1,86 @@
+"""Pre-flight checks of the ``environment`` section, each problem under its key path (``hybridrl.run.preflight``
+calls them): registered names, the rollout's capability for the per-request mode, what the episode loop does
+not support, and, once the model and prompts are there, an episode opened in the driver on the longest prompt
+(so bad options or a failing ``reset`` are reported before any worker starts) and the context it needs."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError
+
+Problems = list[tuple[str, str]]
+
+
+def environment_problems(cfg: Any, registry: Registry, backends: dict[str, BackendEntry],
+                         greedy_baseline: bool) -> Problems:
+    """Names, mode and algorithm (no model, no files)."""
+    env = cfg.environment
+    problems: Problems = []
+    for category, name, key in (("environment", env.name, "environment.name"),
+                                *(("tool", tool, "environment.tools") for tool in env.tools),
+                                *((("tool_parser", env.tool_parser, "environment.tool_parser"),) if env.tool_parser
+                                  else ())):
+        try:
+            registry.get(category, name)
+        except RegistryError as exc:
+            problems.append((key, str(exc)))
+    unused = sorted(set(env.tool_options) - set(env.tools))
+    if unused:
+        problems.append(("environment.tool_options", f"options for tool(s) {unused} that environment.tools does not "
+                                                     "list"))
+    rollout = backends.get("rollout")
+    if env.mode == "requests" and rollout is not None and not rollout.can("requests"):
+        problems.append(("environment.mode", f"requests needs a rollout backend that serves single requests; "
+                                             f"'{rollout.name}' does not declare the 'requests' capability "
+                                             "(use batched or auto)"))
+    if multi_turn(cfg, registry) and greedy_baseline:
+        problems.append(("environment.name", f"algorithm '{cfg.algorithm.name}' compares each sample with a greedy "
+                                             "single generation, which multi-turn episodes do not have"))
+    return problems
+
+
+def multi_turn(cfg: Any, registry: Registry) -> bool:
+    """Whether the run plays episodes (anything but the single-turn default)."""
+    from hybridrl.environments.runner import is_single_turn
+    from hybridrl.environments.spec import EnvironmentSpec
+
+    try:
+        return not is_single_turn(EnvironmentSpec(name=cfg.environment.name, max_turns=cfg.environment.max_turns),
+                                  registry)
+    except RegistryError:
+        return cfg.environment.name != "single_turn"
+
+
+def probe_problems(cfg: Any, registry: Registry, tokenizer: Any, prompts: Sequence[Any],
+                   max_positions: int | None) -> Problems:
+    """Open an episode on the longest prompt in the driver (with the policy's tokenizer; nothing is written):
+    the environment builds with its options and resets, and its opening plus ``max_total_tokens`` fits the
+    model's positions."""
+    from hybridrl.environments.base import EpisodeRow
+    from hybridrl.environments.runner import EpisodeError, build_runner
+    from hybridrl.environments.spec import EnvironmentSpec
+
+    if not prompts or not multi_turn(cfg, registry):
+        return []
+    try:
+        spec = EnvironmentSpec.from_config(cfg)
+        stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        runner = build_runner(spec, None, cfg.roles.rollout.max_new_tokens, cfg.trainer.seed, registry,
+                              tokenizer=tokenizer, stop_ids=stop)
+    except (ValueError, TypeError, OSError) as exc:
+        return [("environment", f"{type(exc).__name__}: {exc}")]
+    longest = max(prompts, key=lambda p: len(p.token_ids))
+    row = EpisodeRow(0, longest.prompt, list(longest.token_ids), dict(longest.meta), longest.messages)
+    try:
+        env, trajectory = runner.start(row)
+        env.close()
+    except EpisodeError as exc:
+        return [("environment.options" if exc.phase == "build" else "environment.name", str(exc))]
+    total = len(trajectory.prompt_ids) + runner.limits.max_total_tokens
+    if max_positions is not None and total > max_positions:
+        return [("environment.max_total_tokens",
+                 f"an episode's opening ({len(trajectory.prompt_ids)} tokens for the longest prompt) plus "
+                 f"max_total_tokens={runner.limits.max_total_tokens} is {total} tokens, more than the model's "
+                 f"max_position_embeddings={max_positions}")]
+    return []

@@ -1,0 +1,59 @@
+"""The ``environment`` section is checked before any process starts, each problem under its key: unknown
+environments, tools and parsers, tool options for unlisted tools, the per-request mode on a rollout that does
+not declare it, ReMax with episodes, options the environment refuses, and an opening plus
+``max_total_tokens`` past the model's positions; the calc example passes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config import ConfigError, load_config
+from hybridrl.environments.driver import Episodes
+from hybridrl.placement.plan import ClusterSpec
+from hybridrl.plugins.discovery import get_registry
+from hybridrl.run.preflight import prepare_run
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL_CALC = ROOT / "examples" / "tool-calc.yaml"
+CPU2 = ClusterSpec(1, 2, "cpu")
+
+
+def problems(tmp_path: Path, overrides: list[str]) -> dict[str, str]:
+    cfg = load_config(TOOL_CALC, [f"trainer.out={tmp_path / 'run'}", *overrides])
+    with pytest.raises(ConfigError) as err:
+        prepare_run(cfg, get_registry(tuple(cfg.plugins)), CPU2)
+    return {key: reason for key, reason in err.value.problems}
+
+
+@pytest.mark.parametrize("overrides,key,reason", [
+    (["environment.name=chess"], "environment.name", "unknown environment 'chess'"),
+    (["environment.tools=[calculator,search]"], "environment.tools", "unknown tool 'search'"),
+    (["environment.tool_parser=xml"], "environment.tool_parser", "unknown tool parser 'xml'"),
+    (["environment.tool_options={python: {timeout_s: 3}}"], "environment.tool_options", "'python'"),
+    (["environment.mode=requests"], "environment.mode", "'hf' does not declare the 'requests' capability"),
+    (["algorithm.name=remax"], "environment.name", "greedy single generation"),
+    (["environment.options={max_calls_per_turn: 0}"], "environment.options", "max_calls_per_turn must be >= 1"),
+    (["environment.tools=[]"], "environment.options", "needs the calculator"),
+    (["environment.max_total_tokens=200"], "environment.max_total_tokens", "max_position_embeddings=128"),
+])
+def test_environment_problems_are_found_before_start(tmp_path, overrides, key, reason):
+    found = problems(tmp_path, overrides)
+    assert key in found and reason in found[key], found
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_the_calc_example_passes_and_plays_batched_on_the_hf_rollout(tmp_path):
+    cfg = load_config(TOOL_CALC, [f"trainer.out={tmp_path / 'run'}"])
+    setup = prepare_run(cfg, get_registry(), CPU2)
+    episodes = Episodes.for_run(setup.cfg, setup.registry)
+    assert episodes is not None and episodes.spec.mode == "batched" and episodes.spec.name == "calc"
+    assert episodes.spec.limits(cfg.roles.rollout.max_new_tokens).max_total_tokens == 24
+    quick = load_config(ROOT / "examples" / "quickstart.yaml", [f"trainer.out={tmp_path / 'q'}"])
+    assert Episodes.for_run(quick, get_registry()) is None  # the default: today's single generation
+
+
+def test_some_reward_is_needed_without_an_environment(tmp_path):
+    with pytest.raises(ConfigError, match="or an environment whose episodes reward themselves"):
+        load_config(TOOL_CALC, ["environment.name=single_turn", "environment.max_turns=1"])
