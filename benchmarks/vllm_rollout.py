@@ -276,7 +276,7 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, left_pad
     from hybridrl.weights.bridges import sync_in_process
     from hybridrl.runtime.distributed import free_port, init_process_group
-    from hybridrl.engines import EngineContext, SamplingParams
+    from hybridrl.engines import EngineContext, SamplingParams, TrainingOptions
     from hybridrl_fsdp.engine import FSDPEngine
 
     backend = args.backend
@@ -288,7 +288,7 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     mem.mark("start")
     common = dict(model_path=str(model_dir), rank=0, world_size=1, device=device, dtype=dtype, seed=0)
     t_actor, actor = timed(lambda: FSDPEngine(EngineContext(role="actor", backend="fsdp", trainable=True,
-                                                            options={"micro_batch": 8, "lr": 1e-6}, **common)), device)
+                                                            training=TrainingOptions(micro_batch=8, lr=1e-6), **common)), device)
     mem.mark("actor_built")
     options: dict[str, Any] = {"gpu_memory_utilization": args.gpu_memory_utilization}
     if backend == "vllm":  # the variants below switch it; SGLang keeps its default (engine: request seeds turn

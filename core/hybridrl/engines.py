@@ -10,8 +10,8 @@ The core never imports a backend; it only calls these methods, inside the worker
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
 
 import torch
 
@@ -27,8 +27,39 @@ WeightBucket = list[NamedTensor]
 
 
 @dataclass(frozen=True)
+class TrainingOptions:
+    """The training settings every train backend reads, from the role's typed keys (``roles.actor.lr`` ...,
+    validated with their key paths before any process starts; a critic, reference or reward model inherits
+    what it leaves unset from the actor, see ``roles.RoleSpec.inherits``). A backend validates only its own
+    settings, which arrive in ``EngineContext.options``.
+
+    ``lr`` is the peak rate: with ``warmup_steps`` the k-th optimiser step (0-based) uses
+    ``lr * min(1, (k + 1) / warmup_steps)``. ``grad_clip`` None or <= 0 measures the norm without clipping.
+    ``max_tokens_per_micro_batch`` replaces ``micro_batch`` (rows per forward) by a token budget."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = 1.0
+    warmup_steps: int = 0
+    micro_batch: int = 16
+    max_tokens_per_micro_batch: int | None = None
+
+    @classmethod
+    def split(cls, options: Mapping[str, Any]) -> tuple["TrainingOptions", dict[str, Any]]:
+        """A flat mapping of role settings as ``(TrainingOptions, the backend's own settings)``; unset or None
+        shared keys keep their defaults (for tests and tools that build an engine from one dict)."""
+        shared = {f.name for f in fields(cls)}
+        given = {k: v for k, v in options.items() if k in shared and v is not None}
+        if "betas" in given:
+            given["betas"] = (float(given["betas"][0]), float(given["betas"][1]))
+        return cls(**given), {k: v for k, v in options.items() if k not in shared}
+
+
+@dataclass(frozen=True)
 class EngineContext:
-    """Where and as what an engine runs. ``options`` holds the role's backend-specific config keys."""
+    """Where and as what an engine runs. ``training`` holds the shared training settings (train roles),
+    ``options`` the role's backend-specific keys (``roles.<role>.options``; for a rollout also its typed keys)."""
 
     role: str
     backend: str
@@ -40,6 +71,7 @@ class EngineContext:
     seed: int = 0
     trainable: bool = True
     options: dict[str, Any] = field(default_factory=dict)
+    training: TrainingOptions = field(default_factory=TrainingOptions)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import torch
 
+from hybridrl.engines import RolloutEngine, TrainEngine
 from hybridrl.weights.bridges import sync_in_process
 
 
 class Exporter:
+    """The part of ``TrainEngine`` the bridge calls, with the contract's defaults."""
+
     def __init__(self) -> None:
         self.weights = {"a": torch.ones(4), "b": torch.zeros(2, 3, dtype=torch.float64)}
 
     def export_weights_transient(self, bucket_bytes: int):
         for name, tensor in self.weights.items():  # one tensor per bucket
             yield [(name, tensor)]
+
+    transient_export_holds_views = TrainEngine.transient_export_holds_views
 
 
 class Importer:
@@ -32,6 +37,8 @@ class Importer:
     def import_stats(self) -> dict[str, float]:
         return dict(self.stats or {})
 
+    imports_without_staging = RolloutEngine.imports_without_staging
+
 
 def test_sync_reports_bytes_buckets_and_the_engines_own_figures():
     trainer, rollout = Exporter(), Importer({"wake_weights_s": 0.25, "load_s": 0.5})
@@ -42,7 +49,7 @@ def test_sync_reports_bytes_buckets_and_the_engines_own_figures():
 
 
 class PlainImporter:
-    """An engine written before the ``import_stats`` hook."""
+    """An engine that keeps the contract's default ``import_stats`` (no figures of its own)."""
 
     def import_weights(self, bucket) -> None:
         pass
@@ -50,8 +57,11 @@ class PlainImporter:
     def finish_weight_import(self) -> None:
         pass
 
+    import_stats = RolloutEngine.import_stats
+    imports_without_staging = RolloutEngine.imports_without_staging
 
-def test_engines_without_the_hook_still_sync():
+
+def test_engines_with_the_default_import_stats_report_the_bridge_figures_alone():
     stats = sync_in_process(Exporter(), PlainImporter(), bucket_bytes=1)
     assert set(stats) == {"bytes", "buckets", "seconds"}
 

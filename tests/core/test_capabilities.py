@@ -77,3 +77,32 @@ def test_the_sync_check_is_turned_off_with_a_note_without_greedy_margins(tmp_pat
     setup = prepare_run(cfg, get_registry(tuple(cfg.plugins)), CPU2)
     assert setup.cfg.trainer.sync_check_every == 0
     assert any("sync_check_every is off" in n and "ghost_one_rank" in n for n in setup.notes)
+
+
+def test_typed_training_settings_reach_the_engine_and_backend_options_stay_its_own():
+    from hybridrl.runtime.launch import role_settings
+
+    cfg = load_config(QUICKSTART, ["roles.actor.lr=0.02", "roles.actor.betas=[0.8,0.95]", "roles.actor.mini_batch=128",
+                                   "roles.actor.options.gradient_checkpointing=true", "roles.ref.micro_batch=8"])
+    training, options = role_settings(cfg, "actor")
+    assert (training.lr, training.betas, training.micro_batch) == (0.02, (0.8, 0.95), 256)
+    assert options == {"gradient_checkpointing": True}  # mini_batch is the driver's, not the engine's
+    ref_training, ref_options = role_settings(cfg, "ref")
+    assert ref_training.micro_batch == 8 and ref_options == {}
+    _, rollout = role_settings(cfg, "rollout")
+    assert rollout["max_new_tokens"] == 3  # a rollout gets its typed keys as options
+
+
+@pytest.mark.parametrize("overrides, key, reason", [
+    (["roles.actor.options.gradient_checkpointing=maybe"], "roles.actor.options.gradient_checkpointing",
+     "must be true or false"),
+    (["roles.actor.options.grad_checkpointing=true"], "roles.actor.options.grad_checkpointing",
+     "unknown option of the fsdp backend"),
+    (["roles.actor.backend=megatron", "roles.ref.backend=megatron", "roles.actor.max_tokens_per_micro_batch=512"],
+     "roles.actor.max_tokens_per_micro_batch", "not supported by the megatron backend"),
+    (["roles.rollout.backend=vllm", "roles.rollout.options.gpu_memory_utilization=1.5"], "roles.rollout.options",
+     "gpu_memory_utilization"),
+])
+def test_each_backend_checks_its_own_settings_before_any_process_starts(overrides, key, reason):
+    problems = config_problems(overrides)
+    assert key in problems and reason in problems[key], problems

@@ -13,12 +13,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _fsdp_helpers import PolicyGradient, make_batch, save_tiny_qwen2  # noqa: E402
 from hybridrl.batch import LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK  # noqa: E402
-from hybridrl.engines import EngineContext  # noqa: E402
+from hybridrl.engines import EngineContext, TrainingOptions  # noqa: E402
 
 
 def cuda_context(model: Path, dtype: str, **options) -> EngineContext:
     return EngineContext(role="actor", backend="fsdp", model_path=str(model), rank=0, world_size=1, device="cuda",
-                         dtype=dtype, seed=0, options=options)
+                         dtype=dtype, seed=0, training=TrainingOptions.split(options)[0],
+                         options=TrainingOptions.split(options)[1])
 
 
 def reference_log_probs(model_path: Path, batch) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from hybridrl.batch import (ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch, left_pad,
                             right_pad)
-from hybridrl.engines import EngineContext, LossScale
+from hybridrl.engines import EngineContext, LossScale, TrainingOptions
 
 VOCAB = 40
 
@@ -69,4 +69,10 @@ class NaNObjective(PolicyGradient):
 
 def context(model_path: Path, rank: int = 0, world_size: int = 1, trainable: bool = True, **options) -> EngineContext:
     return EngineContext(role="actor" if trainable else "ref", backend="fsdp", model_path=str(model_path), rank=rank,
-                         world_size=world_size, device="cpu", seed=0, trainable=trainable, options=options)
+                         world_size=world_size, device="cpu", seed=0, trainable=trainable, **_split(options))
+
+
+def _split(options: dict) -> dict:
+    """The flat options of a test as the engine context's ``training`` and backend ``options``."""
+    training, own = TrainingOptions.split(options)
+    return {"training": training, "options": own}

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _mg_helpers import PolicyGradient  # noqa: E402
 from hybridrl.batch import (ADVANTAGES, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK,  # noqa: E402
                             Batch, sequence_tensors)
-from hybridrl.engines import EngineContext  # noqa: E402
+from hybridrl.engines import EngineContext, TrainingOptions  # noqa: E402
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
@@ -75,7 +75,7 @@ def main(port: int, tmp: Path) -> None:
     init_process_group(0, 1, "127.0.0.1", port, "cuda", timeout_s=300)
     path = save_model(tmp / "qwen2.5-0.5b-shaped")
     ctx = EngineContext(role="actor", backend="megatron", model_path=str(path), rank=0, world_size=1, device="cuda",
-                        dtype="bfloat16", seed=0, options={"micro_batch": 4, "lr": 1e-5, "grad_clip": 1.0})
+                        dtype="bfloat16", seed=0, training=TrainingOptions(micro_batch=4, lr=1e-5, grad_clip=1.0))
     t0 = time.perf_counter()
     engine = MegatronEngine(ctx)
     print(f"build {time.perf_counter() - t0:.1f}s", flush=True)

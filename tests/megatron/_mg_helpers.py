@@ -13,7 +13,7 @@ import torch
 
 from hybridrl.batch import (ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch, left_pad,
                             right_pad, sequence_tensors)
-from hybridrl.engines import EngineContext, LossScale
+from hybridrl.engines import EngineContext, LossScale, TrainingOptions
 
 #: odd on purpose: with vocab_multiple=1 and tensor_parallel=2 the vocabulary is padded by one id.
 VOCAB = 41
@@ -97,7 +97,7 @@ def context(model_path: Path, rank: int = 0, world_size: int = 1, trainable: boo
             **options) -> EngineContext:
     return EngineContext(role=role or ("actor" if trainable else "ref"), backend="megatron",
                          model_path=str(model_path), rank=rank, world_size=world_size, device="cpu", seed=0,
-                         trainable=trainable, options=options)
+                         trainable=trainable, **_split(options))
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, atol: float, what: str) -> None:
@@ -194,3 +194,9 @@ def plain_critic_training(critic: PlainCritic, batch: Batch, steps: int, micro_b
         norms.append(float(torch.nn.utils.clip_grad_norm_(critic.parameters(), grad_clip)))
         opt.step()
     return losses, norms
+
+
+def _split(options: dict) -> dict:
+    """The flat options of a test as the engine context's ``training`` and backend ``options``."""
+    training, own = TrainingOptions.split(options)
+    return {"training": training, "options": own}

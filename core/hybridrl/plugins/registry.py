@@ -91,6 +91,9 @@ class BackendEntry:
     supports: frozenset[str] = frozenset()
     #: the most ranks one engine may span (None: any); pre-flight refuses a larger pool.
     max_ranks: int | None = None
+    #: ``fn(role, options, training) -> [(key, reason)]`` (or ``"module:function"``, loaded without the engine):
+    #: the backend's check of its own settings, run by pre-flight (``run.checks.option_problems``).
+    check_options: Any = None
 
     def can(self, capability: str) -> bool:
         return capability in self.supports
@@ -151,7 +154,7 @@ class Registry:
     # --- backends -------------------------------------------------------------------------------
     def _add_backend(self, kind: BackendKind, name: str, target: Any, requires: str | list[str] | tuple[str, ...],
                      install_hint: str, process_family: str, devices: tuple[str, ...], supports: Iterable[str],
-                     max_ranks: int | None) -> None:
+                     max_ranks: int | None, check_options: Any) -> None:
         key = (kind, name)
         if key in self.backends:
             raise RegistryError(
@@ -164,22 +167,25 @@ class Registry:
             raise RegistryError(f"{kind} backend '{name}': max_ranks must be at least 1, got {max_ranks}")
         reqs = (requires,) if isinstance(requires, str) else tuple(requires)
         self.backends[key] = BackendEntry(kind, name, target, self.current_plugin, reqs, install_hint,
-                                          process_family, tuple(devices), declared, max_ranks)
+                                          process_family, tuple(devices), declared, max_ranks, check_options)
 
     def add_train_engine(self, name: str, target: Any, *, requires: str | list[str] = (), install_hint: str = "",
                          process_family: str = "torch-dist", devices: tuple[str, ...] = ("cpu", "cuda"),
-                         supports: Iterable[str] = (), max_ranks: int | None = None) -> None:
+                         supports: Iterable[str] = (), max_ranks: int | None = None, check_options: Any = None) -> None:
         """Register a ``TrainEngine`` class (or ``"module:Class"``) under ``name``; ``supports`` names its
-        optional capabilities (``capabilities.TRAIN_CAPABILITIES``), ``max_ranks`` the most ranks it spans."""
-        self._add_backend("train", name, target, requires, install_hint, process_family, devices, supports, max_ranks)
+        optional capabilities (``capabilities.TRAIN_CAPABILITIES``), ``max_ranks`` the most ranks it spans,
+        ``check_options`` its pre-flight check of its own settings (see ``BackendEntry.check_options``)."""
+        self._add_backend("train", name, target, requires, install_hint, process_family, devices, supports, max_ranks,
+                          check_options)
 
     def add_rollout(self, name: str, target: Any, *, requires: str | list[str] = (), install_hint: str = "",
                     process_family: str = "any", devices: tuple[str, ...] = ("cpu", "cuda"),
-                    supports: Iterable[str] = (), max_ranks: int | None = None) -> None:
+                    supports: Iterable[str] = (), max_ranks: int | None = None, check_options: Any = None) -> None:
         """Register a ``RolloutEngine`` class (or ``"module:Class"``) under ``name``; ``supports`` names its
-        optional capabilities (``capabilities.ROLLOUT_CAPABILITIES``), ``max_ranks`` the most ranks it spans."""
+        optional capabilities (``capabilities.ROLLOUT_CAPABILITIES``), ``max_ranks`` the most ranks it spans,
+        ``check_options`` its pre-flight check of its own settings (see ``BackendEntry.check_options``)."""
         self._add_backend("rollout", name, target, requires, install_hint, process_family, devices, supports,
-                          max_ranks)
+                          max_ranks, check_options)
 
     def add_bridge(self, trainer: str, rollout: str, transport: str, target: Any) -> None:
         """Register a reshard bridge for a backend pair; later registrations of the same key win."""

@@ -4,6 +4,7 @@ length and shape, checkpoint support (the rewards' own checks are in ``hybridrl.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -13,7 +14,7 @@ from typing import Any
 from hybridrl.config import RunConfig
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.plugins.capabilities import HEAD_CAPABILITY
-from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError
+from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError, load_object
 from hybridrl.roles import role_spec
 
 Problems = list[tuple[str, str]]
@@ -144,6 +145,35 @@ def checkpoint_problems(cfg: RunConfig, registry: Registry, trained: dict[str, s
         if resume_from is not None:
             problems.append(("trainer.resume", f"the '{backend}' backend of roles.{role} cannot load checkpoints; "
                                                "set trainer.resume=never or use another backend"))
+    return problems
+
+
+def option_problems(cfg: RunConfig, backends: dict[str, BackendEntry]) -> Problems:
+    """Each backend's own check of the settings its role hands it (``BackendEntry.check_options``), before any
+    process starts. A key the check names is placed under ``roles.<role>.<key>`` when it is one of the role's
+    typed keys or a shared training setting, else under ``roles.<role>.options.<key>``."""
+    from hybridrl.runtime.launch import role_settings
+
+    problems: Problems = []
+    for role, entry in backends.items():
+        if entry.check_options is None:
+            continue
+        try:
+            check = load_object(entry.check_options)
+        except (ImportError, AttributeError, RegistryError) as exc:
+            problems.append((f"roles.{role}.backend", f"backend '{entry.name}' (plugin {entry.plugin}): cannot load "
+                                                      f"its options check {entry.check_options}: {exc}"))
+            continue
+        training, options = role_settings(cfg, role)
+        typed = set(type(getattr(cfg.roles, role)).model_fields) | {f.name for f in dataclasses.fields(training)}
+        for key, reason in check(role, options, training):
+            if not key:
+                path = f"roles.{role}.options"
+            elif key in typed and key != "options":
+                path = f"roles.{role}.{key}"
+            else:
+                path = f"roles.{role}.options.{key}"
+            problems.append((path, reason))
     return problems
 
 

@@ -116,7 +116,7 @@ def actor_weights(state_dir: Path, backend: str, model_path: str, options: dict[
     import torch.distributed as dist
 
     from hybridrl.runtime.distributed import free_port, init_process_group
-    from hybridrl.engines import EngineContext
+    from hybridrl.engines import EngineContext, TrainingOptions
     from hybridrl.plugins.discovery import get_registry
 
     engine_cls = get_registry().backend("train", backend).load()
@@ -126,8 +126,9 @@ def actor_weights(state_dir: Path, backend: str, model_path: str, options: dict[
     elif dist.get_world_size() != 1:
         raise ExportError("export runs on one rank, but this process is in a multi-rank process group")
     try:
+        training, own = TrainingOptions.split(options)
         ctx = EngineContext(role="actor", backend=backend, model_path=model_path, rank=0, world_size=1, device="cpu",
-                            dtype="float32", trainable=False, options=dict(options))
+                            dtype="float32", trainable=False, options=own, training=training)
         try:
             engine = engine_cls(ctx)
         except ValueError as exc:  # a layout one rank cannot hold (Megatron's tensor/pipeline parallel ...)

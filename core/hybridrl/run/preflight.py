@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.config import ConfigError, CriticConfig, RunConfig
-from hybridrl.run.checks import capability_problems
+from hybridrl.run.checks import capability_problems, option_problems
 from hybridrl.environments.checks import environment_problems, probe_problems as environment_probe_problems
 from hybridrl.run.pipeline import pipelining_problems
 from hybridrl.placement.plan import ClusterSpec, PlacementPlan, plan_placement, resolve_backends
@@ -148,7 +148,7 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
         problems += exc.problems
     if plan is not None:
         problems += pipelining_problems(cfg, plan, greedy_baseline)
-        problems += capability_problems(plan, backends)
+        problems += capability_problems(plan, backends) + option_problems(cfg, backends)
     return backends, plan, problems
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from hybridrl.runtime.cluster import create_placement_group, ensure_ray
 from hybridrl.config import RunConfig
 from hybridrl.runtime.group import WorkerGroup
+from hybridrl.engines import TrainingOptions
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.roles import role_spec
 from hybridrl.runtime.worker import RoleWorker
@@ -29,6 +30,16 @@ def role_options(cfg: RunConfig, role: str) -> dict[str, Any]:
         if options.get(key) is None:
             options[key] = getattr(cfg.roles.actor, key)
     return options
+
+
+def role_settings(cfg: RunConfig, role: str) -> tuple[TrainingOptions, dict[str, Any]]:
+    """What a role's engine receives: the shared training settings (train roles) and the backend's own keys
+    (``EngineContext.training`` and ``.options``). A rollout gets all its keys as options."""
+    options = role_options(cfg, role)
+    if role_spec(role).kind != "train":
+        return TrainingOptions(), options
+    training, _ = TrainingOptions.split(options)  # the typed keys the driver alone reads (mini_batch ...) stay
+    return training, dict(getattr(cfg.roles, role).options)
 
 
 def start_worker_groups(cfg: RunConfig, plan: PlacementPlan) -> tuple[dict[str, WorkerGroup], list[Any]]:
@@ -78,6 +89,7 @@ def build_engines(cfg: RunConfig, plan: PlacementPlan, groups: dict[str, WorkerG
     for role in order:
         backend = plan.group_of(role).roles[role]
         path = (role_model_paths or {}).get(role, model_path)
+        training, options = role_settings(cfg, role)
         fields = {"model_path": path, "dtype": cfg.model.dtype, "seed": cfg.trainer.seed,
-                  "trainable": role_spec(role).trainable, "options": role_options(cfg, role)}
+                  "trainable": role_spec(role).trainable, "options": options, "training": training}
         groups[role].build(role, backend, fields)

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import pytest
 import torch
 
-from hybridrl.engines import EngineContext, RolloutEngine, TrainEngine
+from hybridrl.engines import EngineContext, RolloutEngine, TrainEngine, TrainingOptions
 from hybridrl.plugins.registry import BackendEntry, RegistryError, load_object
 from hybridrl.roles import role_spec
 
@@ -97,6 +97,7 @@ def build_engine(kind: Kind, name: str, model_path: str, device: str, dtype: str
     cls = engine_class(kind, name)
     ensure_process_group(device)
     role = role or ("actor" if kind == "train" else "rollout")
+    training, own = TrainingOptions.split(options or {}) if kind == "train" else (TrainingOptions(), dict(options or {}))
     ctx = EngineContext(role=role, backend=name, model_path=str(model_path), rank=0, world_size=1, device=device,
-                        dtype=dtype, seed=0, trainable=role_spec(role).trainable, options=dict(options or {}))
+                        dtype=dtype, seed=0, trainable=role_spec(role).trainable, options=own, training=training)
     return cls(ctx)

@@ -35,7 +35,7 @@ from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, SCOR
 from hybridrl.runtime.distributed import all_reduce_sum
 from hybridrl.engine_support import (WeightedMean, check_same_count, engine_device, raise_if_counts_differ,
                                      require_process_group, sampling_temperature)
-from hybridrl.engines import VALUES, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
+from hybridrl.engines import VALUES, EngineContext, LossScale, Objective, TrainEngine, TrainingOptions, WeightBucket
 from hybridrl.weights.sync_check import GREEDY_MARGIN, greedy_margins
 from hybridrl.weights.buckets import group_into_buckets
 from hybridrl.placement.memory import OPTIMIZER_GROUP_BYTES
@@ -43,8 +43,9 @@ from hybridrl.roles import role_spec
 
 from hybridrl_fsdp.fused_head import install_log_prob_head
 from hybridrl_fsdp.logprobs import chunked_log_probs
+from hybridrl_fsdp.settings import FSDPSettings
 from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter_rows
-from hybridrl_fsdp.offload import MODES as OFFLOAD_MODES, HostCopy, OffloadPolicy, optimizer_state_tensors, \
+from hybridrl_fsdp.offload import HostCopy, OffloadPolicy, optimizer_state_tensors, \
     step_group_by_group
 
 #: the per-micro-batch tensors the LM head can hand to an objective.
@@ -55,55 +56,6 @@ HEAD_OUTPUTS = {"lm": SUPPORTED_OUTPUTS, "value": frozenset({VALUES}), "reward":
 DCP_DIR = "dcp"
 
 
-@dataclass(frozen=True)
-class FSDPSettings:
-    """The role options the engine reads (``ctx.options``), with their defaults."""
-
-    micro_batch: int = 16
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float | None = 1.0  # None or <= 0: measure the norm but do not clip
-    warmup_steps: int = 0
-    gradient_checkpointing: bool = False
-    attn_implementation: str | None = None  # None: the transformers default (sdpa)
-    max_tokens_per_micro_batch: int | None = None  # token budget per micro-batch (replaces micro_batch)
-    head: str = "lm"  # "lm", "value" (critic) or "reward" (reward model)
-    fused_lm_head: bool = True  # log-probs/entropies through the fused head (no full logits); False: plain head
-    offload: str = "none"  # what stays in host memory between the role's phases (hybridrl_fsdp.offload)
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> "FSDPSettings":
-        betas = options.get("betas", cls.betas)
-        grad_clip = options.get("grad_clip", cls.grad_clip)
-        budget = options.get("max_tokens_per_micro_batch")
-        settings = cls(
-            micro_batch=int(options.get("micro_batch", cls.micro_batch)),
-            lr=float(options.get("lr", cls.lr)),
-            weight_decay=float(options.get("weight_decay", cls.weight_decay)),
-            betas=(float(betas[0]), float(betas[1])),
-            grad_clip=None if grad_clip is None else float(grad_clip),
-            warmup_steps=int(options.get("warmup_steps", cls.warmup_steps)),
-            gradient_checkpointing=_flag(options.get("gradient_checkpointing")),
-            attn_implementation=options.get("attn_implementation"),
-            max_tokens_per_micro_batch=None if budget is None else int(budget),
-            head=str(options.get("head") or role_spec(role).head or "lm"),
-            fused_lm_head=bool(options.get("fused_lm_head", cls.fused_lm_head)),
-            offload=_offload_mode(options.get("offload")),
-        )
-        if settings.offload not in OFFLOAD_MODES:
-            raise ValueError(f"offload must be one of {('auto', *OFFLOAD_MODES)}, got {settings.offload!r}")
-        if settings.head not in HEAD_OUTPUTS:
-            raise ValueError(f"unknown head '{settings.head}' (known: {', '.join(HEAD_OUTPUTS)})")
-        if settings.max_tokens_per_micro_batch is not None and settings.max_tokens_per_micro_batch <= 0:
-            raise ValueError(f"max_tokens_per_micro_batch must be positive, got {settings.max_tokens_per_micro_batch}")
-        if settings.micro_batch <= 0:
-            raise ValueError(f"micro_batch must be positive, got {settings.micro_batch}")
-        if settings.lr < 0 or settings.warmup_steps < 0:
-            raise ValueError(f"lr and warmup_steps must be >= 0, got {settings.lr} and {settings.warmup_steps}")
-        return settings
-
-
 class FSDPEngine(TrainEngine):
     """Actor / reference policy / critic / reward model on FSDP2. ``ctx.trainable=False`` gives a frozen model
     without optimiser."""
@@ -112,6 +64,7 @@ class FSDPEngine(TrainEngine):
         super().__init__(ctx)
         require_process_group(ctx, "FSDPEngine")
         self.settings = FSDPSettings.from_options(ctx.options, ctx.role)
+        self.training = ctx.training
         self.head = self.settings.head
         self.device = engine_device(ctx)
         self.master_dtype = torch.float32
@@ -133,8 +86,8 @@ class FSDPEngine(TrainEngine):
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         offload = self.settings.offload
         if ctx.trainable:
-            self.optimizer = _build_optimizer(self.model, self.settings)
-            self.scheduler = _build_scheduler(self.optimizer, self.settings.warmup_steps)
+            self.optimizer = _build_optimizer(self.model, self.training)
+            self.scheduler = _build_scheduler(self.optimizer, self.training.warmup_steps)
             # the moments exist from the start, so what a colocated rollout finds free when it sizes its KV
             # cache is what the trainer leaves it for the whole run (lazily they would appear at step 1)
             host_groups = _init_optimizer_state(self.optimizer, offload_groups=offload in ("optimizer", "all"))
@@ -340,7 +293,7 @@ class FSDPEngine(TrainEngine):
 
     def _clip_gradients(self) -> float:
         """Clip to ``grad_clip`` and return the global gradient norm (a collective over DTensor shards)."""
-        clip = self.settings.grad_clip
+        clip = self.training.grad_clip
         max_norm = clip if clip is not None and clip > 0 else math.inf
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -351,8 +304,8 @@ class FSDPEngine(TrainEngine):
     def _plan(self, batch: Batch, check_counts: bool = True) -> list[MicroBatch]:
         """Micro-batches by rows or by token budget (ranks agree on their number: a collective).
         ``check_counts`` raises when the ranks' counts differ (``update`` checks inside its own all-reduce)."""
-        budget = self.settings.max_tokens_per_micro_batch
-        plan = plan_micro_batches(batch, self.settings.micro_batch, budget,
+        budget = self.training.max_tokens_per_micro_batch
+        plan = plan_micro_batches(batch, self.training.micro_batch, budget,
                                   count_for_all_ranks=lambda n: _all_reduce_max(n, self.ctx.device))
         if check_counts:
             check_same_count(len(plan), self.ctx.device)
@@ -563,7 +516,7 @@ def _shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPo
     fully_shard(model, **kwargs)
 
 
-def _build_optimizer(model: nn.Module, settings: FSDPSettings) -> torch.optim.Optimizer:
+def _build_optimizer(model: nn.Module, training: TrainingOptions) -> torch.optim.Optimizer:
     """AdamW over param groups of at most ``OPTIMIZER_GROUP_BYTES`` of fp32 parameters each (one group for a
     model under that size): foreach's temporaries (a copy of a group's second moments) stay within a group,
     and an offloaded optimizer streams through the device a group at a time. The update of a parameter
@@ -578,8 +531,8 @@ def _build_optimizer(model: nn.Module, settings: FSDPSettings) -> torch.optim.Op
             size = 0
         groups[-1].append(p)
         size += nbytes
-    return torch.optim.AdamW([{"params": g} for g in groups if g], lr=settings.lr, betas=settings.betas,
-                             weight_decay=settings.weight_decay)
+    return torch.optim.AdamW([{"params": g} for g in groups if g], lr=training.lr, betas=training.betas,
+                             weight_decay=training.weight_decay)
 
 
 def _local_numel(param: torch.Tensor) -> int:
@@ -620,16 +573,6 @@ def _build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> tor
 
 
 # --- small helpers ----------------------------------------------------------------------------------------
-def _flag(value: Any) -> bool:
-    """A boolean option where ``auto`` (resolved by the pre-flight; unresolved: off) and None mean off."""
-    return value is True or (isinstance(value, str) and value.lower() in ("true", "1", "yes"))
-
-
-def _offload_mode(value: Any) -> str:
-    """``options.offload``: ``auto`` (resolved by the pre-flight; unresolved: nothing) and None mean none."""
-    return "none" if value in (None, "auto") else str(value)
-
-
 def _all_reduce_max(value: int, device: str) -> int:
     """The largest ``value`` over the ranks (identity without a process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

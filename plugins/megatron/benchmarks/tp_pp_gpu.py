@@ -207,7 +207,7 @@ def run_layout(cfg: dict, rank: int, model_path: Path, batch, tp: int, pp: int, 
     import torch.distributed as dist
 
     from hybridrl.batch import LOG_PROBS
-    from hybridrl.engines import EngineContext
+    from hybridrl.engines import EngineContext, TrainingOptions
     from hybridrl_megatron.engine import MegatronEngine
 
     cuda = cfg["device"] == "cuda"
@@ -226,7 +226,8 @@ def run_layout(cfg: dict, rank: int, model_path: Path, batch, tp: int, pp: int, 
     options = {"micro_batch": cfg["micro_batch"], "lr": cfg["lr"], "grad_clip": cfg["grad_clip"],
                "tensor_parallel": tp, "pipeline_parallel": pp}
     ctx = EngineContext(role="actor", backend="megatron", model_path=str(model_path), rank=rank,
-                        world_size=cfg["world"], device=cfg["device"], dtype=cfg["dtype"], seed=0, options=options)
+                        world_size=cfg["world"], device=cfg["device"], dtype=cfg["dtype"], seed=0,
+                        training=TrainingOptions.split(options)[0], options=TrainingOptions.split(options)[1])
     out: dict = {}
     t = sync()
     engine = MegatronEngine(ctx)

@@ -42,7 +42,7 @@ from hybridrl_megatron.logprobs import vocab_parallel_greedy_margins, vocab_para
 from hybridrl_megatron.model import VALUE_HEAD_FILE, build_gpt, load_hf_weights, param_table, transformer_config
 from hybridrl_megatron.optim import MegatronStepper, TorchStepper
 from hybridrl_megatron.parallel import init_parallel
-from hybridrl_megatron.settings import MegatronSettings
+from hybridrl_megatron.settings import MegatronSettings, option_problems
 from hybridrl_megatron.weights import iter_full_hf
 
 # megatron-core announces its fallbacks (no Apex / Transformer Engine: the local spec wants none) and a
@@ -77,6 +77,10 @@ class MegatronEngine(TrainEngine):
         super().__init__(ctx)
         require_process_group(ctx, "MegatronEngine")
         self.settings = MegatronSettings.from_options(ctx.options, ctx.role)
+        self.training = ctx.training
+        problems = option_problems(ctx.role, {}, ctx.training)
+        if problems:
+            raise ValueError("; ".join(f"{key}: {reason}" for key, reason in problems))
         self.head = self.settings.head
         self.device = engine_device(ctx)
         self._compat = functools.partial(maybe_cpu, self.device.type)
@@ -95,10 +99,10 @@ class MegatronEngine(TrainEngine):
             self.stepper: TorchStepper | MegatronStepper | None = None
             if ctx.trainable:
                 if self.device.type == "cuda":
-                    self.stepper = MegatronStepper(self.model, self.config, self.layout, self.settings)
+                    self.stepper = MegatronStepper(self.model, self.config, self.layout, self.training)
                 else:
                     tied = self.spec.tie_embeddings and self.head == "lm"  # a critic is built untied
-                    self.stepper = TorchStepper(self.model, self.table, self.layout, self.settings, tied)
+                    self.stepper = TorchStepper(self.model, self.table, self.layout, self.training, tied)
                 self.stepper.configure(self.config)
             else:
                 self.model.requires_grad_(False)
@@ -290,7 +294,7 @@ class MegatronEngine(TrainEngine):
         n = len(batch)
         if n == 0:
             return []
-        count = -(-n // self.settings.micro_batch)
+        count = -(-n // self.training.micro_batch)
         size = -(-n // count)
         out = []
         for start in range(0, n, size):

@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridrl.engines import TrainingOptions
+
 from hybridrl_megatron.model import ParamEntry
 from hybridrl_megatron.parallel import Layout
-from hybridrl_megatron.settings import MegatronSettings
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
@@ -34,7 +35,7 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
 class TorchStepper:
     """CPU path (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, table: list[ParamEntry], layout: Layout, settings: MegatronSettings,
+    def __init__(self, model: nn.Module, table: list[ParamEntry], layout: Layout, settings: TrainingOptions,
                  tied_embeddings: bool) -> None:
         self.model = model
         self.layout = layout
@@ -133,7 +134,7 @@ class MegatronStepper:
     """CUDA path: Megatron's ``DistributedDataParallel`` (fp32 gradient buffers, averaged over the data
     parallel group) and ``get_megatron_optimizer`` (Adam; fp32 master weights when the model is bf16/fp16)."""
 
-    def __init__(self, model: nn.Module, config: Any, layout: Layout, settings: MegatronSettings) -> None:
+    def __init__(self, model: nn.Module, config: Any, layout: Layout, settings: TrainingOptions) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

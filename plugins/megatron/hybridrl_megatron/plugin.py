@@ -10,4 +10,5 @@ def hybridrl_register_backends(registry):
     registry.add_train_engine("megatron", "hybridrl_megatron.engine:MegatronEngine",
                               requires=["megatron.core>=0.16,<0.17"], process_family="megatron",
                               install_hint="pip install 'hybridrl-megatron[engine]'",
-                              supports={"checkpoint", "greedy_margins", "value_head", "offload"})
+                              supports={"checkpoint", "greedy_margins", "value_head", "offload"},
+                              check_options="hybridrl_megatron.settings:option_problems")

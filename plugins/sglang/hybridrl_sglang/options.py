@@ -180,3 +180,13 @@ def split_known(kwargs: Mapping[str, Any], known: set[str] | frozenset[str]) -> 
         return dict(kwargs), []
     accepted = {k: v for k, v in kwargs.items() if k in known}
     return accepted, sorted(k for k in kwargs if k not in known)
+
+
+def option_problems(role: str, options: Mapping[str, Any], training: Any = None) -> list[tuple[str, str]]:
+    """The pre-flight check of the rollout's settings (registered as the backend's ``check_options``): what
+    ``SGLangOptions.from_options`` would refuse when the engine starts, found before any process does."""
+    try:
+        SGLangOptions.from_options(options)
+    except (ValueError, TypeError) as exc:
+        return [("", str(exc))]
+    return []

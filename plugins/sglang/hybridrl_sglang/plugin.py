@@ -8,7 +8,7 @@ from hybridrl import hookimpl
 def hybridrl_register_backends(registry):
     registry.add_rollout("sglang", "hybridrl_sglang.engine:SGLangRollout", requires=["sglang>=0.5.16"],
                          devices=("cuda",), install_hint="pip install 'hybridrl-sglang[engine]' (needs a CUDA GPU)",
-                         supports={"sleep", "requests"})
+                         supports={"sleep", "requests"}, check_options="hybridrl_sglang.options:option_problems")
     # Split pools: the core's broadcast bridge unless roles.rollout.options.weight_sync=distributed.
     from hybridrl_sglang.distributed import SGLangBroadcastBridge  # torch only, no SGLang
 

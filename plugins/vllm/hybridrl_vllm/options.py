@@ -213,3 +213,13 @@ def llm_kwargs(opts: VLLMOptions, *, model_path: str, dtype: str, device: str, s
             kwargs[key] = value
     kwargs.update(opts.engine_kwargs)
     return kwargs
+
+
+def option_problems(role: str, options: Mapping[str, Any], training: Any = None) -> list[tuple[str, str]]:
+    """The pre-flight check of the rollout's settings (registered as the backend's ``check_options``): what
+    ``VLLMOptions.from_options`` would refuse when the engine starts, found before any process does."""
+    try:
+        VLLMOptions.from_options(options)
+    except (ValueError, TypeError) as exc:
+        return [("", str(exc))]
+    return []

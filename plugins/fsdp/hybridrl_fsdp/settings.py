@@ -1,0 +1,73 @@
+"""The FSDP backend's own role settings (``roles.<role>.options``), with their defaults and checks.
+
+The shared training settings (lr, betas, micro_batch, grad_clip, warmup, token budget) arrive typed in
+``EngineContext.training``, validated by the core; this module declares only what is the backend's own, and
+``option_problems`` checks them before any process starts (registered as the backend's options checker).
+Engine-free: importing it loads no torch.distributed or transformers code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from hybridrl.roles import role_spec
+
+from hybridrl_fsdp.offload import MODES as OFFLOAD_MODES
+
+#: the model heads the engine builds: LM (log-probs), per-token values (critic), one score per sequence.
+HEADS = ("lm", "value", "reward")
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    gradient_checkpointing: bool = False
+    attn_implementation: str | None = None  # None: the transformers default (sdpa)
+    head: str = "lm"  # "lm", "value" (critic) or "reward" (reward model); default from the role
+    fused_lm_head: bool = True  # log-probs/entropies through the fused head (no full logits); False: plain head
+    offload: str = "none"  # what stays in host memory between the role's phases (hybridrl_fsdp.offload)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> "FSDPSettings":
+        problems = option_problems(role, options)
+        if problems:
+            raise ValueError("; ".join(f"options.{key}: {reason}" for key, reason in problems))
+        return cls(gradient_checkpointing=_flag(options.get("gradient_checkpointing")),
+                   attn_implementation=options.get("attn_implementation"),
+                   head=str(options.get("head") or role_spec(role).head or "lm"),
+                   fused_lm_head=bool(options.get("fused_lm_head", cls.fused_lm_head)),
+                   offload=_offload_mode(options.get("offload")))
+
+
+def option_problems(role: str, options: Mapping[str, Any], training: Any = None) -> list[tuple[str, str]]:
+    """``(key, reason)`` for each bad or unknown key of ``roles.<role>.options`` (the key without its prefix);
+    every shared training setting (``training``) is one the engine honours."""
+    known = {f.name for f in fields(FSDPSettings)}
+    problems = [(key, f"unknown option of the fsdp backend (known: {', '.join(sorted(known))})")
+                for key in options if key not in known]
+    value = options.get("gradient_checkpointing", False)
+    if not isinstance(value, bool) and value != "auto":
+        problems.append(("gradient_checkpointing", f"must be true, false or auto, got {value!r}"))
+    value = options.get("fused_lm_head", True)
+    if not isinstance(value, bool):
+        problems.append(("fused_lm_head", f"must be true or false, got {value!r}"))
+    value = options.get("offload")
+    if value is not None and value not in ("auto", *OFFLOAD_MODES):
+        problems.append(("offload", f"must be one of {', '.join(('auto', *OFFLOAD_MODES))}, got {value!r}"))
+    head = options.get("head")
+    if head is not None and head not in HEADS:
+        problems.append(("head", f"unknown head '{head}' (known: {', '.join(HEADS)})"))
+    attn = options.get("attn_implementation")
+    if attn is not None and not isinstance(attn, str):
+        problems.append(("attn_implementation", f"must be a transformers attention name, got {attn!r}"))
+    return problems
+
+
+def _flag(value: Any) -> bool:
+    """A boolean option where ``auto`` (resolved by the pre-flight; unresolved: off) and None mean off."""
+    return value is True or (isinstance(value, str) and value.lower() in ("true", "1", "yes"))
+
+
+def _offload_mode(value: Any) -> str:
+    """``options.offload``: ``auto`` (resolved by the pre-flight; unresolved: nothing) and None mean none."""
+    return "none" if value in (None, "auto") else str(value)
