@@ -57,11 +57,15 @@ def test_a_critic_needs_a_backend_with_a_value_head():
 
 
 def test_resume_needs_a_backend_that_loads_checkpoints(tmp_path):
+    from hybridrl.run import checkpoint as ckpt
+
     out = tmp_path / "run"
-    step = out / "checkpoints" / "step_000002"
-    step.mkdir(parents=True)
-    (step / "driver.json").write_text('{"step": 2, "roles": {"actor": "nockpt"}}')
-    (step / "driver.pt").write_bytes(b"")
+
+    def write(folder: Path) -> dict:
+        ckpt.save_driver_state(folder, {"step": 2})
+        return {"roles": {"actor": "nockpt"}}
+
+    ckpt.save_checkpoint(out, 2, write, keep=0)
     cfg = load_config(QUICKSTART, ["plugins=[_preflight_helpers]", "roles.actor.backend=nockpt",
                                    "roles.ref.backend=fsdp", f"trainer.out={out}"])
     with pytest.raises(ConfigError) as err:
