@@ -86,8 +86,8 @@ class NoisyExport(FSDPEngine):
 
 class IgnoresZeroLr(FSDPEngine):
     def __init__(self, ctx):
-        lr = ctx.options.get("lr") or 1e-3
-        super().__init__(dataclasses.replace(ctx, options={**ctx.options, "lr": lr}))
+        lr = ctx.training.lr or 1e-3
+        super().__init__(dataclasses.replace(ctx, training=dataclasses.replace(ctx.training, lr=lr)))
 
 
 class Ascends(FSDPEngine):

@@ -53,11 +53,11 @@ class TrainEngineContract(KitBase):
     """The train-engine battery. Subclass with ``backend = "<registered train name>"``; optional class
     attributes: ``device``, ``dtype``, ``engine_options``, ``logprob_atol``, ``lr``, ``export_atol``."""
 
-    #: the positive learning rate of the descent check (``ctx.options["lr"]``).
+    #: the positive learning rate of the descent check (``ctx.training.lr``).
     lr: float = 1e-3
     #: |exported - checkpoint| allowed (0: the master weights are the checkpoint's fp32 values).
     export_atol: float = 0.0
-    #: sequences per micro-batch (``ctx.options["micro_batch"]``): the kit's batches need several.
+    #: sequences per micro-batch (``ctx.training.micro_batch``): the kit's batches need several.
     micro_batch: int = 2
 
     @pytest.fixture(scope="class")
