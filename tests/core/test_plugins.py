@@ -109,3 +109,24 @@ def test_third_party_plugin_is_selected_from_config(sample_site):
     refused = _run(sample_site, "train", str(QUICKSTART), "roles.rollout.backend=sample_missing")
     assert refused.returncode == 2
     assert "roles.rollout.backend" in refused.stderr and "pip install not-a-real-engine" in refused.stderr
+
+
+def test_the_core_defaults_need_no_installed_entry_points(monkeypatch):
+    """A source checkout that is not pip-installed still has the hf rollout, the rewards and the bridges: the
+    host registers its defaults directly, through the same hooks."""
+    import pluggy
+
+    monkeypatch.setattr(pluggy.PluginManager, "load_setuptools_entrypoints", lambda self, group, name=None: 0)
+    registry = build_registry(plugin_manager())
+    assert registry.backend("rollout", "hf").plugin == "hybridrl.rollout.plugin"
+    assert "reverse" in registry.names("reward") and registry.bridge("fsdp", "hf", "in_process")
+
+
+def test_a_misspelt_hook_is_an_error_naming_it(tmp_path, monkeypatch):
+    from hybridrl.plugins.registry import RegistryError
+
+    (tmp_path / "typo_plugin.py").write_text(
+        "from hybridrl import hookimpl\n\n@hookimpl\ndef hybridrl_register_backend(registry):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RegistryError, match=r"hybridrl_register_backend.*the hybridrl hooks: hybridrl_register_backends"):
+        plugin_manager(("typo_plugin",))

@@ -130,7 +130,7 @@ def test_checkpoint_round_trip_with_the_optimizer_offloaded(process_group, tiny_
 
 
 def test_offload_option_is_checked() -> None:
-    with pytest.raises(ValueError, match="offload must be one of"):
+    with pytest.raises(ValueError, match="offload: must be one of"):
         engine_module.FSDPSettings.from_options({"offload": "weights"})
     assert engine_module.FSDPSettings.from_options({"offload": "auto", "gradient_checkpointing": "auto"}) \
         == engine_module.FSDPSettings()  # an unresolved auto is off

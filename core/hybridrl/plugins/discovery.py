@@ -12,7 +12,7 @@ from functools import lru_cache
 import pluggy
 
 from hybridrl.plugins import hookspecs
-from hybridrl.plugins.registry import Registry
+from hybridrl.plugins.registry import Registry, RegistryError
 
 HOOKS = (
     "hybridrl_register_backends",
@@ -38,7 +38,7 @@ EXTRA_PLUGINS_ENV = "HYBRIDRL_PLUGINS"
 
 def plugin_manager(extra_modules: tuple[str, ...] = ()) -> pluggy.PluginManager:
     """The core's defaults, the installed plugins, then ``HYBRIDRL_PLUGINS`` and ``extra_modules``; raises
-    ``pluggy.PluginValidationError`` for a hook implementation that matches no hook (a misspelt name)."""
+    ``RegistryError`` for a hook implementation that matches no hook (a misspelt name)."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     for name in CORE_PLUGINS:
@@ -49,7 +49,10 @@ def plugin_manager(extra_modules: tuple[str, ...] = ()) -> pluggy.PluginManager:
         name = name.strip()
         if pm.get_plugin(name) is None:
             pm.register(importlib.import_module(name), name=name)
-    pm.check_pending()
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:  # a misspelt hook: name it and the hooks there are
+        raise RegistryError(f"{exc} (the hybridrl hooks: {', '.join(HOOKS)})") from exc
     return pm
 
 
