@@ -52,7 +52,8 @@ def main() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     init_process_group(0, 1, "127.0.0.1", free_port(), "cuda")
     common = dict(model_path=str(model_dir), rank=0, world_size=1, device="cuda", dtype="bfloat16", seed=0)
-    actor = FSDPEngine(EngineContext(role="actor", backend="fsdp", trainable=True, training=TrainingOptions(micro_batch=8), **common))
+    actor = FSDPEngine(EngineContext(role="actor", backend="fsdp", trainable=True,
+                                     training=TrainingOptions(micro_batch=8), **common))
     rollout = VLLMRollout(EngineContext(role="rollout", backend="vllm", trainable=False, options={
         "gpu_memory_utilization": 0.3, "sleep_level": "kv_cache", "engine_kwargs": {"enforce_eager": True}}, **common))
     bucket = int(args.bucket_mb * 2**20)

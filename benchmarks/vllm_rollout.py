@@ -287,8 +287,9 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     mem = Memory(device)
     mem.mark("start")
     common = dict(model_path=str(model_dir), rank=0, world_size=1, device=device, dtype=dtype, seed=0)
-    t_actor, actor = timed(lambda: FSDPEngine(EngineContext(role="actor", backend="fsdp", trainable=True,
-                                                            training=TrainingOptions(micro_batch=8, lr=1e-6), **common)), device)
+    actor_ctx = EngineContext(role="actor", backend="fsdp", trainable=True,
+                              training=TrainingOptions(micro_batch=8, lr=1e-6), **common)
+    t_actor, actor = timed(lambda: FSDPEngine(actor_ctx), device)
     mem.mark("actor_built")
     options: dict[str, Any] = {"gpu_memory_utilization": args.gpu_memory_utilization}
     if backend == "vllm":  # the variants below switch it; SGLang keeps its default (engine: request seeds turn

@@ -21,21 +21,31 @@ from typing import Any, Iterable, Sequence
 import torch
 from tensordict import TensorDict
 
-PROMPT_IDS = "prompt_ids"
-PROMPT_MASK = "prompt_mask"
-RESPONSE_IDS = "response_ids"
-RESPONSE_MASK = "response_mask"
-ROLLOUT_LOG_PROBS = "rollout_log_probs"
-OLD_LOG_PROBS = "old_log_probs"
-REF_LOG_PROBS = "ref_log_probs"
-LOG_PROBS = "log_probs"
-ENTROPY = "entropy"
+# --- the keys a step's batch carries (every key the core or a plugin reads or writes is one of these) -------
+# tensors, (B, P) or (B, R) unless said
+PROMPT_IDS = "prompt_ids"  # left-padded prompt tokens (int64)
+PROMPT_MASK = "prompt_mask"  # 1 at real prompt tokens
+RESPONSE_IDS = "response_ids"  # right-padded sampled tokens, the stop token included (int64)
+RESPONSE_MASK = "response_mask"  # 1 at real response tokens
+ROLLOUT_LOG_PROBS = "rollout_log_probs"  # the rollout engine's log-probs of its sampled tokens
+OLD_LOG_PROBS = "old_log_probs"  # the actor's log-probs before this step's update
+REF_LOG_PROBS = "ref_log_probs"  # the reference policy's log-probs
+LOG_PROBS = "log_probs"  # what ``compute_log_probs`` returns (and an objective's ``outputs`` key)
+ENTROPY = "entropy"  # per-token entropy of the policy (``compute_log_probs(with_entropy=True)``)
+VALUES = "values"  # the critic's value of the state before each response token
 ADVANTAGES = "advantages"
-RETURNS = "returns"
-TOKEN_REWARDS = "token_rewards"
-SCORES = "scores"
+RETURNS = "returns"  # the critic's targets
+TOKEN_REWARDS = "token_rewards"  # the reward placed on tokens (the score on the last real one, KL as reward)
+SCORES = "scores"  # (B,) one reward per sequence
+GROUP_INDEX = "group_index"  # (B,) which prompt of the step a row samples (a GRPO group shares it)
+BASELINE_SCORES = "baseline_scores"  # (B,) the score of one greedy response per prompt, per row of its group
 #: multi-turn rows: 1 on every real response token (model and observation); see the module docstring.
 RESPONSE_ATTENTION_MASK = "response_attention_mask"
+# per-row Python fields (non-tensors)
+PROMPT_TEXT = "prompt"  # the prompt as the model was given it (a chat rendered by its template)
+META = "meta"  # the row's other fields from the dataset (``answer`` ...), a dict per row
+RESPONSE_TEXT = "response_text"  # the decoded response the reward scored
+MESSAGES = "messages"  # multi-turn rows: the chat the prompt came from
 #: what a forward over prompt+response needs (``sequence_keys`` adds the attention mask where a batch has one).
 SEQUENCE_KEYS = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
 

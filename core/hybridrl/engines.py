@@ -21,8 +21,6 @@ if TYPE_CHECKING:
     from hybridrl.environments.spec import EnvironmentSpec
 
 NamedTensor = tuple[str, torch.Tensor]
-#: per-token critic values ``(B, R)`` (``TrainEngine.compute_values``; also an ``Objective.needs`` entry).
-VALUES = "values"
 WeightBucket = list[NamedTensor]
 
 

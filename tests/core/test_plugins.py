@@ -128,5 +128,6 @@ def test_a_misspelt_hook_is_an_error_naming_it(tmp_path, monkeypatch):
     (tmp_path / "typo_plugin.py").write_text(
         "from hybridrl import hookimpl\n\n@hookimpl\ndef hybridrl_register_backend(registry):\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(RegistryError, match=r"hybridrl_register_backend.*the hybridrl hooks: hybridrl_register_backends"):
+    with pytest.raises(RegistryError,
+                       match=r"hybridrl_register_backend.*the hybridrl hooks: hybridrl_register_backends"):
         plugin_manager(("typo_plugin",))

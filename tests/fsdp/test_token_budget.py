@@ -67,7 +67,7 @@ def test_trim_cuts_padding_columns_of_prompt_and_response_aligned_tensors() -> N
 
 # --- the engine -----------------------------------------------------------------------------------------
 def test_log_probs_and_values_equal_plain_batching(process_group, tiny_model: Path) -> None:
-    from hybridrl.engines import VALUES
+    from hybridrl.batch import VALUES
     from hybridrl_fsdp.engine import FSDPEngine
 
     batch = ragged_batch()

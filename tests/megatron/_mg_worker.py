@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _mg_helpers import PolicyGradient, ValueRegression, context, logits_input, make_batch  # noqa: E402
 from hybridrl.batch import ENTROPY, LOG_PROBS  # noqa: E402
-from hybridrl.engines import VALUES  # noqa: E402
+from hybridrl.batch import VALUES  # noqa: E402
 
 GLOBAL_BATCH = 8
 STEPS = 2

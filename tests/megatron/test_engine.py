@@ -13,7 +13,7 @@ from _mg_helpers import (NaNObjective, PlainCritic, PolicyGradient, ValueRegress
                          plain_training)
 from _mg_markers import needs_megatron
 from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_MASK
-from hybridrl.engines import VALUES
+from hybridrl.batch import VALUES
 
 pytestmark = needs_megatron
 

@@ -28,11 +28,11 @@ from hybridrl_sglang import buckets as bk
 from hybridrl_sglang import compat
 from hybridrl_sglang.distributed import SGLangBroadcastBridge, flat_nbytes, pack_flat, receive_layout
 from hybridrl_sglang.options import SGLangOptions, engine_kwargs, split_known
-from hybridrl_sglang.packing import check_context, pack_responses, parse_output, renormalise, unpad_prompts
-from hybridrl_sglang.parallel import ReplicaLayout, engine_devices
-from hybridrl_sglang.sampling import (BAN, Phase, engine_seed, mix_seed, per_request, phase_sampling, phases,
-                                      top_logprobs_wanted)
+from hybridrl_sglang.packing import parse_output, renormalise
+from hybridrl_sglang.parallel import engine_devices
+from hybridrl_sglang.sampling import BAN, Phase, per_request, phase_sampling, phases, top_logprobs_wanted
 from hybridrl_sglang.sleep import KV_CACHE, WEIGHTS, MemoryState
+from hybridrl.rollout.common import (ReplicaLayout, check_context, engine_seed, mix_seed, pack_responses, unpad_prompts)
 from hybridrl.runtime.group import Result
 
 

@@ -16,8 +16,10 @@ from typing import Any, Callable
 
 import torch
 
+from hybridrl.batch import BASELINE_SCORES, VALUES
+
 #: what an estimator may ask the trainer for (see the module docstring).
-KNOWN_NEEDS = frozenset({"values", "baseline_scores"})
+KNOWN_NEEDS = frozenset({VALUES, BASELINE_SCORES})
 
 
 @dataclass
@@ -137,7 +139,7 @@ def reinforce_pp_baseline(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.
     return adv, adv.clone()
 
 
-@needs("baseline_scores")
+@needs(BASELINE_SCORES)
 def remax(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax: the return-to-go of the token rewards minus the reward of the greedy response to the same
     prompt (one extra greedy rollout per prompt, made by the trainer)."""
@@ -149,7 +151,7 @@ def remax(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return advantages, returns
 
 
-@needs("values")
+@needs(VALUES)
 def gae(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (PPO). ``values[:, t]`` is the value of the state before response
     token ``t``; the state after the last token is terminal (value 0). Padded positions are skipped.

@@ -15,10 +15,10 @@ from pydantic import ValidationError
 
 from hybridrl.algorithms.advantages import estimator_needs
 from hybridrl.algorithms.losses import PolicyLossSettings, clipped_value_loss, masked_mean, truncated_is_weights
-from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS,
-                            Batch)
+from hybridrl.batch import (ADVANTAGES, BASELINE_SCORES, ENTROPY, LOG_PROBS, OLD_LOG_PROBS, REF_LOG_PROBS,
+                            RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, VALUES, Batch)
 from hybridrl.config import AlgorithmConfig
-from hybridrl.engines import VALUES, LossScale
+from hybridrl.engines import LossScale
 from hybridrl.plugins.registry import Registry, RegistryError
 
 
@@ -73,8 +73,8 @@ def resolve_algorithm(cfg: AlgorithmConfig, registry: Registry) -> ResolvedAlgor
         policy_loss=eff.policy_loss,
         loss_agg=eff.loss_agg,
         uses_ref=bool(preset.get("uses_ref", True)) and eff.kl is not None and eff.kl.coef > 0,
-        uses_critic=bool(preset.get("uses_critic", False)) or "values" in wanted,
-        greedy_baseline="baseline_scores" in wanted,
+        uses_critic=bool(preset.get("uses_critic", False)) or VALUES in wanted,
+        greedy_baseline=BASELINE_SCORES in wanted,
         config=eff,
     )
 
@@ -90,11 +90,11 @@ class PolicyObjective:
         self.kl_as_loss = cfg.kl is not None and cfg.kl.apply_as == "loss" and cfg.kl.coef > 0
         self.kl_estimator: Callable | None = registry.get("kl_estimator", cfg.kl.estimator) if self.kl_as_loss else None
         self.settings = PolicyLossSettings(cfg.clip_low, cfg.clip_high, cfg.dual_clip)
-        self.needs: tuple[str, ...] = ("log_probs", "entropy")
+        self.needs: tuple[str, ...] = (LOG_PROBS, ENTROPY)
 
     def __call__(self, outputs: dict[str, torch.Tensor], micro_batch: Batch, scale: LossScale
                  ) -> tuple[torch.Tensor, dict[str, float]]:
-        log_probs = outputs["log_probs"]
+        log_probs = outputs[LOG_PROBS]
         mask = micro_batch[RESPONSE_MASK].to(log_probs.dtype)
         # Without recomputed old log-probs (one update per batch: they would equal these), the ratio is 1 with
         # the right gradient: pi / stopgrad(pi).
@@ -112,7 +112,7 @@ class PolicyObjective:
             kl = self.kl_estimator(log_probs, micro_batch[REF_LOG_PROBS])
             token_loss = token_loss + self.cfg.kl.coef * kl
             report["actor/kl_loss"] = masked_mean(kl, mask)
-        entropy = outputs.get("entropy")
+        entropy = outputs.get(ENTROPY)
         if entropy is not None:
             report["actor/entropy"] = masked_mean(entropy, mask)
             if self.cfg.entropy_coef:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch
+from hybridrl.batch import MESSAGES, META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, Batch
 from hybridrl.engines import SamplingParams
 from hybridrl.environments.checks import multi_turn
 from hybridrl.environments.metrics import episode_metrics
@@ -15,7 +15,7 @@ from hybridrl.environments.spec import EnvironmentSpec
 from hybridrl.environments.trajectory import ENV_REWARD
 
 #: the prompt rows' fields an environment may read (``EpisodeRow``).
-ROW_FIELDS = ("prompt", "meta", "messages")
+ROW_FIELDS = (PROMPT_TEXT, META, MESSAGES)
 
 
 @dataclass(frozen=True)

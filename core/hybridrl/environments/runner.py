@@ -29,7 +29,8 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Any, Callable, Sequence
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch, left_pad
+from hybridrl.batch import (MESSAGES, META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RESPONSE_IDS, RESPONSE_MASK,
+                            ROLLOUT_LOG_PROBS, Batch, left_pad)
 from hybridrl.engines import RolloutEngine, SamplingParams
 from hybridrl.environments.base import Environment, EnvironmentContext, EpisodeLimits, EpisodeRow, ModelTurn, StepResult
 from hybridrl.environments.chat import ChatFormat
@@ -71,9 +72,9 @@ def episode_rows(batch: Batch) -> list[EpisodeRow]:
     it has them)."""
     prompts = unpad_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])
     n = len(prompts)
-    texts = batch["prompt"] if "prompt" in batch else [""] * n
-    metas = batch["meta"] if "meta" in batch else [{}] * n
-    chats = batch["messages"] if "messages" in batch else [None] * n
+    texts = batch[PROMPT_TEXT] if PROMPT_TEXT in batch else [""] * n
+    metas = batch[META] if META in batch else [{}] * n
+    chats = batch[MESSAGES] if MESSAGES in batch else [None] * n
     return [EpisodeRow(i, str(texts[i]), prompts[i], dict(metas[i] or {}),
                        [dict(m) for m in chats[i]] if chats[i] else None) for i in range(n)]
 

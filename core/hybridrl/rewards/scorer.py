@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hybridrl.run.atomic_dir import replaced_atomically
-from hybridrl.batch import RESPONSE_IDS, SCORES, Batch, last_positions, response_attention_mask, sequence_keys
+from hybridrl.batch import (META, PROMPT_TEXT, RESPONSE_IDS, SCORES, Batch, last_positions, response_attention_mask,
+                            sequence_keys)
 from hybridrl.rewards.calling import RewardError
 from hybridrl.rewards.rules import RuleSpec, Term
 from hybridrl.rewards.runner import InlineRunner, Item, Outcome, ProcessRunner, default_workers
@@ -131,7 +132,7 @@ class RewardScorer:
 
     # --- scoring ---------------------------------------------------------------------------------
     def items(self, batch: Batch, texts: list[str]) -> list[Item]:
-        return [(batch["prompt"][i], text, batch["meta"][i]) for i, text in enumerate(texts)]
+        return [(batch[PROMPT_TEXT][i], text, batch[META][i]) for i, text in enumerate(texts)]
 
     def rule_scores(self, batch: Batch, texts: list[str]) -> tuple[torch.Tensor, list[Outcome]]:
         if self.runner is None:
@@ -196,7 +197,7 @@ def _merge(a: list[Outcome], b: list[Outcome]) -> list[Outcome]:
 def source_means(batch: Batch, scores: torch.Tensor) -> dict[str, float]:
     """``reward/<data_source>/mean`` for each source in the batch (none when no row names one)."""
     by_source: dict[str, list[float]] = {}
-    for meta, score in zip(batch["meta"], scores.tolist()):
+    for meta, score in zip(batch[META], scores.tolist()):
         source = meta.get("data_source") if isinstance(meta, dict) else None
         if isinstance(source, str):
             by_source.setdefault(source, []).append(score)

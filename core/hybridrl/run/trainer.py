@@ -22,10 +22,11 @@ import torch
 from hybridrl.algorithms.advantages import AdvantageInputs
 from hybridrl.algorithms.kl_control import build_kl_controller
 from hybridrl.algorithms.objective import PolicyObjective, ValueObjective, resolve_algorithm
-from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, REF_LOG_PROBS, RESPONSE_IDS,
-                            RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, SCORES, TOKEN_REWARDS, Batch,
+from hybridrl.batch import (ADVANTAGES, BASELINE_SCORES, GROUP_INDEX, LOG_PROBS, MESSAGES, META, OLD_LOG_PROBS,
+                            PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, REF_LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK,
+                            RESPONSE_TEXT, RETURNS, ROLLOUT_LOG_PROBS, SCORES, TOKEN_REWARDS, VALUES, Batch,
                             first_row_of_each_group, left_pad, response_attention_mask, sequence_keys)
-from hybridrl.engines import VALUES, SamplingParams
+from hybridrl.engines import SamplingParams
 from hybridrl.environments.driver import Episodes
 from hybridrl.observe.flops import step_perf_metrics
 from hybridrl.observe.memory import peak_memory_metrics
@@ -199,12 +200,12 @@ class Trainer:
         rows = next(self.loader)
         ids, mask = left_pad([r.token_ids for r in rows], self.pad_id)
         n = self.cfg.algorithm.n_samples
-        fields = {"prompt": [r.prompt for r in rows], "meta": [r.meta for r in rows]}
+        fields = {PROMPT_TEXT: [r.prompt for r in rows], META: [r.meta for r in rows]}
         if self.episodes is not None:
-            fields["messages"] = [r.messages for r in rows]
+            fields[MESSAGES] = [r.messages for r in rows]
         batch = Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask}, fields)
         batch = batch.repeat_interleave(n)
-        batch.set("group_index", torch.arange(len(rows)).repeat_interleave(n))
+        batch.set(GROUP_INDEX, torch.arange(len(rows)).repeat_interleave(n))
         batch.info["temperature"] = self.sampling.temperature if self.sampling.temperature > 0 else 1.0
         return batch
 
@@ -216,8 +217,8 @@ class Trainer:
         stride = max(1, len(batch) // n)
         with (Path(self.cfg.trainer.out) / "samples.jsonl").open("a") as f:
             for i in range(0, len(batch), stride)[:n]:
-                f.write(json.dumps({"step": self.step, "prompt": batch["prompt"][i],
-                                    "response": batch["response_text"][i], "score": float(batch[SCORES][i])}) + "\n")
+                f.write(json.dumps({"step": self.step, "prompt": batch[PROMPT_TEXT][i],
+                                    "response": batch[RESPONSE_TEXT][i], "score": float(batch[SCORES][i])}) + "\n")
 
     def train_step(self) -> dict[str, float]:
         """One step: synchronous (generate, then train, then reshard), or pipelined (``trainer.pipelined``:
@@ -314,13 +315,13 @@ class Trainer:
             with timer.phase("ref"):
                 ref = log.took("ref", self.groups["ref"].call("ref", "compute_log_probs",
                                                               batch.select(*sequence_keys(batch))))
-                batch.set(REF_LOG_PROBS, ref["log_probs"])
+                batch.set(REF_LOG_PROBS, ref[LOG_PROBS])
         actor = self.groups["actor"]
         if self.recompute_old_log_probs:
             with timer.phase("old_log_prob"):
                 old = log.took("old_log_prob", actor.call("actor", "compute_log_probs",
                                                           batch.select(*sequence_keys(batch))))
-                batch.set(OLD_LOG_PROBS, old["log_probs"])
+                batch.set(OLD_LOG_PROBS, old[LOG_PROBS])
         critic = self.groups.get("critic")
         if critic is not None:
             with timer.phase("values"):
@@ -421,15 +422,15 @@ class Trainer:
     def greedy_baseline(self, batch: Batch, log: StepLog) -> dict[str, float]:
         """ReMax: one greedy response per prompt, scored like the samples; its reward is the baseline of
         every sample of that prompt (``baseline_scores``, (B,))."""
-        groups = batch["group_index"].tolist()
+        groups = batch[GROUP_INDEX].tolist()
         first = first_row_of_each_group(groups)
-        prompts = batch.index(list(first.values())).select(PROMPT_IDS, PROMPT_MASK, "prompt", "meta")
+        prompts = batch.index(list(first.values())).select(PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, META)
         greedy = dataclasses.replace(self.sampling, temperature=0.0, seed=None)
         prompts.update(log.took("gen_baseline", self.groups["rollout"].call(
             "rollout", "generate", prompts.select(PROMPT_IDS, PROMPT_MASK), greedy)))
         scored = self.scorer(prompts)
         by_group = dict(zip(first, scored.scores.tolist()))
-        batch.set("baseline_scores", torch.tensor([by_group[g] for g in groups], dtype=torch.float32))
+        batch.set(BASELINE_SCORES, torch.tensor([by_group[g] for g in groups], dtype=torch.float32))
         return {"reward/greedy_baseline_mean": float(scored.scores.mean())}
 
     def score(self, batch: Batch, log: StepLog) -> dict[str, float]:
@@ -438,7 +439,7 @@ class Trainer:
         if scored.model_compute_s is not None:
             log.compute["reward"] = scored.model_compute_s
         scores, mask = scored.scores + Episodes.reward(batch), batch[RESPONSE_MASK]
-        batch.set("response_text", scored.texts)
+        batch.set(RESPONSE_TEXT, scored.texts)
         batch.set(SCORES, scores)
         batch.set(TOKEN_REWARDS, on_last_token(scores, mask))
         lengths = response_attention_mask(batch).sum(-1)  # a multi-turn row's observations included
@@ -468,10 +469,10 @@ class Trainer:
                         "kl/coef": self.kl_ctrl.coef})
             self.kl_ctrl.update(sequence_kl, len(batch))
         algo = self.cfg.algorithm
-        inputs = AdvantageInputs(token_rewards=token_rewards, response_mask=mask, group_index=batch["group_index"],
+        inputs = AdvantageInputs(token_rewards=token_rewards, response_mask=mask, group_index=batch[GROUP_INDEX],
                                  values=batch[VALUES] if VALUES in batch else None, norm_by_std=algo.norm_adv_by_std,
                                  options=algo.options, gamma=algo.gamma, lam=algo.lam,
-                                 baseline_scores=batch["baseline_scores"] if "baseline_scores" in batch else None)
+                                 baseline_scores=batch[BASELINE_SCORES] if BASELINE_SCORES in batch else None)
         adv, returns = self.advantage_fn(inputs)
         batch.set(ADVANTAGES, adv)
         batch.set(RETURNS, returns)

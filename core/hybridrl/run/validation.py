@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, left_pad
+from hybridrl.batch import META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RESPONSE_MASK, Batch, left_pad
 from hybridrl.engines import SamplingParams
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ class Validator:
             rows = self.prompts[start:start + self.batch_prompts]
             ids, mask = left_pad([r.token_ids for r in rows], self.pad_id)
             batch = Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask},
-                                       {"prompt": [r.prompt for r in rows], "meta": [r.meta for r in rows]})
+                                       {PROMPT_TEXT: [r.prompt for r in rows], META: [r.meta for r in rows]})
             batch = batch.repeat_interleave(self.k)
             batch.set("prompt_index", torch.arange(start, start + len(rows)).repeat_interleave(self.k))
             out.append(batch)
@@ -152,8 +152,8 @@ class Validator:
                 lengths += batch[RESPONSE_MASK].sum(-1).tolist()
                 index += batch["prompt_index"].tolist()
                 texts += scored.texts
-                metas += batch["meta"]
-                prompts += batch["prompt"]
+                metas += batch[META]
+                prompts += batch[PROMPT_TEXT]
         finally:
             if sleeps:
                 rollout.broadcast("rollout", "sleep")

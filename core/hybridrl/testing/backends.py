@@ -97,7 +97,10 @@ def build_engine(kind: Kind, name: str, model_path: str, device: str, dtype: str
     cls = engine_class(kind, name)
     ensure_process_group(device)
     role = role or ("actor" if kind == "train" else "rollout")
-    training, own = TrainingOptions.split(options or {}) if kind == "train" else (TrainingOptions(), dict(options or {}))
+    if kind == "train":
+        training, own = TrainingOptions.split(options or {})
+    else:
+        training, own = TrainingOptions(), dict(options or {})
     ctx = EngineContext(role=role, backend=name, model_path=str(model_path), rank=0, world_size=1, device=device,
                         dtype=dtype, seed=0, trainable=role_spec(role).trainable, options=own, training=training)
     return cls(ctx)

@@ -6,7 +6,8 @@ from typing import Sequence
 
 import torch
 
-from hybridrl.batch import ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch, left_pad, right_pad
+from hybridrl.batch import (ADVANTAGES, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch,
+                            left_pad, right_pad)
 from hybridrl.engines import LossScale
 
 #: ids below this are the character tokenizer's specials (pad, eos, bos): random sequences avoid them.
@@ -50,13 +51,13 @@ class PolicyGradientLoss:
     """``-sum(log_probs * advantages * mask) / total_tokens * dp_size`` per micro-batch: its exact share of the
     token-mean loss of the whole batch (see ``LossScale``), so the shares add up to ``policy_gradient_loss``."""
 
-    needs = ("log_probs",)
+    needs = (LOG_PROBS,)
 
     def __call__(self, outputs: dict[str, torch.Tensor], micro_batch: Batch, scale: LossScale
                  ) -> tuple[torch.Tensor, dict[str, float]]:
-        mask = micro_batch[RESPONSE_MASK].to(outputs["log_probs"].device).float()
-        adv = micro_batch[ADVANTAGES].to(outputs["log_probs"].device)
-        loss = -(outputs["log_probs"] * adv * mask).sum() / scale.total_tokens * scale.dp_size
+        mask = micro_batch[RESPONSE_MASK].to(outputs[LOG_PROBS].device).float()
+        adv = micro_batch[ADVANTAGES].to(outputs[LOG_PROBS].device)
+        loss = -(outputs[LOG_PROBS] * adv * mask).sum() / scale.total_tokens * scale.dp_size
         return loss, {"kit_tokens": float(mask.sum())}
 
 

@@ -31,8 +31,8 @@ from typing import Any, Sequence
 import pytest
 import torch
 
-from hybridrl.batch import (PROMPT_IDS, PROMPT_MASK, RESPONSE_ATTENTION_MASK, RESPONSE_IDS, RESPONSE_MASK,
-                            ROLLOUT_LOG_PROBS, Batch, left_pad, right_pad)
+from hybridrl.batch import (META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RESPONSE_ATTENTION_MASK, RESPONSE_IDS,
+                            RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch, left_pad, right_pad)
 from hybridrl.engines import EngineContext, GeneratedTokens, RolloutEngine, SamplingParams, WeightBucket
 from hybridrl.environments.spec import EnvironmentSpec
 from hybridrl.environments.trajectory import ENV_METRICS, ENV_REWARD, NUM_TURNS, REWARD_PARTS, TRUNCATED
@@ -134,8 +134,8 @@ def play(model_path: Path, spec: EnvironmentSpec, rows: Sequence[dict[str, Any]]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     ids, mask = left_pad(prompts, policy.pad_id)
     batch = Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask},
-                               {"prompt": [r["prompt"] for r in rows],
-                                "meta": [{k: v for k, v in r.items() if k != "prompt"} for r in rows]})
+                               {PROMPT_TEXT: [r["prompt"] for r in rows],
+                                META: [{k: v for k, v in r.items() if k != "prompt"} for r in rows]})
     runner = runner_module.build_runner(replace(spec, mode=mode), str(model_path), max_new_tokens, 0)
     built: list[Any] = []
     factory = runner.factory

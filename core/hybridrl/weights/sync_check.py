@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, first_row_of_each_group
+from hybridrl.batch import GROUP_INDEX, PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, first_row_of_each_group
 from hybridrl.engines import SamplingParams
 
 GREEDY_MARGIN = "greedy_margin"
@@ -43,8 +43,8 @@ class SyncCheck:
 
     def prompts(self, batch: Batch) -> Batch:
         """One row per prompt group (the step's rows repeat each prompt ``n_samples`` times), at most ``rows``."""
-        if "group_index" in batch:
-            index = list(first_row_of_each_group(batch["group_index"].tolist()).values())[: self.rows]
+        if GROUP_INDEX in batch:
+            index = list(first_row_of_each_group(batch[GROUP_INDEX].tolist()).values())[: self.rows]
         else:
             index = list(range(min(self.rows, len(batch))))
         return batch.index(index).select(PROMPT_IDS, PROMPT_MASK)

@@ -21,7 +21,6 @@ import math
 from pathlib import Path
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -31,11 +30,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, SCORES, Batch, sequence_tensors
+from hybridrl.batch import (ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, SCORES, VALUES, Batch,
+                            sequence_tensors)
 from hybridrl.runtime.distributed import all_reduce_sum
 from hybridrl.engine_support import (WeightedMean, check_same_count, engine_device, raise_if_counts_differ,
                                      require_process_group, sampling_temperature)
-from hybridrl.engines import VALUES, EngineContext, LossScale, Objective, TrainEngine, TrainingOptions, WeightBucket
+from hybridrl.engines import EngineContext, LossScale, Objective, TrainEngine, TrainingOptions, WeightBucket
 from hybridrl.weights.sync_check import GREEDY_MARGIN, greedy_margins
 from hybridrl.weights.buckets import group_into_buckets
 from hybridrl.placement.memory import OPTIMIZER_GROUP_BYTES

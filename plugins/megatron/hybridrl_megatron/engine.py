@@ -29,10 +29,10 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, Batch, sequence_tensors
+from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, VALUES, Batch, sequence_tensors
 from hybridrl.engine_support import (WeightedMean, check_same_count, engine_device, require_process_group,
                                      sampling_temperature)
-from hybridrl.engines import VALUES, DataParallelInfo, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
+from hybridrl.engines import DataParallelInfo, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
 from hybridrl.weights.sync_check import GREEDY_MARGIN
 from hybridrl.weights.buckets import group_into_buckets
 

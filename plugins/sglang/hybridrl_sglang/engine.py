@@ -22,16 +22,16 @@ import torch
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch
 from hybridrl.engines import (DataParallelInfo, EngineContext, GeneratedTokens, NamedTensor, RolloutEngine,
                               SamplingParams, WeightBucket)
-from hybridrl.rollout.common import special_ids
+from hybridrl.rollout.common import (ReplicaLayout, check_context, engine_seed, pack_responses, special_ids,
+                                     unpad_prompts)
 
 from hybridrl_sglang import compat
 from hybridrl_sglang.buckets import flatten
 from hybridrl_sglang.options import PoolMemory, SGLangOptions, auto_fraction, check_fraction, engine_kwargs
-from hybridrl_sglang.packing import (Completion, check_context, ended, pack_responses, parse_output, renormalise,
-                                     unpad_prompts)
-from hybridrl_sglang.parallel import ReplicaLayout, engine_devices
+from hybridrl_sglang.packing import Completion, ended, parse_output, renormalise
+from hybridrl_sglang.parallel import engine_devices
 from hybridrl_sglang.requests import generate_one_request
-from hybridrl_sglang.sampling import engine_seed, per_request, phases, top_logprobs_wanted
+from hybridrl_sglang.sampling import per_request, phases, top_logprobs_wanted
 from hybridrl_sglang.sleep import MemoryState
 
 

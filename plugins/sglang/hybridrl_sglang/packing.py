@@ -16,9 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from hybridrl.rollout.common import check_context, pack_responses, unpad_prompts
 
-__all__ = ["Completion", "check_context", "ended", "pack_responses", "parse_output", "renormalise", "unpad_prompts"]
 
 
 @dataclass

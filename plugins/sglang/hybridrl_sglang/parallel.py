@@ -14,7 +14,6 @@ from typing import Sequence
 
 from hybridrl.rollout.common import ReplicaLayout
 
-__all__ = ["ReplicaLayout", "engine_devices"]
 
 
 def engine_devices(layout: ReplicaLayout, visible_per_rank: Sequence[str | None]) -> str | None:

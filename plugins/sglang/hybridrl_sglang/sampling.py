@@ -15,10 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hybridrl.engines import SamplingParams
-from hybridrl.rollout.common import engine_seed, mix_seed, request_seeds
+from hybridrl.rollout.common import request_seeds
 
-__all__ = ["BAN", "Phase", "base_sampling", "engine_seed", "mix_seed", "per_request", "phase_sampling", "phases",
-           "request_seeds", "top_logprobs_wanted", "validate"]
 
 #: logit bias that bans a token (``-inf`` would also work in SGLang, but a finite value survives every
 #: serialisation and gives ``exp() == 0`` in float32).

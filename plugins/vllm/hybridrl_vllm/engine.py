@@ -27,16 +27,16 @@ import torch
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch
 from hybridrl.engines import (DataParallelInfo, EngineContext, GeneratedTokens, NamedTensor, RolloutEngine,
                               SamplingParams, WeightBucket)
-from hybridrl.rollout.common import special_ids
+from hybridrl.rollout.common import (ReplicaLayout, check_context, engine_seed, pack_responses, special_ids,
+                                     unpad_prompts)
 
 from hybridrl_vllm import compat
 from hybridrl_vllm.copy_plan import CopyPlan, GraphedCopies, checksum
-from hybridrl_vllm.options import StartMemory, VLLMOptions, check_weight_load, llm_kwargs, resolve_weight_load, \
-    start_memory
-from hybridrl_vllm.packing import check_context, pack_responses, sampled_logprobs, unpad_prompts
-from hybridrl_vllm.parallel import ReplicaLayout
+from hybridrl_vllm.options import (StartMemory, VLLMOptions, check_weight_load, llm_kwargs, resolve_weight_load,
+                                   start_memory)
+from hybridrl_vllm.packing import sampled_logprobs
 from hybridrl_vllm.requests import RequestPump
-from hybridrl_vllm.sampling import engine_seed, per_request_kwargs, resolve_seed_mode
+from hybridrl_vllm.sampling import per_request_kwargs, resolve_seed_mode
 from hybridrl_vllm.sleep import KV_CACHE, KV_ONLY, SleepState
 from hybridrl_vllm.weights import tied_aliases, with_aliases
 

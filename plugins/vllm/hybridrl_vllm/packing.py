@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from hybridrl.rollout.common import check_context, pack_responses, unpad_prompts
 
-__all__ = ["check_context", "pack_responses", "sampled_logprobs", "unpad_prompts"]
 
 
 def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:

@@ -11,10 +11,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from hybridrl.engines import SamplingParams
-from hybridrl.rollout.common import engine_seed, mix_seed, request_seeds
+from hybridrl.rollout.common import request_seeds
 
-__all__ = ["SEED_MODES", "engine_seed", "mix_seed", "per_request_kwargs", "request_seeds", "resolve_seed_mode",
-           "sampling_kwargs"]
 
 #: ``seed_mode`` values: one seed per request (reproducible, independent of batching), the engine's
 #: own random stream (no per-request generators: faster for large batches on GPU), or ``auto``: request on
