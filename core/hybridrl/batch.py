@@ -63,7 +63,16 @@ def _rebuild_batch(arrays: dict[str, Any], size: int, non_tensors: dict[str, lis
 
 @dataclass
 class Batch:
-    """Padded tensors (batch dimension first) plus per-sample non-tensor fields and batch-level info."""
+    """Padded tensors (batch dimension first) plus per-sample non-tensor fields and batch-level info.
+
+    ``tensors``: a ``TensorDict`` of ``(B, ...)`` tensors under the keys above; ``non_tensors``: Python lists of
+    length ``B`` (``PROMPT_TEXT``, ``META``, ``RESPONSE_TEXT``); ``info``: batch-level values, e.g.
+    ``info["temperature"]``, the sampling temperature a train engine divides its logits by. ``batch[key]``
+    reads either kind. What a train engine receives: ``compute_log_probs`` (and ``compute_values``,
+    ``compute_greedy_margins``, ``compute_scores``) get ``PROMPT_IDS``, ``PROMPT_MASK``, ``RESPONSE_IDS``,
+    ``RESPONSE_MASK`` and return a *new* Batch holding only their outputs (the driver merges it); ``update``
+    gets those four plus what the objective reads (``ADVANTAGES``, ``OLD_LOG_PROBS``, ``REF_LOG_PROBS``,
+    ``RETURNS``, ``VALUES``, ``ROLLOUT_LOG_PROBS``, whichever the algorithm uses)."""
 
     tensors: TensorDict
     non_tensors: dict[str, list[Any]] = field(default_factory=dict)
@@ -78,6 +87,8 @@ class Batch:
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], non_tensors: dict[str, list[Any]] | None = None,
                      info: dict[str, Any] | None = None) -> "Batch":
+        """A batch from ``{key: (B, ...) tensor}`` (all of one ``B``), optional per-row lists and info: how an
+        engine builds what it returns, e.g. ``Batch.from_tensors({LOG_PROBS: lp})``."""
         sizes = {t.shape[0] for t in tensors.values()}
         if len(sizes) > 1:
             raise ValueError(f"tensors disagree on batch size: {sizes}")
@@ -85,6 +96,7 @@ class Batch:
         return cls(TensorDict(tensors, batch_size=[size]), dict(non_tensors or {}), dict(info or {}))
 
     def __len__(self) -> int:
+        """The number of rows ``B``."""
         return int(self.tensors.batch_size[0]) if self.tensors.batch_size else 0
 
     def __reduce__(self) -> tuple:
@@ -99,14 +111,17 @@ class Batch:
         return (_rebuild_batch, (arrays, len(self), self.non_tensors, self.info))
 
     def __getitem__(self, key: str) -> Any:
+        """The tensor (or per-row list) under ``key``; ``KeyError`` when the batch has neither."""
         if key in self.tensors.keys():
             return self.tensors[key]
         return self.non_tensors[key]
 
     def __contains__(self, key: str) -> bool:
+        """Whether ``key`` is a tensor or a per-row field of the batch (``info`` is not searched)."""
         return key in self.tensors.keys() or key in self.non_tensors
 
     def set(self, key: str, value: torch.Tensor | list[Any]) -> None:
+        """Add or replace a field in place: a tensor (``(B, ...)``) or a per-row list of length ``B``."""
         if isinstance(value, torch.Tensor):
             self.tensors.set(key, value)
         else:
@@ -128,6 +143,8 @@ class Batch:
         return Batch(self.tensors.to(device), self.non_tensors, self.info)
 
     def select(self, *keys: str) -> "Batch":
+        """A new batch with only ``keys`` (tensors are shared, not copied; ``info`` is copied);
+        ``KeyError`` names the missing ones."""
         tensor_keys = [k for k in keys if k in self.tensors.keys()]
         other = {k: self.non_tensors[k] for k in keys if k in self.non_tensors}
         missing = set(keys) - set(tensor_keys) - set(other)
@@ -136,6 +153,7 @@ class Batch:
         return Batch(self.tensors.select(*tensor_keys), other, dict(self.info))
 
     def index(self, idx: torch.Tensor | Sequence[int]) -> "Batch":
+        """A new batch of the rows ``idx``, in that order (tensors gathered, so copies)."""
         idx_t = torch.as_tensor(idx, dtype=torch.long)
         idx_l = idx_t.tolist()
         return Batch(self.tensors[idx_t], {k: [v[i] for i in idx_l] for k, v in self.non_tensors.items()},
@@ -167,10 +185,12 @@ class Batch:
         return padded, pad
 
     def unpad(self, pad: int) -> "Batch":
+        """Undo ``pad_to_multiple``: the batch without its last ``pad`` rows."""
         return self if pad == 0 else self.index(range(len(self) - pad))
 
     @staticmethod
     def concat(batches: Iterable["Batch"]) -> "Batch":
+        """The rows of ``batches`` one after the other (the same keys in each; ``info`` merged, later wins)."""
         batches = list(batches)
         if not batches:
             raise ValueError("cannot concatenate zero batches")
@@ -215,7 +235,12 @@ def last_positions(mask: torch.Tensor) -> torch.Tensor:
 
 def sequence_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask, position_ids)`` of prompt+response, positions counted over real tokens
-    (the observation tokens of a multi-turn row are real: attended to, never trained)."""
+    (the observation tokens of a multi-turn row are real: attended to, never trained).
+
+    A row's real tokens sit between left padding (of the prompt) and right padding (of the response), so its
+    first real token is not at column 0: pass these ``position_ids`` to the model (a model with absolute
+    position embeddings scores every left-padded row at the wrong positions without them). An engine that
+    drops the padding and packs the rows must restart the positions at 0 for each row."""
     input_ids = torch.cat([batch[PROMPT_IDS], batch[RESPONSE_IDS]], dim=1)
     attention_mask = torch.cat([batch[PROMPT_MASK], response_attention_mask(batch)], dim=1).long()
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)

@@ -97,6 +97,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybridrl.run.preflight import prepare_run
     from hybridrl.run.oom import OutOfMemoryStop, memory_stop
     from hybridrl.run.trainer import Trainer
+    from hybridrl.runtime.launch import EngineStartError
 
     cfg = load_config(args.config, args.overrides)
     setup = prepare_run(cfg, _registry(cfg), detect_cluster(cfg.cluster), overwrite=args.overwrite)
@@ -108,7 +109,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"hybridrl: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # out of memory while the engines start (the training loop's guard is not up yet)
-        stop = memory_stop(exc, setup.plan, None, trainer.checkpointer.last_checkpoint_message())
+        started = exc.__cause__ if isinstance(exc, EngineStartError) and exc.__cause__ is not None else exc
+        stop = memory_stop(started, setup.plan, None, trainer.checkpointer.last_checkpoint_message())
+        if stop is None and isinstance(exc, EngineStartError):  # an engine refused to start: its own one line
+            stop = exc
         if stop is None:
             raise
         print(f"hybridrl: {stop}", file=sys.stderr)

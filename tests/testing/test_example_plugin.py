@@ -69,3 +69,23 @@ def test_example_plugin_trains_the_quick_start(site: Path, tmp_path: Path) -> No
     for row in rows:
         assert 0.0 <= row["reward/mean"] <= 1.0 and row["response_length/mean"] > 0
         assert row["rollout/logp_diff"] < 1e-3  # the example's log-probs agree with the FSDP actor's
+
+
+def test_example_train_engine_passes_the_kit(site: Path, tmp_path: Path) -> None:
+    """The plain-PyTorch train engine beside the rollout: the whole train battery, bridged into ``hf``."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "--hybridrl-backend=example_train", "-q", "-p",
+                          "no:cacheprovider", f"--basetemp={tmp_path / 'kit'}"], capture_output=True, text=True,
+                         env=_env(site), cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+    summary = out.stdout.strip().splitlines()[-1]
+    assert "failed" not in summary and "error" not in summary and "skipped" not in summary, summary
+    assert int(summary.split(" passed")[0].split()[-1]) >= 10, summary  # every train check and the bridge ran
+
+
+def test_a_one_rank_engine_is_refused_a_pool_of_two(site: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "hybridrl.cli", "plan", str(QUICKSTART), "--cluster", "1x2",
+                          "roles.actor.backend=example_train", "roles.ref.backend=example_train",
+                          "pools.main.devices_per_node=2"], capture_output=True, text=True, env=_env(site),
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "example_train" in out.stderr and "at most 1 rank" in out.stderr, out.stderr[-2000:]

@@ -102,6 +102,24 @@ class Ascends(FSDPEngine):
         return super().update(batch, Negated())
 
 
+class KeepsGradients(FSDPEngine):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad = lambda set_to_none=True: None  # gradients pile up from update to update
+
+
+class LateLogProbs(FSDPEngine):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self._log_prob_head = None  # the plain logits path, read one position late below
+
+    def _response_logits(self, input_ids, attention_mask, position_ids, response_len):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False)
+        return out.logits[:, input_ids.shape[1] - response_len:, :]  # token t scored by the logits after it
+
+
 @hookimpl
 def hybridrl_register_backends(registry):
     for name, cls in [("broken_import", IgnoresImport), ("broken_width", NarrowOutput),
@@ -109,7 +127,8 @@ def hybridrl_register_backends(registry):
                       ("broken_logp", ShiftedLogProbs), ("broken_limit", NoContextLimit),
                       ("broken_sleep", ForgetfulSleep)]:
         registry.add_rollout(name, cls, supports={"sleep", "named_weights"})  # as the hf rollout they extend
-    for name, cls in [("broken_export", NoisyExport), ("broken_zero_lr", IgnoresZeroLr), ("broken_ascent", Ascends)]:
+    for name, cls in [("broken_export", NoisyExport), ("broken_zero_lr", IgnoresZeroLr), ("broken_ascent", Ascends),
+                      ("broken_grads", KeepsGradients), ("broken_shift", LateLogProbs)]:
         registry.add_train_engine(name, cls, supports={"checkpoint", "greedy_margins", "offload"})
     registry.add_rollout("needs_missing", "kit_nowhere.engine:Engine", requires=["not_a_real_engine>=1.0"],
                          install_hint="pip install not-a-real-engine")
@@ -128,6 +147,8 @@ CASES = [
     ("broken_export", "test_export_is_the_checkpoint", train.EXPORT),
     ("broken_zero_lr", "test_zero_lr_update_changes_nothing", train.ZERO_LR),
     ("broken_ascent", "test_update_lowers_the_loss", train.DESCENT),
+    ("broken_grads", "test_consecutive_updates_are_independent", train.INDEPENDENT),
+    ("broken_shift", "test_log_probs_match_transformers", train.LOG_PROBS_AGREE),
     ("broken_zero_lr-to-broken_import", "test_sync_gives_the_rollout_the_trainer_weights", bridge.SYNC),
 ]
 # healthy selections in the same run: the built-in rollout and a working pair must pass
@@ -159,6 +180,9 @@ def test_broken_backends_fail_naming_the_broken_contract(kit_env: pytest.Pyteste
         named = f"backend '{backend.replace('-to-', ' -> ')}': {contract}"
         assert named in out, f"{backend}: the failure does not name '{contract}'"
     assert "backend 'broken_import': greedy outputs differ from the reference model after import_weights" in out
+    assert "they are shifted by one position: token t scored with the logits of the position after" in out
+    export_failure = out.split(f"backend 'broken_export': {train.EXPORT}")[1].split("\n_")[0]
+    assert export_failure.count("differs by up to") > 8 and "... and" not in export_failure  # none hidden
     result.assert_outcomes(failed=len(CASES), passed=len(PASSING))
 
 

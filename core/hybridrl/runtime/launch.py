@@ -16,6 +16,19 @@ from hybridrl.runtime.worker import RoleWorker
 TRAIN_ROLE_FIELDS = {"pool", "backend", "options"}
 
 
+class EngineStartError(RuntimeError):
+    """A role's engine raised in its constructor, on a worker: one line naming the role, the backend and the
+    engine's own error (the worker's traceback stays in its log), so the user reads the cause, not Ray's
+    wrapping of it."""
+
+
+def engine_start_error(role: str, backend: str, exc: BaseException) -> EngineStartError:
+    cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the engine's exception as ``cause``
+    text = str(cause).strip().splitlines()
+    return EngineStartError(f"roles.{role}: the '{backend}' engine did not start: {type(cause).__name__}: "
+                            f"{text[0] if text else '(no message)'}")
+
+
 
 
 def role_options(cfg: RunConfig, role: str) -> dict[str, Any]:
@@ -54,8 +67,8 @@ def start_worker_groups(cfg: RunConfig, plan: PlacementPlan) -> tuple[dict[str, 
     slots_per_pool = {pool: sum(1 for g in plan.groups if g.pool == pool) for pool in plan.pools}
     # CPU slots: share Ray's CPUs among the devices (fractions when a declared cluster oversubscribes cores).
     available = float(ray.available_resources().get("CPU", 1))
-    share = max(used_devices, 1)
-    cpus = max(available // share, min(1.0, available / share)) if device == "cpu" else 1.0
+    per_device = max(used_devices, 1)
+    cpus = max(available // per_device, min(1.0, available / per_device)) if device == "cpu" else 1.0
     threads = cfg.cluster.threads_per_worker or max(1, (os.cpu_count() or 1) // max(used_devices, 1))
     placement_groups = {pool: create_placement_group(len(devices), device, cpus, f"hybridrl-{pool}")
                         for pool, devices in plan.pools.items()}
@@ -92,4 +105,7 @@ def build_engines(cfg: RunConfig, plan: PlacementPlan, groups: dict[str, WorkerG
         training, options = role_settings(cfg, role)
         fields = {"model_path": path, "dtype": cfg.model.dtype, "seed": cfg.trainer.seed,
                   "trainable": role_spec(role).trainable, "options": options, "training": training}
-        groups[role].build(role, backend, fields)
+        try:
+            groups[role].build(role, backend, fields)
+        except Exception as exc:  # noqa: BLE001 - any constructor error, raised on a worker
+            raise engine_start_error(role, backend, exc) from exc

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from hybridrl.batch import ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
+from hybridrl.batch import ADVANTAGES, ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
 from hybridrl.testing import backends
 from hybridrl.testing.batches import PolicyGradientLoss, policy_gradient_loss, rows, sequence_batch
 from hybridrl.testing.checks import check, violated
@@ -30,6 +30,9 @@ DESCENT = "an update with lr>0 must lower the loss on its batch"
 METRICS = "update must return its metrics as a dict of str -> float"
 OFFLOAD = "offload/onload must keep the weights"
 CHECKPOINT = "save_checkpoint/load_checkpoint must round-trip weights and optimiser state"
+INDEPENDENT = ("each update must start from zero gradients: after an update, an update whose loss has no gradient "
+               "(advantages all 0; betas=(0, 0), weight_decay=0: no momentum, no decay) must leave the weights "
+               "unchanged (an engine that never zeroes its gradients applies the previous update's again)")
 
 SEQUENCE_KEYS = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
 
@@ -114,7 +117,9 @@ class TrainEngineContract(KitBase):
                 diff = float((got - want).abs().max())
                 if diff > self.logprob_atol:
                     agree.append(f"row {i} '{key}' (temperature {temperature}): |engine - transformers| up to "
-                                 f"{diff:.2e} > atol {self.logprob_atol:g}")
+                                 f"{diff:.2e} > atol {self.logprob_atol:g}"
+                                 + (shifted_by_one(got, prompt, response, ref, temperature, self.logprob_atol)
+                                    if key == LOG_PROBS else ""))
         return layout, agree
 
     def _loss(self, engine: Any, batch: Batch) -> float:
@@ -187,6 +192,20 @@ class TrainEngineContract(KitBase):
         if not (math.isfinite(after) and after < before):
             violated(backend_name, DESCENT, [f"loss {before:.6f} before the update, {after:.6f} after (lr={self.lr})"])
 
+    def test_consecutive_updates_are_independent(self, backend_name: str, make_trainer: Callable[..., Any],
+                                                 batch: Batch) -> None:
+        engine = make_trainer(lr=self.lr, betas=(0.0, 0.0), weight_decay=0.0)
+        start = exported(engine)
+        self._update(backend_name, engine, batch)
+        moved = exported(engine)
+        if not weight_problems(start, moved):
+            violated(backend_name, DESCENT, [f"an update with lr={self.lr} left every weight unchanged"])
+        no_gradient = batch.select(*SEQUENCE_KEYS)
+        no_gradient.set(ADVANTAGES, torch.zeros_like(batch[ADVANTAGES]))
+        self._update(backend_name, engine, no_gradient)
+        check(backend_name, INDEPENDENT, [f"after the zero-gradient update: {p}"
+                                          for p in weight_problems(moved, exported(engine))])
+
     def test_offload_and_onload_keep_weights(self, backend_name: str, make_trainer: Callable[..., Any],
                                              batch: Batch, policy_ref: ReferenceModel) -> None:
         engine = make_trainer()
@@ -224,6 +243,30 @@ class TrainEngineContract(KitBase):
         check(backend_name, CHECKPOINT, [f"the step after resuming differs from the step without a restart "
                                          f"(optimiser state lost?): {p}"
                                          for p in weight_problems(continued, exported(resumed), atol=1e-6)])
+
+
+def shifted_by_one(got: torch.Tensor, prompt: list[int], response: list[int], ref: ReferenceModel,
+                   temperature: float | None, atol: float) -> str:
+    """A note when ``got`` (one row's log-probs at its real response tokens) are the reference's read one position
+    off: token ``t`` of the response scored with the logits of the position after (or before) the one that
+    predicts it. Empty otherwise."""
+    ids = torch.tensor([list(prompt) + list(response)], dtype=torch.long)
+    with torch.no_grad():
+        logits = ref.model(input_ids=ids).logits[0].float()
+    if temperature is not None:
+        logits = logits / temperature
+    log_probs = torch.log_softmax(logits, -1)
+    first = len(prompt)  # the first response token's position; the logits at first - 1 predict it
+    for shift, where in ((1, "of the position after the one that predicts it"),
+                         (-1, "of the position before the one that predicts it")):
+        steps = [t for t in range(len(response)) if 0 <= first + t - 1 + shift < ids.shape[1]]
+        if not steps:
+            continue
+        want = torch.stack([log_probs[first + t - 1 + shift, response[t]] for t in steps])
+        if float((got[steps] - want).abs().max()) <= atol:
+            return (f"; they are shifted by one position: token t scored with the logits {where} (the logits at "
+                    f"position P+t-1 predict response token t, P the prompt's length)")
+    return ""
 
 
 def kit_models_tied(kit: KitModels) -> bool:

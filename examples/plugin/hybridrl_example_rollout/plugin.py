@@ -10,3 +10,8 @@ def hybridrl_register_backends(registry):
     registry.add_rollout("example", "hybridrl_example_rollout.engine:ExampleRollout", requires=["transformers>=4.57"],
                          install_hint="pip install hybridrl-example-rollout",
                          supports={"sleep", "named_weights"})  # what it can do beyond generate/import_weights
+    # A train engine in plain PyTorch beside it (train_engine.py): one rank only, so a pool of two or more
+    # devices for it is refused by pre-flight.
+    registry.add_train_engine("example_train", "hybridrl_example_rollout.train_engine:ExampleTrainer",
+                              requires=["transformers>=4.57"], install_hint="pip install hybridrl-example-rollout",
+                              supports={"checkpoint", "offload"}, max_ranks=1)

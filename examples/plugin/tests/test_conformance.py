@@ -3,7 +3,7 @@
 Equivalent to ``pytest --hybridrl-backend=example``; subclassing lets the plugin keep the battery in its
 own test run and set class attributes (device, engine_options, tolerances)."""
 
-from hybridrl.testing import BridgeContract, RolloutEngineContract
+from hybridrl.testing import BridgeContract, RolloutEngineContract, TrainEngineContract
 
 
 class TestExampleRollout(RolloutEngineContract):
@@ -12,4 +12,13 @@ class TestExampleRollout(RolloutEngineContract):
 
 class TestFSDPToExample(BridgeContract):
     trainer_backend = "fsdp"
+    rollout_backend = "example"
+
+
+class TestExampleTrainer(TrainEngineContract):
+    backend = "example_train"
+
+
+class TestExampleTrainerToExample(BridgeContract):
+    trainer_backend = "example_train"
     rollout_backend = "example"
