@@ -29,11 +29,12 @@ class ExampleTrainer(TrainEngine):
 
         if ctx.world_size != 1:
             raise ValueError(f"roles.{ctx.role}: the example trainer runs on one rank, got {ctx.world_size}")
-        opts = ctx.options
-        self.micro_batch = int(opts.get("micro_batch", 16))
-        if self.micro_batch <= 0:
-            raise ValueError(f"roles.{ctx.role}.micro_batch must be positive, got {self.micro_batch}")
-        self.grad_clip = float(opts.get("grad_clip") or math.inf)
+        training = ctx.training  # lr, betas, weight_decay, grad_clip, warmup_steps, micro_batch: checked already
+        if training.max_tokens_per_micro_batch is not None:
+            raise ValueError(f"roles.{ctx.role}.max_tokens_per_micro_batch: the example trainer splits by rows "
+                             f"(micro_batch) only")
+        self.micro_batch = training.micro_batch
+        self.grad_clip = training.grad_clip if training.grad_clip and training.grad_clip > 0 else math.inf
         self.device = torch.device(ctx.device)
         torch.manual_seed(ctx.seed)
         self.model = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=torch.float32).to(self.device)
@@ -41,10 +42,9 @@ class ExampleTrainer(TrainEngine):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if ctx.trainable:
-            betas = tuple(float(b) for b in opts.get("betas", (0.9, 0.999)))
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=float(opts.get("lr", 1e-6)),
-                                               betas=betas, weight_decay=float(opts.get("weight_decay", 0.0)))
-            warmup = int(opts.get("warmup_steps", 0))
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=training.lr, betas=training.betas,
+                                               weight_decay=training.weight_decay)
+            warmup = training.warmup_steps
             # optimiser step k (from 0) runs at lr * min(1, (k+1)/warmup): the first step already moves
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda k: 1.0 if warmup <= 0 else min(1.0, (k + 1) / warmup))
