@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -66,17 +67,24 @@ def test_trim_cuts_padding_columns_of_prompt_and_response_aligned_tensors() -> N
 
 
 # --- the engine -----------------------------------------------------------------------------------------
-def test_log_probs_and_values_equal_plain_batching(process_group, tiny_model: Path) -> None:
+@pytest.mark.parametrize("packing", [False, True])
+def test_log_probs_and_values_equal_plain_batching(process_group, tiny_model: Path, packing: bool) -> None:
     from hybridrl.batch import VALUES
     from hybridrl_fsdp.engine import FSDPEngine
 
     batch = ragged_batch()
-    plain = FSDPEngine(context(tiny_model, trainable=False, micro_batch=3))
-    packed = FSDPEngine(context(tiny_model, trainable=False, micro_batch=3, max_tokens_per_micro_batch=BUDGET))
-    plan = packed._plan(batch)
-    assert len({len(m.index) for m in plan}) > 1, "short rows should share bins, long ones not"
+    plain = FSDPEngine(context(tiny_model, trainable=False, micro_batch=3, packing=False))
+    binned = FSDPEngine(context(tiny_model, trainable=False, micro_batch=3, max_tokens_per_micro_batch=BUDGET,
+                                packing=packing))
+    plan = binned._plan(batch)
+    if packing:  # bins hold up to BUDGET real tokens
+        assert all(m.packed.tokens <= BUDGET or len(m.index) == 1 for m in plan)
+        assert len(plan) < len(FSDPEngine(context(tiny_model, trainable=False, max_tokens_per_micro_batch=BUDGET,
+                                                  packing=False))._plan(batch)), "packed bins hold more rows"
+    else:
+        assert len({len(m.index) for m in plan}) > 1, "short rows should share bins, long ones not"
     assert sorted(torch.cat([m.index for m in plan]).tolist()) == list(range(len(batch)))
-    a, b = plain.compute_log_probs(batch, with_entropy=True), packed.compute_log_probs(batch, with_entropy=True)
+    a, b = plain.compute_log_probs(batch, with_entropy=True), binned.compute_log_probs(batch, with_entropy=True)
     mask = batch[RESPONSE_MASK].bool()
     assert float(a[LOG_PROBS][mask].abs().min()) > 0
     for key in (LOG_PROBS, "entropy"):
@@ -86,19 +94,21 @@ def test_log_probs_and_values_equal_plain_batching(process_group, tiny_model: Pa
         ctx = context(tiny_model, **options)
         return FSDPEngine(type(ctx)(**{**ctx.__dict__, "role": "critic"}))
 
-    torch.testing.assert_close(critic(max_tokens_per_micro_batch=BUDGET).compute_values(batch)[VALUES],
-                               critic(micro_batch=4).compute_values(batch)[VALUES], atol=1e-5, rtol=0)
+    torch.testing.assert_close(critic(max_tokens_per_micro_batch=BUDGET, packing=packing).compute_values(batch)[VALUES],
+                               critic(micro_batch=4, packing=False).compute_values(batch)[VALUES], atol=1e-5, rtol=0)
 
 
-def test_update_with_token_budget_equals_plain_update(process_group, tiny_model: Path) -> None:
+@pytest.mark.parametrize("packing", [False, True])
+def test_update_with_token_budget_equals_plain_update(process_group, tiny_model: Path, packing: bool) -> None:
     from hybridrl_fsdp.engine import FSDPEngine
 
     batch = ragged_batch(seed=22)
-    plain = FSDPEngine(context(tiny_model, lr=1e-2, micro_batch=2))
-    packed = FSDPEngine(context(tiny_model, lr=1e-2, micro_batch=2, max_tokens_per_micro_batch=BUDGET))
-    m1, m2 = plain.update(batch, PolicyGradient()), packed.update(batch, PolicyGradient())
+    plain = FSDPEngine(context(tiny_model, lr=1e-2, micro_batch=2, packing=False))
+    binned = FSDPEngine(context(tiny_model, lr=1e-2, micro_batch=2, max_tokens_per_micro_batch=BUDGET,
+                                packing=packing))
+    m1, m2 = plain.update(batch, PolicyGradient()), binned.update(batch, PolicyGradient())
     assert abs(m1["loss"] - m2["loss"]) < 1e-6 and abs(m1["grad_norm"] - m2["grad_norm"]) < 1e-5 * m1["grad_norm"]
-    a, b = plain.full_state_dict(), packed.full_state_dict()
+    a, b = plain.full_state_dict(), binned.full_state_dict()
     assert any(not torch.equal(a[n], t) for n, t in FSDPEngine(context(tiny_model)).full_state_dict().items())
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
@@ -133,12 +143,12 @@ def _rank_main(rank: int, world: int, port: int, model: str, out: str) -> None:
     torch.set_num_threads(1)
     from hybridrl.runtime.distributed import init_process_group
     from hybridrl_fsdp.engine import FSDPEngine
-    from hybridrl_fsdp.micro_batching import pack_by_tokens, real_lengths
+    from hybridrl_fsdp.micro_batching import pack_first_fit, real_lengths
 
     init_process_group(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)
     engine = FSDPEngine(context(Path(model), rank=rank, world_size=world, lr=1e-2, max_tokens_per_micro_batch=BUDGET))
     local = long_first(ragged_batch(seed=23)).chunk(world)[rank]
-    natural = len(pack_by_tokens(*real_lengths(local), BUDGET))
+    natural = len(pack_first_fit(*real_lengths(local), BUDGET))  # packed: the engine's default
     bins = len(engine._plan(local))
     engine.update(local, PolicyGradient())
     log_probs = engine.compute_log_probs(local)[LOG_PROBS]

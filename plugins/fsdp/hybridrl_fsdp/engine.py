@@ -47,6 +47,8 @@ from hybridrl_fsdp.settings import FSDPSettings
 from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter_rows
 from hybridrl_fsdp.offload import HostCopy, OffloadPolicy, optimizer_state_tensors, \
     step_group_by_group
+from hybridrl_fsdp.packing import PackedRows
+from hybridrl_fsdp import varlen_attention
 
 #: the per-micro-batch tensors the LM head can hand to an objective.
 SUPPORTED_OUTPUTS = frozenset({LOG_PROBS, ENTROPY})
@@ -119,8 +121,11 @@ class FSDPEngine(TrainEngine):
         self._require_head("lm", "compute_greedy_margins")
         self.offload_policy.ensure_weights()
 
-        def margins(micro: Batch) -> dict[str, torch.Tensor]:
-            logits, labels, mask = self._micro_response_logits(micro)
+        def margins(micro: MicroBatch) -> dict[str, torch.Tensor]:
+            if micro.packed is not None:
+                logits = self._packed_logits(micro.packed)
+                return {GREEDY_MARGIN: micro.packed.scatter(greedy_margins(logits, micro.packed.labels))}
+            logits, labels, mask = self._micro_response_logits(micro.batch)
             return {GREEDY_MARGIN: greedy_margins(logits, labels.masked_fill(~mask, 0)).masked_fill(~mask, 0.0)}
 
         return self._forward_rows(batch, [GREEDY_MARGIN], margins)
@@ -139,9 +144,14 @@ class FSDPEngine(TrainEngine):
         self.offload_policy.ensure_weights()
         self.model.eval()
         parts = []
-        for micro in self._plan(batch):
-            ids, mask, pos = (t.to(self.device) for t in sequence_tensors(micro.batch))
-            parts.append((micro.index, self.model(ids, mask, pos).float().cpu()))
+        for micro in self._on_device(self._plan(batch)):
+            if micro.packed is not None:
+                p = micro.packed
+                values = self.model(p.input_ids, None, p.position_ids, last_index=p.last_index,
+                                    **p.attention_kwargs())
+            else:
+                values = self.model(*sequence_tensors(micro.batch))
+            parts.append((micro.index, values.float().cpu()))
         self._after_forward()
         scores = torch.zeros(len(batch), dtype=torch.float32)
         for index, values in parts:
@@ -154,11 +164,17 @@ class FSDPEngine(TrainEngine):
         self.model.eval()
         width = batch[RESPONSE_IDS].shape[1]
         parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
-        for micro in self._plan(batch):
-            for key, value in forward(micro.batch).items():
-                parts[key].append((micro.index, value.float().cpu()))
+        for micro in self._on_device(self._plan(batch)):
+            for key, value in forward(micro).items():
+                parts[key].append((micro.index, value.float()))
+        parts = {key: [(index, value.cpu()) for index, value in values] for key, values in parts.items()}
         self._after_forward()
         return Batch.from_tensors({key: scatter_rows(parts[key], len(batch), width) for key in keys})
+
+    def _on_device(self, plan: list[MicroBatch]) -> list[MicroBatch]:
+        """Every micro-batch's tensors on the device before the loop over them starts (copies from host memory
+        there would each wait for the device)."""
+        return [micro.to(self.device) for micro in plan]
 
     def _after_forward(self) -> None:
         """Free what a forward-only pass leaves behind: the root module's gathered parameters (FSDP2 keeps the
@@ -172,49 +188,81 @@ class FSDPEngine(TrainEngine):
         if self.head != head:
             raise RuntimeError(f"{method} needs the '{head}' head; role '{self.ctx.role}' has the '{self.head}' head")
 
-    def _response_values(self, micro: Batch) -> torch.Tensor:
-        """Values at positions ``P-1 .. P+R-2`` (the state before each response token), (b, R) fp32."""
-        input_ids, attention_mask, position_ids = (t.to(self.device) for t in sequence_tensors(micro))
-        mask = micro[RESPONSE_MASK].to(self.device).bool()
+    def _response_values(self, micro: MicroBatch) -> torch.Tensor:
+        """Values at the positions before each response token (the state it is drawn in), (b, R) fp32."""
+        if micro.packed is not None:
+            p = micro.packed
+            values = self.model(p.input_ids, None, p.position_ids, keep_index=p.predict_index,
+                                **p.attention_kwargs())
+            return p.scatter(values[0])
+        input_ids, attention_mask, position_ids = sequence_tensors(micro.batch)
+        mask = micro.batch[RESPONSE_MASK].bool()
         response_len = mask.shape[1]
         values = self.model(input_ids, attention_mask, position_ids, keep_last=response_len + 1)[:, :response_len]
         return values.masked_fill(~mask, 0.0)
 
-    def _response_outputs(self, micro: Batch, temperature: float | None, with_entropy: bool) -> dict[str, torch.Tensor]:
+    def _response_outputs(self, micro: MicroBatch, temperature: float | None, with_entropy: bool
+                          ) -> dict[str, torch.Tensor]:
         """Forward one micro-batch; per-token ``log_probs`` (and ``entropy``) of its responses, (b, R) fp32."""
+        if micro.packed is not None:
+            return self._packed_response_outputs(micro.packed, temperature, with_entropy)
         if self._log_prob_head is not None:
-            log_probs, entropy = self._fused_response_outputs(micro, temperature, with_entropy)
+            log_probs, entropy = self._fused_response_outputs(micro.batch, temperature, with_entropy)
         else:
-            logits, labels, mask = self._micro_response_logits(micro)
+            logits, labels, mask = self._micro_response_logits(micro.batch)
             log_probs, entropy = chunked_log_probs(logits, labels.masked_fill(~mask, 0), temperature, with_entropy)
-        mask = micro[RESPONSE_MASK].to(self.device).bool()
+        mask = micro.batch[RESPONSE_MASK].bool()
         outputs = {LOG_PROBS: log_probs.masked_fill(~mask, 0.0)}
         if entropy is not None:
             outputs[ENTROPY] = entropy.masked_fill(~mask, 0.0)
         return outputs
 
+    def _packed_response_outputs(self, packed: PackedRows, temperature: float | None, with_entropy: bool
+                                 ) -> dict[str, torch.Tensor]:
+        """Log-probs (and entropies) of packed rows: the head runs only on the positions that predict a response
+        token (fused with the log-prob when it can be), and the values go back to the rows' ``(b, R)``."""
+        if self._log_prob_head is not None:
+            with self._log_prob_head.computing(packed.labels.view(1, -1), temperature, with_entropy):
+                out = self.model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                                 logits_to_keep=packed.predict_index, **packed.attention_kwargs()).logits[0]
+            log_probs, entropy = out[:, 0], (out[:, 1] if with_entropy else None)
+        else:
+            log_probs, entropy = chunked_log_probs(self._packed_logits(packed), packed.labels, temperature,
+                                                   with_entropy)
+        outputs = {LOG_PROBS: packed.scatter(log_probs)}
+        if entropy is not None:
+            outputs[ENTROPY] = packed.scatter(entropy)
+        return outputs
+
+    def _packed_logits(self, packed: PackedRows) -> torch.Tensor:
+        """``(n, V)`` logits at the positions that predict the response tokens of packed rows (plain head)."""
+        kwargs: dict[str, Any] = {"logits_to_keep": packed.predict_index} if self._supports_logits_to_keep else {}
+        logits = self.model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                            **packed.attention_kwargs(), **kwargs).logits[0]
+        return logits if self._supports_logits_to_keep else logits[packed.predict_index]
+
     def _fused_response_outputs(self, micro: Batch, temperature: float | None, with_entropy: bool
                                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) through ``LogProbHead``: the head runs on the positions that predict the
         response, ``P-1 .. P+R-2``, and never makes their ``(b, R, V)`` logits at once."""
-        input_ids, attention_mask, position_ids = (t.to(self.device) for t in sequence_tensors(micro))
-        labels = micro[RESPONSE_IDS].to(self.device)
-        mask = micro[RESPONSE_MASK].to(self.device).bool()
+        input_ids, attention_mask, position_ids = sequence_tensors(micro)
+        labels = micro[RESPONSE_IDS]
+        mask = micro[RESPONSE_MASK].bool()
         response_len = labels.shape[1]
         prompt_len = input_ids.shape[1] - response_len
         if prompt_len < 1:
             raise ValueError("every batch needs at least one prompt column (the first response token's context)")
-        keep = torch.arange(prompt_len - 1, prompt_len - 1 + response_len, device=self.device)
+        keep = torch.arange(prompt_len - 1, prompt_len - 1 + response_len, device=input_ids.device)
         with self._log_prob_head.computing(labels.masked_fill(~mask, 0), temperature, with_entropy):
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=False, logits_to_keep=keep).logits
         return out[..., 0], (out[..., 1] if with_entropy else None)
 
     def _micro_response_logits(self, micro: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(logits (b, R, V), response ids, response mask as bool)`` of one micro-batch, on the device."""
-        input_ids, attention_mask, position_ids = (t.to(self.device) for t in sequence_tensors(micro))
-        labels = micro[RESPONSE_IDS].to(self.device)
-        mask = micro[RESPONSE_MASK].to(self.device).bool()
+        """``(logits (b, R, V), response ids, response mask as bool)`` of one micro-batch, on its device."""
+        input_ids, attention_mask, position_ids = sequence_tensors(micro)
+        labels = micro[RESPONSE_IDS]
+        mask = micro[RESPONSE_MASK].bool()
         return self._response_logits(input_ids, attention_mask, position_ids, labels.shape[1]), labels, mask
 
     def _response_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -246,25 +294,24 @@ class FSDPEngine(TrainEngine):
             raise ValueError(f"FSDPEngine with the '{self.head}' head cannot compute {sorted(unsupported)}; "
                              f"it provides {sorted(provided) or 'nothing to train on'}")
         self.offload_policy.ensure_weights()
-        micro_batches = [m.batch for m in self._plan(batch, check_counts=False)]
-        scale = self._loss_scale(batch, len(micro_batches))
+        plan = self._plan(batch, check_counts=False)
+        scale = self._loss_scale(batch, len(plan))
         temperature = sampling_temperature(batch)
         lr = float(self.optimizer.param_groups[0]["lr"])
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = WeightedMean()
-        local_loss = 0.0
-        for micro in micro_batches:
-            micro = micro.to(self.device)  # the objective's tensors meet the outputs on one device
+        local_loss = torch.zeros((), dtype=torch.float32, device=self.device)  # summed on the device: no sync
+        for micro in self._on_device(plan):  # the objective's tensors meet the outputs on one device
             if self.head == "value":
                 outputs = {VALUES: self._response_values(micro)}
             else:
                 outputs = self._response_outputs(micro, temperature, with_entropy=ENTROPY in needs)
-            loss, micro_metrics = objective({k: outputs[k] for k in needs}, micro, scale)
+            loss, micro_metrics = objective({k: outputs[k] for k in needs}, micro.batch, scale)
             loss.backward()
-            local_loss += float(loss.detach())
-            metrics.add(micro_metrics, len(micro))
+            local_loss += loss.detach().float()
+            metrics.add(micro_metrics, len(micro.batch))
 
         grad_norm = self._clip_gradients()
         skipped = not math.isfinite(grad_norm)
@@ -277,7 +324,7 @@ class FSDPEngine(TrainEngine):
         # A skipped step leaves weights, AdamW moments and the lr schedule untouched (every rank sees the same
         # global norm, so every rank skips together).
         self.optimizer.zero_grad(set_to_none=True)
-        (global_loss,) = all_reduce_sum([local_loss], self.ctx.device)
+        (global_loss,) = all_reduce_sum([float(local_loss)], self.ctx.device)
         if self._release_after == "update":
             self.offload_policy.release_weights()
         return {**metrics.result(), "loss": global_loss / self.ctx.world_size, "grad_norm": grad_norm, "lr": lr,
@@ -306,7 +353,8 @@ class FSDPEngine(TrainEngine):
         ``check_counts`` raises when the ranks' counts differ (``update`` checks inside its own all-reduce)."""
         budget = self.training.max_tokens_per_micro_batch
         plan = plan_micro_batches(batch, self.training.micro_batch, budget,
-                                  count_for_all_ranks=lambda n: _all_reduce_max(n, self.ctx.device))
+                                  count_for_all_ranks=lambda n: _all_reduce_max(n, self.ctx.device),
+                                  packed=self.settings.packing)
         if check_counts:
             check_same_count(len(plan), self.ctx.device)
         return plan
@@ -476,6 +524,9 @@ def _load_model(ctx: EngineContext, settings: FSDPSettings) -> nn.Module:
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if settings.attn_implementation:
         kwargs["attn_implementation"] = settings.attn_implementation
+    elif settings.packing:  # the rows' boundaries reach our varlen attention through the forward's keywords
+        varlen_attention.register()
+        kwargs["attn_implementation"] = varlen_attention.implementation_name(settings.packed_attention)
     if settings.head == "value":
         model = ValueModel.from_pretrained(ctx.model_path, **kwargs)
     elif settings.head == "reward":

@@ -1,10 +1,13 @@
 """Micro-batch plans: a fixed number of rows, or a token budget (``max_tokens_per_micro_batch``).
 
-With a token budget, rows are sorted by real length (prompt + response tokens, padding excluded) and packed
-greedily, longest first, while ``rows x (longest prompt + longest response in the bin)`` stays within the
-budget; each micro-batch is then trimmed to its own widths (the all-padding columns at the left of the
-prompts and at the right of the responses are dropped). Short rows thus share micro-batches and long rows get
-their own, and no forward pays for another bin's longest row. Results are put back in the original order.
+Packed micro-batches (the default, ``packing``) lay their rows end to end (``packing.pack_rows``), so a
+forward costs the sum of its rows' real lengths. With a token budget, rows then go into bins first-fit by
+decreasing length while that sum stays within the budget (a row longer than the budget gets a bin of its own).
+
+Padded micro-batches (``packing: false``) cost ``rows x (longest prompt + longest response in the bin)``: rows are
+sorted by real length and binned greedily, longest first, while that cost stays within the budget. Either
+way each micro-batch is trimmed to its own widths (the all-padding columns at the left of the prompts and at
+the right of the responses are dropped). Results are put back in the original order.
 
 Every data-parallel rank must run the same number of forwards (FSDP's all-gathers are collectives), so a rank
 with fewer bins splits its largest ones until it has as many as the rank with the most.
@@ -13,21 +16,30 @@ with fewer bins splits its largest ones until it has as many as the rank with th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, response_attention_mask
+
+from hybridrl_fsdp.packing import PackedRows, pack_rows
 
 PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK)
 
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Rows ``index`` of the local batch, trimmed to ``response_width`` response columns."""
+    """Rows ``index`` of the local batch, trimmed to ``response_width`` response columns; ``packed``: the same
+    rows laid end to end (None for a padded micro-batch)."""
 
     batch: Batch
     index: torch.Tensor  # (b,) positions in the local batch
     response_width: int
+    packed: PackedRows | None = None
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        packed = self.packed.to(device) if self.packed is not None else None
+        return MicroBatch(self.batch.to(device), self.index, self.response_width, packed)
 
 
 def real_lengths(batch: Batch) -> tuple[list[int], list[int]]:
@@ -35,11 +47,38 @@ def real_lengths(batch: Batch) -> tuple[list[int], list[int]]:
     return batch[PROMPT_MASK].sum(-1).tolist(), response_attention_mask(batch).sum(-1).tolist()
 
 
+Cost = Callable[[list[int], list[int], list[int]], int]
+
+
 def _cost(rows: list[int], prompt_lens: list[int], response_lens: list[int]) -> int:
-    """Tokens a forward over ``rows`` processes once trimmed (padding included)."""
+    """Tokens a padded forward over ``rows`` processes once trimmed (padding included)."""
     if not rows:
         return 0
     return len(rows) * (max(prompt_lens[i] for i in rows) + max(max(response_lens[i] for i in rows), 1))
+
+
+def packed_cost(rows: list[int], prompt_lens: list[int], response_lens: list[int]) -> int:
+    """Tokens a packed forward over ``rows`` processes: their real lengths."""
+    return sum(prompt_lens[i] + response_lens[i] for i in rows)
+
+
+def pack_first_fit(prompt_lens: list[int], response_lens: list[int], budget: int) -> list[list[int]]:
+    """Bins of row indices whose summed real lengths stay within ``budget``: rows longest first, each into the
+    first bin it fits (first-fit decreasing), a row longer than the budget alone."""
+    order = sorted(range(len(prompt_lens)), key=lambda i: (-(prompt_lens[i] + response_lens[i]), i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        length = prompt_lens[i] + response_lens[i]
+        for b, load in enumerate(loads):
+            if load + length <= budget:
+                bins[b].append(i)
+                loads[b] += length
+                break
+        else:
+            bins.append([i])
+            loads.append(length)
+    return bins
 
 
 def pack_by_tokens(prompt_lens: list[int], response_lens: list[int], budget: int) -> list[list[int]]:
@@ -57,15 +96,15 @@ def pack_by_tokens(prompt_lens: list[int], response_lens: list[int], budget: int
     return bins
 
 
-def split_to_count(bins: list[list[int]], count: int, prompt_lens: list[int], response_lens: list[int]
-                   ) -> list[list[int]]:
+def split_to_count(bins: list[list[int]], count: int, prompt_lens: list[int], response_lens: list[int],
+                   cost: Cost = _cost) -> list[list[int]]:
     """Split the costliest bins (of two rows or more) in halves until there are ``count`` bins."""
     bins = [list(b) for b in bins]
     while len(bins) < count:
         splittable = [b for b in bins if len(b) > 1]
         if not splittable:
             raise RuntimeError(f"cannot make {count} micro-batches out of {sum(map(len, bins))} rows")
-        largest = max(splittable, key=lambda b: _cost(b, prompt_lens, response_lens))
+        largest = max(splittable, key=lambda b: cost(b, prompt_lens, response_lens))
         at = bins.index(largest)
         half = len(largest) // 2
         bins[at:at + 1] = [largest[:half], largest[half:]]
@@ -92,25 +131,27 @@ def trim(batch: Batch) -> tuple[Batch, int]:
 
 
 def plan_micro_batches(batch: Batch, rows_per_micro: int, token_budget: int | None,
-                       count_for_all_ranks=None) -> list[MicroBatch]:
+                       count_for_all_ranks=None, packed: bool = False) -> list[MicroBatch]:
     """The micro-batches of one local batch. ``count_for_all_ranks(n) -> max n over ranks`` aligns the
-    number of bins across data-parallel ranks (token-budget mode only; fixed rows give equal counts)."""
+    number of bins across data-parallel ranks (token-budget mode only; fixed rows give equal counts).
+    ``packed``: each micro-batch also carries its rows packed end to end (``MicroBatch.packed``)."""
     n = len(batch)
     if token_budget is None:
-        out = []
-        for start in range(0, n, rows_per_micro):
-            index = torch.arange(start, min(start + rows_per_micro, n))
-            out.append(MicroBatch(batch.index(index), index, batch[RESPONSE_MASK].shape[1]))
-        return out
-    prompt_lens, response_lens = real_lengths(batch)
-    bins = pack_by_tokens(prompt_lens, response_lens, token_budget)
-    if count_for_all_ranks is not None:
-        bins = split_to_count(bins, count_for_all_ranks(len(bins)), prompt_lens, response_lens)
+        groups = [list(range(start, min(start + rows_per_micro, n))) for start in range(0, n, rows_per_micro)]
+    else:
+        prompt_lens, response_lens = real_lengths(batch)
+        cost = packed_cost if packed else _cost
+        groups = (pack_first_fit if packed else pack_by_tokens)(prompt_lens, response_lens, token_budget)
+        if count_for_all_ranks is not None:
+            groups = split_to_count(groups, count_for_all_ranks(len(groups)), prompt_lens, response_lens, cost)
     out = []
-    for rows in bins:
+    for rows in groups:
         index = torch.tensor(sorted(rows), dtype=torch.long)
+        if token_budget is None and not packed:  # fixed rows, padded: the batch's own widths, as before
+            out.append(MicroBatch(batch.index(index), index, batch[RESPONSE_MASK].shape[1]))
+            continue
         trimmed, width = trim(batch.index(index))
-        out.append(MicroBatch(trimmed, index, width))
+        out.append(MicroBatch(trimmed, index, width, pack_rows(trimmed) if packed else None))
     return out
 
 

@@ -17,6 +17,9 @@ from hybridrl_fsdp.offload import MODES as OFFLOAD_MODES
 
 #: the model heads the engine builds: LM (log-probs), per-token values (critic), one score per sequence.
 HEADS = ("lm", "value", "reward")
+#: the varlen attention kernels of packed micro-batches (``hybridrl_fsdp.varlen_attention``; auto: the first
+#: of flash_attn, torch_flash, sdpa that can run).
+PACKED_ATTENTION = ("auto", "flash_attn", "torch_flash", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,8 @@ class FSDPSettings:
     head: str = "lm"  # "lm", "value" (critic) or "reward" (reward model); default from the role
     fused_lm_head: bool = True  # log-probs/entropies through the fused head (no full logits); False: plain head
     offload: str = "none"  # what stays in host memory between the role's phases (hybridrl_fsdp.offload)
+    packing: bool = True  # padding-free micro-batches (rows end to end, varlen attention); False: padded
+    packed_attention: str = "auto"  # the varlen kernel of packed rows (PACKED_ATTENTION)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> "FSDPSettings":
@@ -36,7 +41,9 @@ class FSDPSettings:
                    attn_implementation=options.get("attn_implementation"),
                    head=str(options.get("head") or role_spec(role).head or "lm"),
                    fused_lm_head=bool(options.get("fused_lm_head", cls.fused_lm_head)),
-                   offload=_offload_mode(options.get("offload")))
+                   offload=_offload_mode(options.get("offload")),
+                   packing=bool(options.get("packing", cls.packing)),
+                   packed_attention=str(options.get("packed_attention", cls.packed_attention)))
 
 
 def option_problems(role: str, options: Mapping[str, Any], training: Any = None) -> list[tuple[str, str]]:
@@ -60,6 +67,16 @@ def option_problems(role: str, options: Mapping[str, Any], training: Any = None)
     attn = options.get("attn_implementation")
     if attn is not None and not isinstance(attn, str):
         problems.append(("attn_implementation", f"must be a transformers attention name, got {attn!r}"))
+    packing = options.get("packing", True)
+    if not isinstance(packing, bool):
+        problems.append(("packing", f"must be true or false, got {packing!r}"))
+    kernel = options.get("packed_attention", "auto")
+    if kernel not in PACKED_ATTENTION:
+        problems.append(("packed_attention", f"unknown kernel {kernel!r} (known: {', '.join(PACKED_ATTENTION)})"))
+    if packing is True and isinstance(attn, str) and not attn.startswith("flash_attention"):
+        problems.append(("attn_implementation", f"'{attn}' cannot keep packed rows apart: leave it unset (the "
+                         "engine's varlen attention, see packed_attention), use flash_attention_2/3, or set "
+                         "packing: false"))
     return problems
 
 

@@ -73,13 +73,17 @@ class ValueModel(nn.Module):
         save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()},
                   str(Path(path) / VALUE_HEAD_FILE))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                keep_last: int | None = None) -> torch.Tensor:
-        """Values of every position, or of the last ``keep_last`` positions only (the head is skipped on
-        the others)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                keep_last: int | None = None, keep_index: torch.Tensor | None = None, **attention: Any
+                ) -> torch.Tensor:
+        """Values of every position, of the last ``keep_last`` positions, or of positions ``keep_index`` of
+        the sequence dimension (the head is skipped on the others). ``attention``: the packed rows' boundaries
+        (``cu_seq_lens_q`` ...), passed to the backbone's attention."""
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state
-        if keep_last is not None:
+                               use_cache=False, **attention).last_hidden_state
+        if keep_index is not None:
+            hidden = hidden[:, keep_index]
+        elif keep_last is not None:
             hidden = hidden[:, -keep_last:]
         return self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)  # a copy: FSDP hooks dislike views
 
@@ -109,11 +113,16 @@ class SequenceScorer(nn.Module):
         model = _quiet_from_pretrained(AutoModelForSequenceClassification, str(path), num_labels=1, **kwargs)
         return cls(model)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                last_index: torch.Tensor | None = None, **attention: Any) -> torch.Tensor:
+        """Scores ``(B,)``, of each row's last attended token; packed rows (one sequence, ``attention`` holding
+        their boundaries) give ``last_index``, the position of each row's last token."""
         hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                       position_ids=position_ids, use_cache=False).last_hidden_state
-        width = attention_mask.shape[1]
-        last = width - 1 - attention_mask.long().flip(1).argmax(dim=1)  # index of the last 1 in each row
-        picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+                                       position_ids=position_ids, use_cache=False, **attention).last_hidden_state
+        if last_index is not None:
+            picked = hidden[0, last_index]
+        else:
+            width = attention_mask.shape[1]
+            last = width - 1 - attention_mask.long().flip(1).argmax(dim=1)  # index of the last 1 in each row
+            picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
         return self.model.score(picked).squeeze(-1).to(torch.float32, copy=True)
