@@ -15,6 +15,7 @@ observations included, which are context the model attends to. A batch without `
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -245,6 +246,34 @@ def sequence_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     attention_mask = torch.cat([batch[PROMPT_MASK], response_attention_mask(batch)], dim=1).long()
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return input_ids, attention_mask, position_ids
+
+
+def balanced_order(lengths: Sequence[int], parts: int) -> list[int]:
+    """A row order whose ``parts`` consecutive equal chunks carry nearly equal sums of ``lengths`` (the number
+    of rows must divide): rows longest first, each to the chunk with the fewest tokens that still has room
+    (greedy longest-processing-time under a row quota). Within a chunk rows keep their original order."""
+    n = len(lengths)
+    if parts <= 1 or n % parts:
+        return list(range(n))
+    quota = n // parts
+    loads = [(0, part) for part in range(parts)]  # a heap of (tokens, part) over the parts with room
+    members: list[list[int]] = [[] for _ in range(parts)]
+    for row in sorted(range(n), key=lambda i: (-lengths[i], i)):
+        load, part = heapq.heappop(loads)
+        members[part].append(row)
+        if len(members[part]) < quota:
+            heapq.heappush(loads, (load + lengths[row], part))
+    return [row for part in members for row in sorted(part)]
+
+
+def token_balanced_order(batch: "Batch", parts: int) -> torch.Tensor | None:
+    """``balanced_order`` of a batch of prompt+response rows by their real tokens, for a scatter over
+    ``parts`` data-parallel ranks (a rank's forward and backward cost its tokens, not its rows). None when
+    there is nothing to balance: one part, or no responses yet (a generation batch)."""
+    if parts <= 1 or RESPONSE_MASK not in batch or PROMPT_MASK not in batch or len(batch) % parts:
+        return None
+    lengths = (batch[PROMPT_MASK].sum(-1) + batch[RESPONSE_MASK].sum(-1)).tolist()
+    return torch.tensor(balanced_order(lengths, parts), dtype=torch.long)
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridrl.batch import Batch
+from hybridrl.batch import Batch, token_balanced_order
 from hybridrl.engines import DataParallelInfo
 from hybridrl.placement.plan import ProcessGroupPlan
 
@@ -36,6 +36,7 @@ class PendingCall:
     role: str
     futures: list[Any]
     pad: int
+    order: Any = None  # the rows' order in the scatter (token balancing), undone in ``wait``; None: as given
 
 
 @dataclass
@@ -80,12 +81,13 @@ class WorkerGroup:
         infos = self.dp[role]
         dp_size = infos[0].dp_size
         padded, pad = batch.pad_to_multiple(dp_size, zero_pad_keys)
-        chunks = padded.chunk(dp_size)
+        order = token_balanced_order(padded, dp_size)  # ranks get equal rows and near-equal tokens
+        chunks = (padded.index(order) if order is not None else padded).chunk(dp_size)
         # One worker: pass the batch inline; several: put each chunk in the object store once.
         payload = chunks if len(self.workers) == 1 else [ray.put(c) for c in chunks]
         futures = [w.call.remote(role, method, payload[info.dp_rank], *args, **kwargs)
                    for w, info in zip(self.workers, infos)]
-        return PendingCall(role, futures, pad)
+        return PendingCall(role, futures, pad, order)
 
     def wait(self, pending: PendingCall) -> Result:
         """Wait for a submitted call and assemble its results (see ``call``)."""
@@ -98,7 +100,10 @@ class WorkerGroup:
                          key=lambda x: x[0])
         values = [r for _, r in outputs]
         if isinstance(values[0], Batch):
-            return Result(Batch.concat(values).unpad(pending.pad), compute_s)
+            merged = Batch.concat(values)
+            if pending.order is not None:
+                merged = merged.index(pending.order.argsort())
+            return Result(merged.unpad(pending.pad), compute_s)
         if isinstance(values[0], dict):
             return Result(average_metrics(values), compute_s)
         return Result(values, compute_s)
