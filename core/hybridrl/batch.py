@@ -272,7 +272,7 @@ def token_balanced_order(batch: "Batch", parts: int) -> torch.Tensor | None:
     there is nothing to balance: one part, or no responses yet (a generation batch)."""
     if parts <= 1 or RESPONSE_MASK not in batch or PROMPT_MASK not in batch or len(batch) % parts:
         return None
-    lengths = (batch[PROMPT_MASK].sum(-1) + batch[RESPONSE_MASK].sum(-1)).tolist()
+    lengths = (batch[PROMPT_MASK].sum(-1) + response_attention_mask(batch).sum(-1)).tolist()
     return torch.tensor(balanced_order(lengths, parts), dtype=torch.long)
 
 

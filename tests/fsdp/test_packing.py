@@ -185,3 +185,31 @@ def test_packed_reward_scores_equal_padded(process_group, tmp_path: Path):
     a, b = scorer(False).compute_scores(batch)[SCORES], scorer(True).compute_scores(batch)[SCORES]
     assert float(a.abs().max()) > 0
     torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
+
+
+def test_multi_turn_rows_attend_to_their_observations_packed_as_padded(process_group, tiny_model: Path):
+    """Rows whose responses interleave trained tokens with observations (``response_attention_mask`` 1 there,
+    ``response_mask`` 0): packed, the observations stay in the sequence as context and get no log-prob."""
+    from hybridrl.batch import RESPONSE_ATTENTION_MASK
+    from hybridrl_fsdp.engine import FSDPEngine
+    from hybridrl_fsdp.packing import pack_rows
+
+    batch = make_batch(6, seed=41, max_prompt=5, max_response=8)
+    attended = batch[RESPONSE_MASK].clone()
+    trained = attended.clone()
+    trained[:, 2:4] = 0  # columns 2-3 are an observation where the row is that long
+    batch.set(RESPONSE_ATTENTION_MASK, attended)
+    batch.set(RESPONSE_MASK, trained)
+    batch.set(ADVANTAGES, batch[ADVANTAGES] * trained)
+    packed_rows = pack_rows(batch)
+    assert packed_rows.tokens == int(batch[PROMPT_MASK].sum() + attended.sum())
+    assert len(packed_rows.labels) == int(trained.sum())
+    padded = FSDPEngine(context(tiny_model, packing=False, micro_batch=3))
+    packed = FSDPEngine(context(tiny_model, micro_batch=3))
+    lp_a, _, loss_a, grads_a = _outputs_and_grads(padded, batch, None)
+    lp_b, _, loss_b, grads_b = _outputs_and_grads(packed, batch, None)
+    assert (lp_b[~trained.bool()] == 0).all() and float(lp_a[trained.bool()].abs().min()) > 0
+    torch.testing.assert_close(lp_b, lp_a, atol=ATOL, rtol=0)
+    assert abs(loss_a - loss_b) < ATOL
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[name], grad, atol=ATOL, rtol=ATOL)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
+from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch, response_attention_mask
 
 
 @dataclass(frozen=True)
@@ -63,14 +63,18 @@ class PackedRows:
 
 
 def pack_rows(batch: Batch) -> PackedRows:
-    """Pack a (left-padded prompt, right-padded response) batch: each row's real prompt and response tokens,
-    rows one after the other. Every row with a response needs a prompt token before it (its first token's
-    context)."""
-    prompt_mask, response_mask = batch[PROMPT_MASK].bool(), batch[RESPONSE_MASK].bool()
+    """Pack a (left-padded prompt, right-padded response) batch: each row's real tokens (its prompt, then its
+    response: a multi-turn row's observations included, ``response_attention_mask``), rows one after the other.
+    Log-probs are taken at the trained tokens (``response_mask``). Every row with a response needs a prompt
+    token before it (its first token's context)."""
+    prompt_mask = batch[PROMPT_MASK].bool()
+    attended, trained = response_attention_mask(batch).bool(), batch[RESPONSE_MASK].bool()
     ids = torch.cat([batch[PROMPT_IDS], batch[RESPONSE_IDS]], dim=1)
-    mask = torch.cat([prompt_mask, response_mask], dim=1)
-    if bool((response_mask.any(1) & ~prompt_mask.any(1)).any()):
+    mask = torch.cat([prompt_mask, attended], dim=1)
+    if bool((attended.any(1) & ~prompt_mask.any(1)).any()):
         raise ValueError("a row has a response but no prompt token: its first response token has no context")
+    if bool((trained & ~attended).any()):
+        raise ValueError("response_mask marks a token that response_attention_mask leaves out")
     lengths = mask.sum(1)
     flat_position = mask.flatten().cumsum(0).view(mask.shape) - 1  # index of each real token in the pack
     width = prompt_mask.shape[1]
@@ -82,8 +86,8 @@ def pack_rows(batch: Batch) -> PackedRows:
         position_ids=(mask.long().cumsum(1) - 1)[mask].view(1, total),
         cu_seqlens=cu,
         max_len=max(int(lengths.max()) if len(batch) else 1, 1),
-        predict_index=flat_position[:, width:][response_mask] - 1,
-        labels=batch[RESPONSE_IDS][response_mask],
-        response_mask=response_mask,
+        predict_index=flat_position[:, width:][trained] - 1,
+        labels=batch[RESPONSE_IDS][trained],
+        response_mask=trained,
         last_index=(cu[1:].long() - 1).clamp(min=0),
     )
