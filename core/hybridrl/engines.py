@@ -43,6 +43,15 @@ class TrainingOptions:
     micro_batch: int = 16
     max_tokens_per_micro_batch: int | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse sizes no backend can split a batch by (the config schema checks these too; this guards an
+        engine built from a dict)."""
+        if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1:
+            raise ValueError(f"micro_batch must be a positive integer, got {self.micro_batch!r}")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"max_tokens_per_micro_batch must be a positive integer, got {budget!r}")
+
     @classmethod
     def split(cls, options: Mapping[str, Any]) -> tuple["TrainingOptions", dict[str, Any]]:
         """A flat mapping of role settings as ``(TrainingOptions, the backend's own settings)``; unset or None

@@ -118,7 +118,7 @@ def test_cuda_optimiser_path_runs_under_the_cpu_stand_ins(engine_cls, llama_unti
 
     engine = engine_cls(context(llama_untied, micro_batch=2, lr=1e-2, grad_clip=0))
     with cpu_megatron():
-        engine.stepper = MegatronStepper(engine.model, engine.config, engine.layout, engine.settings)
+        engine.stepper = MegatronStepper(engine.model, engine.config, engine.layout, engine.training)
         engine.stepper.configure(engine.config)
     batch = make_batch(6, seed=2)
     metrics = [engine.update(batch, PolicyGradient()) for _ in range(3)]

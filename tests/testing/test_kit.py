@@ -111,7 +111,8 @@ class KeepsGradients(FSDPEngine):
 
 class LateLogProbs(FSDPEngine):
     def __init__(self, ctx):
-        super().__init__(ctx)
+        from dataclasses import replace
+        super().__init__(replace(ctx, options={**ctx.options, "packing": False}))  # the padded path, overridden below
         self._log_prob_head = None  # the plain logits path, read one position late below
 
     def _response_logits(self, input_ids, attention_mask, position_ids, response_len):

@@ -38,7 +38,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def _format_errors(err: ValidationError) -> list[tuple[str, str]]:
     problems = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"])
+        path = (e.get("ctx") or {}).get("path") or ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
             reason = "unknown key"
         elif e["type"] == "missing":

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class ConfigError(ValueError):
@@ -356,6 +357,12 @@ class EnvironmentConfig(Strict):
     env_workers: int = Field(8, gt=0, description="threads stepping environments (requests mode)")
 
 
+def keyed_error(path: str, message: str) -> PydanticCustomError:
+    """An error of a whole-config rule reported at the key it is about (a root validator's own location is the
+    top level, which names nothing)."""
+    return PydanticCustomError("keyed", message, {"path": path})
+
+
 class RunConfig(Strict):
     model: ModelConfig
     data: DataConfig
@@ -375,9 +382,9 @@ class RunConfig(Strict):
         reward = self.roles.reward
         if (reward.fn is None and reward.model is None and reward.url is None and not reward.by_source
                 and self.environment.name == "single_turn"):
-            raise ValueError("give roles.reward.fn (a rule reward), roles.reward.by_source, roles.reward.url, "
-                             "roles.reward.model, or several (or an environment whose episodes reward themselves, "
-                             "environment.name)")
+            raise keyed_error("roles.reward", "give roles.reward.fn (a rule reward), roles.reward.by_source, "
+                              "roles.reward.url, roles.reward.model, or several (or an environment whose episodes "
+                              "reward themselves, environment.name)")
         return self
 
     def role_configs(self) -> dict[str, RoleBase]:

@@ -52,7 +52,7 @@ def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None,
     model_path = Path(summary["model_path"])
     if not (model_path / "config.json").is_file():
         raise ExportError(f"the run's model folder '{model_path}' (config and tokenizer) is gone")
-    weights = actor_weights(folder / "actor", backend, str(model_path), summary.get("actor_options", {}))
+    weights = actor_weights(folder / "actor", backend, str(model_path), *saved_actor_settings(summary))
     target = getattr(torch, dtype or summary.get("dtype", "float32"))
     return write_hf_model(weights, model_path, Path(out), target,
                           {"source": str(folder), "step": summary["step"], "backend": backend})
@@ -110,7 +110,20 @@ def summary_step(folder: Path) -> int:
     return int(json.loads((folder / ckpt.DRIVER_SUMMARY).read_text())["step"])
 
 
-def actor_weights(state_dir: Path, backend: str, model_path: str, options: dict[str, Any]) -> dict[str, torch.Tensor]:
+def saved_actor_settings(summary: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(the actor's role settings, its backend's own options)`` as the run saved them. Checkpoints written
+    before the two were kept apart hold only the flat settings: the backend's options are then what is not a
+    typed key of ``roles.actor``."""
+    from hybridrl.config.schema import ActorConfig
+
+    settings = summary.get("actor_options", {})
+    if "actor_backend_options" in summary:
+        return settings, summary["actor_backend_options"]
+    return settings, {k: v for k, v in settings.items() if k not in ActorConfig.model_fields}
+
+
+def actor_weights(state_dir: Path, backend: str, model_path: str, settings: dict[str, Any],
+                  backend_options: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Full HF-named CPU tensors of the actor saved in ``state_dir``: its engine built on one CPU rank (in a
     one-rank gloo group of this process), loaded, exported."""
     import torch.distributed as dist
@@ -126,9 +139,9 @@ def actor_weights(state_dir: Path, backend: str, model_path: str, options: dict[
     elif dist.get_world_size() != 1:
         raise ExportError("export runs on one rank, but this process is in a multi-rank process group")
     try:
-        training, own = TrainingOptions.split(options)
+        training, _ = TrainingOptions.split(settings)
         ctx = EngineContext(role="actor", backend=backend, model_path=model_path, rank=0, world_size=1, device="cpu",
-                            dtype="float32", trainable=False, options=own, training=training)
+                            dtype="float32", trainable=False, options=dict(backend_options), training=training)
         try:
             engine = engine_cls(ctx)
         except ValueError as exc:  # a layout one rank cannot hold (Megatron's tensor/pipeline parallel ...)

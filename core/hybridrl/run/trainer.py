@@ -125,7 +125,8 @@ class Trainer:
                    if role_spec(role).trainable}
         self.checkpointer = Checkpointer(cfg.trainer.out, cfg.trainer.keep_checkpoints, {
             "roles": trained, "model_path": str(Path(setup.model_path).resolve()), "dtype": cfg.model.dtype,
-            "actor_options": role_options(cfg, "actor"), "seed": cfg.trainer.seed,
+            "actor_options": role_options(cfg, "actor"), "actor_backend_options": dict(cfg.roles.actor.options),
+            "seed": cfg.trainer.seed,
             "model_signatures": setup.model_signatures, "data_rows": self.loader.num_rows})
         self.guard = StepGuard(cfg.trainer.max_bad_steps, setup.plan, self.checkpointer)
         self.validator = Validator(self, setup.val_prompts) if setup.val_prompts else None  # data.val
