@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One measurement on the GPU host, after the engine's wheels were unpacked into SITE (see benchmarks/gpu/README.md).
-#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | install | megatron | grpo | model-sizes | micro | reshard-profile | gpu-tests | sglang-tests
+#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | install | megatron | grpo | model-sizes | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests
 # Figures and logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 site=$1 step=$2; shift 2
@@ -23,6 +23,8 @@ case $step in
         python3 benchmarks/model_sizes.py --out-dir "$OUT" --log-dir "$OUT" "$@" ;;
   install) ;;  # only the editable installs above (do it once before running steps side by side)
   micro) python3 benchmarks/vllm_rollout.py --parts micro --out "$OUT/${TAG:-vllm}_rollout.json" --log-dir "$OUT/${TAG:-vllm}" "$@" ;;
+  multi-turn) python3 benchmarks/multi_turn.py --backend "${BACKEND:-vllm}" --shape qwen0.5b \
+          --out "$OUT/multi_turn_${BACKEND:-vllm}${TAG:-}.json" "$@" 2>&1 | tee "$OUT/multi_turn_${BACKEND:-vllm}.log" ;;
   reshard-profile) python3 benchmarks/reshard_profile.py --out "$OUT/reshard_profile${TAG:-}.json" "$@" ;;
   gpu-tests) python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/vllm/test_copy_plan.py tests/fsdp/test_fsdp_cuda.py \
           tests/e2e/test_out_of_memory.py "$@" 2>&1 | tee "$OUT/gpu_tests.log" ;;

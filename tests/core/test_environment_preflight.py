@@ -49,7 +49,7 @@ def test_the_calc_example_passes_and_plays_batched_on_the_hf_rollout(tmp_path):
     setup = prepare_run(cfg, get_registry(), CPU2)
     episodes = Episodes.for_run(setup.cfg, setup.registry)
     assert episodes is not None and episodes.spec.mode == "batched" and episodes.spec.name == "calc"
-    assert episodes.spec.limits(cfg.roles.rollout.max_new_tokens).max_total_tokens == 24
+    assert episodes.spec.limits(cfg.roles.rollout.max_new_tokens).max_total_tokens == 16
     quick = load_config(ROOT / "examples" / "quickstart.yaml", [f"trainer.out={tmp_path / 'q'}"])
     assert Episodes.for_run(quick, get_registry()) is None  # the default: today's single generation
 

@@ -21,7 +21,7 @@ from hybridrl.environments.spec import EnvironmentSpec
 from hybridrl.environments.trajectory import (ENV_REWARD, NUM_TURNS, REWARD_PARTS, TRUNCATED, Trajectory,
                                               pack_trajectories)
 from hybridrl.plugins.registry import Registry
-from hybridrl.tasks.calc import arith, make_calc_rows, positional_match
+from hybridrl.tasks.calc import arith, call_credit, make_calc_rows, positional_match
 from hybridrl.testing.environment_contract import build_policy_model, play, row_segments
 
 
@@ -233,6 +233,10 @@ def test_arith_calls_and_partial_credit():
     assert not arith("132").asks_for_tools and not arith("47+85").asks_for_tools and not arith("=").asks_for_tools
     assert positional_match("47+85=", "47+85=") == 1.0 and positional_match("47", "47+85=") == pytest.approx(2 / 6)
     assert positional_match("47+85=xx", "47+85=") == pytest.approx(6 / 8)
+    assert call_credit("47+85=", "47+85=") == pytest.approx(0.3)
+    assert call_credit("++++", "4+8=") == pytest.approx(0.05 / 2)  # the constant at one place only
+    assert call_credit("4989", "4+8=") == pytest.approx(0.25)
+    assert call_credit("4+8=xx", "4+8=") == pytest.approx(0.25 + 0.05 * 2 / 4)
     rows = make_calc_rows(2, 50, seed=3)
     assert len(rows) == 50 and all(int(r["answer"]) == eval(r["prompt"]) for r in rows)  # noqa: S307 - test data
     assert all(10 <= int(x) <= 99 for r in rows for x in r["prompt"].split("+"))
@@ -240,9 +244,9 @@ def test_arith_calls_and_partial_credit():
 
 @pytest.mark.parametrize("actions,reward,tool_use", [
     (["12+30=", "42"], 1.0, 1.0),       # call, then copy the result
-    (["42"], 0.7 + 0.3 / 6, 0.0),       # the right answer without the tool ("42" vs "12+30=": one place agrees)
+    (["42"], 0.7 + 0.25 / 4, 0.0),      # the right answer without the tool ("42" vs "12+30=": one digit agrees)
     (["12+30=", "41"], 0.3 + 0.3 * 0.5, 1.0),
-    (["12+3=", "15"], 0.3 * 4 / 6, 1.0),  # a wrong call: its result, copied, is the wrong number
+    (["12+3=", "15"], 0.25 * 3 / 4 + 0.05 / 2, 1.0),  # a wrong call: its result, copied, is the wrong number
     (["41"], 0.0, 0.0),                 # a wrong answer without a call: no partial credit for its digits
 ])
 def test_calc_rewards(chat_model, actions, reward, tool_use):

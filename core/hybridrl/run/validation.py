@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridrl.batch import META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RESPONSE_MASK, Batch, left_pad
+from hybridrl.batch import MESSAGES, META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RESPONSE_MASK, Batch, left_pad
 from hybridrl.engines import SamplingParams
+from hybridrl.environments.driver import Episodes
 
 if TYPE_CHECKING:
     from hybridrl.run.trainer import Trainer
@@ -128,7 +129,8 @@ class Validator:
             rows = self.prompts[start:start + self.batch_prompts]
             ids, mask = left_pad([r.token_ids for r in rows], self.pad_id)
             batch = Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask},
-                                       {PROMPT_TEXT: [r.prompt for r in rows], META: [r.meta for r in rows]})
+                                       {PROMPT_TEXT: [r.prompt for r in rows], META: [r.meta for r in rows],
+                                        MESSAGES: [r.messages for r in rows]})
             batch = batch.repeat_interleave(self.k)
             batch.set("prompt_index", torch.arange(start, start + len(rows)).repeat_interleave(self.k))
             out.append(batch)
@@ -146,9 +148,14 @@ class Validator:
         try:
             for i, batch in enumerate(self.batches()):
                 params = SamplingParams(**{**self.params.__dict__, "seed": trainer.cfg.trainer.seed * 7_777 + i})
-                batch.update(rollout.call("rollout", "generate", batch.select(PROMPT_IDS, PROMPT_MASK), params).value)
+                episodes = getattr(trainer, "episodes", None)
+                if episodes is not None:  # multi-turn: the episodes are played as in training, and reward too
+                    batch.update(rollout.wait(episodes.submit(rollout, batch, params)).value)
+                else:
+                    batch.update(rollout.call("rollout", "generate", batch.select(PROMPT_IDS, PROMPT_MASK),
+                                              params).value)
                 scored = trainer.scorer(batch)
-                scores += scored.scores.tolist()
+                scores += (scored.scores + Episodes.reward(batch)).tolist()
                 lengths += batch[RESPONSE_MASK].sum(-1).tolist()
                 index += batch["prompt_index"].tolist()
                 texts += scored.texts

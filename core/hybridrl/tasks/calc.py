@@ -6,9 +6,11 @@ an arithmetic expression ending in ``=`` is a calculator call), the result comes
 (`` 132 `` with the example's plain template), and its next turn, ``132``, is the answer, which ends the
 episode. The character vocabulary has no ``<``, ``{`` or ``"``, so the Hermes JSON format cannot be written.
 
-Rewards (environment reward parts, summed): ``call``: up to 0.3 for the first turn, its characters that match
-the expected call position by position (a dense credit like the reverse task's, which gives a randomly
-initialised policy a gradient towards the call syntax); ``answer``: 0.7 for the exact sum in the final turn,
+Rewards (environment reward parts, summed): ``call``: up to 0.3 for the first turn against the expected call,
+position by position: 0.25 for its digits (copied from the prompt), 0.05 for the ``+`` and ``=`` (a dense credit
+like the reverse task's, which gives a randomly initialised policy a gradient towards the call; the constant
+characters weigh little, else a policy that writes ``+`` everywhere, right at one place for every prompt,
+settles there and stops exploring); ``answer``: 0.7 for the exact sum in the final turn,
 else, in an episode that called the calculator, up to 0.3 for its digits in the right positions (the credit
 for copying the tool's result; without the condition a policy that answers ``1..`` to every prompt, right in the
 first digit of most sums, earns it without ever calling). Calling and copying scores 1.0; a policy that never
@@ -33,7 +35,8 @@ from hybridrl.tasks.reverse import write_jsonl
 from hybridrl.tools.base import ToolCall
 from hybridrl.tools.parsers import ParsedTurn
 
-CALL_WEIGHT = 0.3
+CALL_DIGITS_WEIGHT = 0.25
+CALL_FORMAT_WEIGHT = 0.05
 ANSWER_WEIGHT = 0.7
 PARTIAL_WEIGHT = 0.3
 CALL_SUFFIX = "="
@@ -73,6 +76,21 @@ def positional_match(got: str, expected: str) -> float:
     return sum(a == b for a, b in zip(got, expected)) / longest if longest else 1.0
 
 
+def call_credit(got: str, expected: str) -> float:
+    """The ``call`` reward part of a first turn: its digits that match the expected call's digits position by
+    position (``CALL_DIGITS_WEIGHT``), and its other characters likewise, extra length counting against it
+    (``CALL_FORMAT_WEIGHT``)."""
+    digits = [i for i, c in enumerate(expected) if c.isdigit()]
+    others = [i for i, c in enumerate(expected) if not c.isdigit()]
+
+    def hits(positions: list[int]) -> int:
+        return sum(i < len(got) and got[i] == expected[i] for i in positions)
+
+    extra = max(0, len(got) - len(expected))
+    credit = CALL_DIGITS_WEIGHT * hits(digits) / len(digits) if digits else 0.0
+    return credit + CALL_FORMAT_WEIGHT * hits(others) / (len(others) + extra) if others or extra else credit
+
+
 class CalcEnvironment(ToolEnvironment):
     """The ``calc`` task (see the module docstring): the tool environment with the calculator and the task's
     reward parts. Its rows carry ``answer``; the expected call is the prompt followed by ``=``."""
@@ -91,7 +109,7 @@ class CalcEnvironment(ToolEnvironment):
         result = super().step(turn)
         if turn.index == 0:
             expected = str(self.row.prompt).strip() + CALL_SUFFIX
-            result.reward["call"] = CALL_WEIGHT * positional_match(turn.text.strip(), expected)
+            result.reward["call"] = call_credit(turn.text.strip(), expected)
         return result
 
     def final_reward(self, turn: ModelTurn, parsed: ParsedTurn) -> dict[str, float]:
