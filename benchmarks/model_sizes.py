@@ -82,7 +82,8 @@ def build_model(size: str, dtype: str, out: Path) -> Path:
 
     tok = build_char_tokenizer()
     cfg = model_config(size)
-    for key in ("architectures", "model_type", "torch_dtype", "transformers_version"):
+    for key in ("architectures", "model_type", "torch_dtype", "transformers_version", "bos_token_id", "eos_token_id",
+                "pad_token_id"):
         cfg.pop(key, None)
     config = Qwen2Config(**cfg, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id)
