@@ -1,7 +1,8 @@
-"""The ``environment`` section is checked before any process starts, each problem under its key: unknown
-environments, tools and parsers, tool options for unlisted tools, the per-request mode on a rollout that does
-not declare it, ReMax with episodes, options the environment refuses, and an opening plus
-``max_total_tokens`` past the model's positions; the calc example passes."""
+"""The ``environment`` section is checked before any process starts, each problem under its key: bad values and
+unknown keys when the config loads; unknown environments, tools and parsers, tool options for unlisted tools or
+that their tool refuses (under ``environment.tool_options.<tool>``), the per-request mode on a rollout that does
+not declare it, ReMax with episodes, options the environment refuses, and an opening plus ``max_total_tokens``
+past the model's positions; the calc example passes."""
 
 from __future__ import annotations
 
@@ -37,11 +38,41 @@ def problems(tmp_path: Path, overrides: list[str]) -> dict[str, str]:
     (["environment.options={max_calls_per_turn: 0}"], "environment.options", "max_calls_per_turn must be >= 1"),
     (["environment.tools=[]"], "environment.options", "needs the calculator"),
     (["environment.max_total_tokens=200"], "environment.max_total_tokens", "max_position_embeddings=128"),
+    (["environment.tools=[calculator,python]", "environment.tool_options={python: {timeoutt: 3}}"],
+     "environment.tool_options.python", "unknown option(s) ['timeoutt']"),
+    (["environment.tools=[calculator,python]", "environment.tool_options={python: {timeout_s: 0}}"],
+     "environment.tool_options.python", "timeout_s must be a number > 0"),
+    (["environment.tools=[calculator,python]", "environment.tool_options={python: {memory_mb: 0.5}}"],
+     "environment.tool_options.python", "memory_mb must be a whole number > 0"),
+    (["environment.tools=[calculator,python]", "environment.tool_options={python: {network: maybe}}"],
+     "environment.tool_options.python", "network must be 'block' or 'allow'"),
+    (["environment.tool_options={calculator: {precision: 3}}"], "environment.tool_options.calculator",
+     "does not take the option(s) ['precision']"),
 ])
 def test_environment_problems_are_found_before_start(tmp_path, overrides, key, reason):
     found = problems(tmp_path, overrides)
     assert key in found and reason in found[key], found
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.parametrize("override,key,reason", [
+    ("environment.max_turns=0", "environment.max_turns", "greater than 0"),
+    ("environment.mode=async", "environment.mode", "'auto', 'batched' or 'requests'"),
+    ("environment.max_turn=2", "environment.max_turn", "unknown key"),
+    ("environment.env_workers=0", "environment.env_workers", "greater than 0"),
+    ("environment.max_total_tokens=-4", "environment.max_total_tokens", "greater than 0"),
+])
+def test_environment_keys_are_checked_when_the_config_loads(tmp_path, override, key, reason):
+    with pytest.raises(ConfigError) as err:
+        load_config(TOOL_CALC, [f"trainer.out={tmp_path / 'run'}", override])
+    found = dict(err.value.problems)
+    assert key in found and reason in found[key], found
+
+
+def test_good_tool_options_pass(tmp_path):
+    cfg = load_config(TOOL_CALC, [f"trainer.out={tmp_path / 'run'}", "environment.tools=[calculator,python]",
+                                  "environment.tool_options={python: {timeout_s: 2.5, memory_mb: 256}}"])
+    assert prepare_run(cfg, get_registry(), CPU2).cfg.environment.tool_options["python"]["memory_mb"] == 256
 
 
 def test_the_calc_example_passes_and_plays_batched_on_the_hf_rollout(tmp_path):

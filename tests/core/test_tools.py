@@ -139,3 +139,15 @@ def test_sandbox_options_are_checked():
         Sandbox(SandboxLimits(), network="maybe")
     allowed = PythonTool(network="allow")
     assert not allowed.sandbox.isolation().network_blocked
+
+
+@pytest.mark.parametrize("limits,reason", [({"timeout_s": 0}, "timeout_s must be a number > 0"),
+                                           ({"cpu_s": -1}, "cpu_s must be a whole number > 0"),
+                                           ({"memory_mb": 0}, "memory_mb"), ({"file_mb": 1.5}, "file_mb"),
+                                           ({"open_files": True}, "open_files"),
+                                           ({"max_output_chars": "many"}, "max_output_chars")])
+def test_sandbox_limits_must_be_positive(limits, reason):
+    # 0 would switch an rlimit off in the child (unlimited), not forbid everything
+    with pytest.raises(ValueError, match=reason):
+        SandboxLimits(**limits)
+    assert SandboxLimits(timeout_s=0.5).timeout_s == 0.5

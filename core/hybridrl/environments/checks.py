@@ -29,6 +29,7 @@ def environment_problems(cfg: Any, registry: Registry, backends: dict[str, Backe
     if unused:
         problems.append(("environment.tool_options", f"options for tool(s) {unused} that environment.tools does not "
                                                      "list"))
+    problems += tool_option_problems(env.tools, env.tool_options, registry)
     rollout = backends.get("rollout")
     if env.mode == "requests" and rollout is not None and not rollout.can("requests"):
         problems.append(("environment.mode", f"requests needs a rollout backend that serves single requests; "
@@ -37,6 +38,28 @@ def environment_problems(cfg: Any, registry: Registry, backends: dict[str, Backe
     if multi_turn(cfg, registry) and greedy_baseline:
         problems.append(("environment.name", f"algorithm '{cfg.algorithm.name}' compares each sample with a greedy "
                                              "single generation, which multi-turn episodes do not have"))
+    return problems
+
+
+def tool_option_problems(tools: Sequence[str], options: dict[str, dict[str, Any]], registry: Registry) -> Problems:
+    """Each registered tool built with its ``environment.tool_options.<name>`` (tools are cheap to build and
+    keep no state), so an unknown or out-of-range option is reported under its tool's key before any worker
+    starts, rather than by the first rollout call."""
+    problems: Problems = []
+    for name in tools:
+        try:
+            factory = registry.get("tool", name)
+        except RegistryError:
+            continue  # reported under environment.tools
+        given = dict(options.get(name, {}))
+        key = f"environment.tool_options.{name}" if given else "environment.tools"
+        try:
+            factory(**given)
+        except TypeError as exc:
+            problems.append((key, f"tool '{name}' does not take the option(s) {sorted(given)}: {exc}" if given
+                             else f"tool '{name}' could not be built without options: {exc}"))
+        except (ValueError, OSError) as exc:
+            problems.append((key, str(exc) if name in str(exc) else f"tool '{name}': {exc}"))
     return problems
 
 

@@ -127,6 +127,16 @@ class SandboxLimits:
     open_files: int = 64
     max_output_chars: int = 2000
 
+    def __post_init__(self) -> None:
+        """Every limit must be a positive number (0 or less would switch the rlimit off, or time out at once);
+        whole numbers where the kernel takes whole numbers."""
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            whole = name != "timeout_s"
+            if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or value <= 0:
+                kind = "a whole number" if whole else "a number"
+                raise ValueError(f"{name} must be {kind} > 0, got {value!r}")
+
 
 class Sandbox:
     """Runs Python snippets in confined child processes (see the module docstring)."""
