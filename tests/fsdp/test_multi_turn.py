@@ -1,7 +1,7 @@
 """Multi-turn rows on the FSDP engine: observation tokens are context (attended, never trained). Log-probs equal a
 plain forward over the whole conversation at the model's tokens and are 0 on observations, with row and
-token-budget micro-batching; the update's loss counts the model's tokens only, and whatever sits at the
-observation positions (advantages, log-probs) changes nothing."""
+token-budget micro-batching, packed (the default: rows end to end) and padded; the update's loss counts the
+model's tokens only, and whatever sits at the observation positions (advantages, log-probs) changes nothing."""
 
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ def test_log_probs_condition_on_observations_and_cover_only_model_tokens(process
     observations = batch[RESPONSE_ATTENTION_MASK].bool() & ~trained
     assert observations.any()
     reference = reference_log_probs(tiny_model, batch)
-    for options in ({"micro_batch": 4}, {"micro_batch": 4, "max_tokens_per_micro_batch": 40}):
+    for options in ({"micro_batch": 4}, {"micro_batch": 4, "max_tokens_per_micro_batch": 40},  # packed (default)
+                    {"micro_batch": 4, "packing": False}):
         engine = FSDPEngine(context(tiny_model, trainable=False, **options))
         out = engine.compute_log_probs(batch, with_entropy=True)
         torch.testing.assert_close(out[LOG_PROBS][trained], reference[trained], atol=1e-5, rtol=0)
@@ -98,3 +99,7 @@ def test_update_trains_the_model_tokens_only(process_group, tiny_model: Path) ->
     c = packed.full_state_dict()
     for name in a:  # another micro-batching: the same step up to fp32 reduction order (amplified by Adam)
         torch.testing.assert_close(c[name], a[name], atol=1e-4, rtol=0, msg=name)
+    # padded rows give the same loss (their gradients equal the packed ones': tests/fsdp/test_packing.py; the
+    # weights after one Adam step are not compared, Adam's first step is lr * sign(g) where g is ~0)
+    padded = FSDPEngine(context(tiny_model, lr=1e-2, micro_batch=3, packing=False))
+    assert abs(padded.update(other, PolicyGradient())["loss"] - expected_loss) < 1e-5
