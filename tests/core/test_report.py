@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl.cli import main
-from hybridrl.observe.report import PLOTS, device_time, write_report
+from hybridrl.observe.report import EPISODES_PLOT, PLOTS, device_time, write_report
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -48,6 +48,20 @@ def run(tmp_path) -> tuple[Path, list[dict]]:
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     return tmp_path, rows
+
+
+def test_episodes_are_plotted_for_multi_turn_runs_only(run):
+    folder, rows = run
+    assert not (folder / "report" / EPISODES_PLOT).exists() and EPISODES_PLOT not in map(str, write_report(folder))
+    assert not (folder / "report" / EPISODES_PLOT).exists()
+    for r in rows:
+        r.update({"env/turns_mean": 1.0 + r["step"] / 14, "env/tool_use_rate": r["step"] / 14,
+                  "env/truncated_rate": 0.1, "env/tool_errors_mean": 0.0})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    written = write_report(folder)
+    data = (folder / "report" / EPISODES_PLOT).read_bytes()
+    assert folder / "report" / EPISODES_PLOT in written and data[:8] == PNG and len(data) > 1000
+    assert f"({EPISODES_PLOT})" in (folder / "report" / "summary.md").read_text()
 
 
 def test_report_writes_pngs_and_a_summary_with_the_runs_numbers(run):

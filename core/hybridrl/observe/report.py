@@ -270,6 +270,35 @@ def plot_response_length(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path)
 
 
+#: the episode metrics a multi-turn run logs (``hybridrl.environments.metrics``): rates on the left axis.
+EPISODE_RATES = (("env/tool_use_rate", "tool-use rate"), ("env/truncated_rate", "truncated"),
+                 ("env/tool_errors_mean", "tool errors / episode"))
+
+
+def has_episodes(rows: list[dict[str, Any]]) -> bool:
+    return any("env/turns_mean" in r for r in rows)
+
+
+def plot_episodes(rows: list[dict[str, Any]], path: Path) -> None:
+    """A multi-turn run's episodes over steps: tool-use and truncation rates, tool errors, and turns."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    for key, label in EPISODE_RATES:
+        steps, values = series(rows, key)
+        if values:
+            ax.plot(steps, values, label=label)
+    ax.set(xlabel="step", ylabel="rate", title="Episodes")
+    turns_ax = ax.twinx()
+    steps, turns = series(rows, "env/turns_mean")
+    turns_ax.plot(steps, turns, color="black", linestyle="--", label="turns (mean)")
+    turns_ax.set_ylabel("turns")
+    _integer_steps(ax)
+    lines, labels = ax.get_legend_handles_labels()
+    more, more_labels = turns_ax.get_legend_handles_labels()
+    ax.legend(lines + more, labels + more_labels, loc="best")
+    fig.savefig(path)
+
+
 def plot_phase_times(rows: list[dict[str, Any]], path: Path) -> None:
     """Stacked bars: each step's time split into its phases, and the part no phase covers."""
     fig = _figure(max(8.0, min(20.0, len(rows) * 0.15)), 4.5)
@@ -314,6 +343,7 @@ def plot_device_time(config: dict[str, Any], rows: list[dict[str, Any]], path: P
 
 PLOTS = {"reward": "reward.png", "response length": "response_length.png", "time per phase": "phase_times.png",
          "device time": "device_time.png"}
+EPISODES_PLOT = "episodes.png"  # multi-turn runs only
 
 
 def write_report(run: str | Path, out: str | Path | None = None) -> list[Path]:
@@ -327,8 +357,13 @@ def write_report(run: str | Path, out: str | Path | None = None) -> list[Path]:
     plot_response_length(rows, paths["response_length.png"])
     plot_phase_times(rows, paths["phase_times.png"])
     plot_device_time(config, rows, paths["device_time.png"])
+    plots = dict(PLOTS)
+    if has_episodes(rows):  # a multi-turn run
+        plots["episodes"] = EPISODES_PLOT
+        paths[EPISODES_PLOT] = out_dir / EPISODES_PLOT
+        plot_episodes(rows, paths[EPISODES_PLOT])
     summary = summarize(rows, config)
-    (out_dir / "summary.md").write_text(render_summary(summary, PLOTS, config))
+    (out_dir / "summary.md").write_text(render_summary(summary, plots, config))
     (out_dir / "summary.json").write_text(json.dumps({**asdict(summary), "device_seconds": device_time(config, rows)},
                                                      indent=2) + "\n")
     return [*paths.values(), out_dir / "summary.md", out_dir / "summary.json"]
