@@ -37,6 +37,7 @@ def problems(tmp_path: Path, overrides: list[str]) -> dict[str, str]:
     (["algorithm.name=remax"], "environment.name", "greedy single generation"),
     (["environment.options={max_calls_per_turn: 0}"], "environment.options", "max_calls_per_turn must be >= 1"),
     (["environment.tools=[]"], "environment.options", "needs the calculator"),
+    (["environment.options={call_syntax: short}"], "environment.options", "call_syntax must be one of"),
     (["environment.max_total_tokens=200"], "environment.max_total_tokens", "max_position_embeddings=128"),
     (["environment.tools=[calculator,python]", "environment.tool_options={python: {timeoutt: 3}}"],
      "environment.tool_options.python", "unknown option(s) ['timeoutt']"),

@@ -261,6 +261,24 @@ def test_calc_rewards(chat_model, actions, reward, tool_use):
         assert obs == encode(tok, "<|tool|>" + str(eval(actions[0][:-1])) + "<eos><|assistant|>")  # noqa: S307
 
 
+@pytest.mark.parametrize("actions,reward,tool_use", [
+    (["=", "42"], 1.0, 1.0),            # the bare call: '=' alone asks for the question's value
+    (["=", "41"], 0.3 + 0.3 * 0.5, 1.0),
+    (["=+", "42"], 0.3 / 2, 0.0),       # not a call ('=' in the right place: half the call credit), then over
+    (["42"], 0.7, 0.0),                 # right without the tool: no call credit
+    (["12+30=", "42"], 0.7, 1.0),       # an expression call still runs; the call credit is for the bare one
+])
+def test_calc_bare_call_rewards(chat_model, actions, reward, tool_use):
+    spec = EnvironmentSpec(name="calc", max_turns=3, max_total_tokens=48, tools=("calculator",), tool_parser="arith",
+                           options={"call_syntax": "bare"})
+    batch, _, _ = play(chat_model, spec, [{"prompt": "12+30", "answer": "42"}], actions)
+    assert float(batch[ENV_REWARD][0]) == pytest.approx(reward)
+    assert episode_metrics(batch)["env/tool_use_rate"] == tool_use
+    if actions[0] == "=":
+        obs = [t for trained, t in row_segments(batch, 0) if not trained][0]
+        assert obs == encode(build_char_tokenizer(chat=True), "<|tool|>42<eos><|assistant|>")
+
+
 def test_calc_needs_the_calculator(chat_model):
     spec = EnvironmentSpec(name="calc", max_turns=2, tools=(), tool_parser="arith")
     with pytest.raises(EpisodeError, match="environment 'calc' could not be built.*needs the calculator"):

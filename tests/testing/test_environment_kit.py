@@ -45,6 +45,11 @@ class TestCalcTask(EnvironmentContract):
     actions = ("12+30=", "42")
 
 
+class TestCalcTaskBareCall(TestCalcTask):
+    options = {"call_syntax": "bare"}
+    actions = ("=", "42")
+
+
 class TestPluginToolParser(EnvironmentContract):
     """A tool-call format a plugin module adds (``_env_kit_plugin.colon``), played by the tools environment."""
 

@@ -16,6 +16,12 @@ for copying the tool's result; without the condition a policy that answers ``1..
 first digit of most sums, earns it without ever calling). Calling and copying scores 1.0; a policy that never
 calls the tool scores almost nothing (it cannot add).
 
+Option ``call_syntax`` (``environment.options``): ``expression`` (the default, above), or ``bare``: the first
+turn calls the calculator on the question itself by writing ``=`` alone (``7+8`` -> ``=`` -> `` 15 `` -> ``15``);
+its ``call`` credit is up to 0.3 for ``=`` position by position (a longer turn earns less). A randomly initialised
+tiny policy finds one fixed character far sooner than it learns to copy the prompt, so on CPU this is the variant
+whose reward and tool use rise within a few hundred steps; an expression call is still read (and runs).
+
 Regenerate a data file with::
 
     python -m hybridrl.tasks.calc --digits 2 --count 2000 --out examples/data/calc2.jsonl
@@ -27,6 +33,7 @@ import argparse
 import random
 import re
 import sys
+from dataclasses import replace
 from typing import Any
 
 from hybridrl.environments.base import EnvironmentContext, ModelTurn, StepResult
@@ -35,11 +42,13 @@ from hybridrl.tasks.reverse import write_jsonl
 from hybridrl.tools.base import ToolCall
 from hybridrl.tools.parsers import ParsedTurn
 
+CALL_WEIGHT = 0.3  # the bare call's credit
 CALL_DIGITS_WEIGHT = 0.25
 CALL_FORMAT_WEIGHT = 0.05
 ANSWER_WEIGHT = 0.7
 PARTIAL_WEIGHT = 0.3
 CALL_SUFFIX = "="
+CALL_SYNTAXES = ("expression", "bare")
 
 _CALL = re.compile(r"^\s*([0-9][0-9+\-. ]*?)\s*=\s*$")
 
@@ -93,13 +102,26 @@ def call_credit(got: str, expected: str) -> float:
 
 class CalcEnvironment(ToolEnvironment):
     """The ``calc`` task (see the module docstring): the tool environment with the calculator and the task's
-    reward parts. Its rows carry ``answer``; the expected call is the prompt followed by ``=``."""
+    reward parts. Its rows carry ``answer``; the expected call is the prompt followed by ``=`` (``call_syntax:
+    bare``: ``=`` alone)."""
 
-    def __init__(self, context: EnvironmentContext, **options: Any) -> None:
+    def __init__(self, context: EnvironmentContext, call_syntax: str = "expression", **options: Any) -> None:
+        if call_syntax not in CALL_SYNTAXES:
+            raise ValueError(f"call_syntax must be one of {CALL_SYNTAXES}, got {call_syntax!r}")
+        if call_syntax == "bare" and context.parser is not None:  # '=' alone asks for the question's value
+            context = replace(context, parser=self._bare_or(context.parser))
         super().__init__(context, **options)
         if "calculator" not in context.tools.names():
             raise ValueError("the calc environment needs the calculator: set environment.tools: [calculator]")
+        self.call_syntax = call_syntax
         self.called = False  # a calculator call ran in this episode
+
+    def _bare_or(self, parser: Any) -> Any:
+        def parse(text: str) -> ParsedTurn:
+            if text.strip() == CALL_SUFFIX and self.row is not None:
+                return ParsedTurn(calls=[ToolCall("calculator", {"expression": str(self.row.prompt).strip()}, text)])
+            return parser(text)
+        return parse
 
     def call_reward(self, turn: ModelTurn, parsed: ParsedTurn, results: list) -> dict[str, float]:
         self.called = True
@@ -107,7 +129,9 @@ class CalcEnvironment(ToolEnvironment):
 
     def step(self, turn: ModelTurn) -> StepResult:
         result = super().step(turn)
-        if turn.index == 0:
+        if turn.index == 0 and self.call_syntax == "bare":
+            result.reward["call"] = CALL_WEIGHT * positional_match(turn.text.strip(), CALL_SUFFIX)
+        elif turn.index == 0:
             expected = str(self.row.prompt).strip() + CALL_SUFFIX
             result.reward["call"] = call_credit(turn.text.strip(), expected)
         return result
