@@ -237,3 +237,15 @@ def check_engine_options(tensor_parallel: int, gpu_memory_utilization: float) ->
 def check_choice(key: str, value: Any, allowed: Sequence[Any]) -> None:
     if value not in allowed:
         raise ValueError(f"{key} must be one of {tuple(allowed)}, got '{value}'")
+
+
+def parse_check(parse: Callable[[Mapping[str, Any]], Any]) -> Callable[..., list[tuple[str, str]]]:
+    """A backend's ``check_options`` made from the parser its engine runs at start (``VLLMOptions.from_options``
+    ...): what it would refuse then is reported in the pre-flight instead, before any process starts."""
+    def option_problems(role: str, options: Mapping[str, Any], training: Any = None) -> list[tuple[str, str]]:
+        try:
+            parse(options)
+        except (ValueError, TypeError) as exc:
+            return [("", str(exc))]
+        return []
+    return option_problems

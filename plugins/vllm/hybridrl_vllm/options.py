@@ -40,7 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from hybridrl.rollout.common import ENGINE_OPTION_CASTS, check_choice, check_engine_options, read_choices, read_options
+from hybridrl.rollout.common import (ENGINE_OPTION_CASTS, check_choice, check_engine_options, parse_check, read_choices,
+                                     read_options)
 from hybridrl.rollout.kv_budget import (AUTO, UTILIZATION_KEY, KVCacheTooSmall, KVDemand, KVSizing, is_auto,
                                        size_kv_cache)
 
@@ -215,11 +216,5 @@ def llm_kwargs(opts: VLLMOptions, *, model_path: str, dtype: str, device: str, s
     return kwargs
 
 
-def option_problems(role: str, options: Mapping[str, Any], training: Any = None) -> list[tuple[str, str]]:
-    """The pre-flight check of the rollout's settings (registered as the backend's ``check_options``): what
-    ``VLLMOptions.from_options`` would refuse when the engine starts, found before any process does."""
-    try:
-        VLLMOptions.from_options(options)
-    except (ValueError, TypeError) as exc:
-        return [("", str(exc))]
-    return []
+#: the pre-flight check of the rollout's settings (registered as the backend's ``check_options``).
+option_problems = parse_check(VLLMOptions.from_options)
