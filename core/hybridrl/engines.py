@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
 import torch
 
 from hybridrl.batch import Batch
+from hybridrl.lora import LoraSpec
 
 if TYPE_CHECKING:
     from hybridrl.environments.spec import EnvironmentSpec
@@ -79,6 +80,9 @@ class EngineContext:
     trainable: bool = True
     options: dict[str, Any] = field(default_factory=dict)
     training: TrainingOptions = field(default_factory=TrainingOptions)
+    #: LoRA adapters (``roles.actor.lora``): given to the actor (it trains them) and to the rollout (it is sent
+    #: them when ``lora.sync`` is 'adapter'); None: full weights.
+    lora: LoraSpec | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -203,6 +207,21 @@ class TrainEngine(ABC):
         """Whether this rank's exported buckets are the ones sent to a rollout on another pool."""
         return self.ctx.rank == 0
 
+    def export_adapter(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """LoRA engines (``ctx.lora``; declare the `lora` capability): the adapters alone, unsharded, under
+        peft's saved names (``hybridrl.lora.adapter_name``), in buckets of about ``bucket_bytes``: what a weight
+        sync sends when ``ctx.lora.sync`` is 'adapter' (tensors may be views, as in ``export_weights_transient``)
+        and what ``hybridrl export --adapter`` writes. ``export_weights`` stays the full policy: the base with
+        the adapters merged in, under HF names. Collective."""
+        raise NotImplementedError(f"{type(self).__name__} (backend '{self.ctx.backend}') has no LoRA adapters")
+
+    def reference_view(self, ctx: EngineContext) -> "TrainEngine":
+        """LoRA engines: the reference role (``ctx``) served by this engine in its own process: the frozen base
+        with the adapters disabled, computing log-probs with the reference's own micro-batching, holding no copy
+        of the weights. Called by the worker instead of building a second engine when the reference shares the
+        actor's process (``hybridrl.lora.reference_is_actor_base``)."""
+        raise NotImplementedError(f"{type(self).__name__} (backend '{self.ctx.backend}') has no LoRA adapters")
+
     def offload(self) -> None:
         """Release device memory (parameters, gradients, optimiser state) so a colocated engine can use it."""
 
@@ -267,7 +286,10 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def import_weights(self, bucket: WeightBucket) -> None:
-        """Load one bucket of Hugging Face-named tensors into the engine's model."""
+        """Load one bucket of Hugging Face-named tensors into the engine's model. With ``ctx.lora.sync`` 'adapter'
+        (declare the `lora_adapters` capability) the buckets hold the actor's LoRA adapters under peft's saved
+        names instead (``hybridrl.lora``; a pair may span buckets, and tensors may be views of a buffer reused
+        for the next bucket): the engine serves them on its own base weights from ``finish_weight_import`` on."""
 
     def finish_weight_import(self) -> None:
         """Called after the last bucket: reset prefix caches and the like."""

@@ -150,6 +150,34 @@ class RoleBase(Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="backend-specific settings")
 
 
+class LoraConfig(Strict):
+    """LoRA adapters on the actor (``hybridrl.lora``): only the adapters and their optimizer state are trained,
+    the base weights stay frozen, and the reference is the base with the adapters disabled."""
+
+    rank: int = Field(16, gt=0, description="the adapters' rank r")
+    alpha: float | None = Field(None, gt=0, description="scaling numerator: the update is alpha / rank * B A "
+                                                        "(default: 2 x rank)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input while training")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="the linear layers that get adapters: module names (q_proj, v_proj ...) or "
+                                  "all-linear (every linear layer of the decoder, not the output head)")
+    sync: Literal["auto", "adapter", "merged"] = Field(
+        "auto", description="what a weight sync sends: adapter (only the adapters; the rollout engine serves them), "
+                            "merged (the trainer merges them into full weights), auto (merged when actor and "
+                            "rollout share a process, else adapter)")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, str):
+            if value != "all-linear":
+                raise ValueError(f"a list of module names or 'all-linear', got '{value}'")
+            return value
+        if not value or any(not isinstance(v, str) or not v.strip() for v in value):
+            raise ValueError("give at least one module name (q_proj, v_proj ...) or 'all-linear'")
+        return value
+
+
 class ActorConfig(RoleBase):
     backend: str | None = "fsdp"
     lr: float = Field(1e-6, gt=0)
@@ -161,6 +189,7 @@ class ActorConfig(RoleBase):
     warmup_steps: int = Field(0, ge=0)
     max_tokens_per_micro_batch: int | None = Field(
         None, gt=0, description="token budget per micro-batch (rows binned by real length; replaces micro_batch)")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters instead of the full weights")
 
 
 class RefConfig(RoleBase):

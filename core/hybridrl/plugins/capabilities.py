@@ -17,12 +17,14 @@ TRAIN_CAPABILITIES: dict[str, str] = {
     "value_head": "compute_values with the 'value' head (the critic role)",
     "reward_head": "compute_scores with the 'reward' head (the reward-model role)",
     "offload": "offload / onload move the engine's state off the device and back",
+    "lora": "LoRA adapters (EngineContext.lora): trains only them, export_adapter, reference_view (roles.actor.lora)",
 }
 #: rollout engines: capability -> what it promises.
 ROLLOUT_CAPABILITIES: dict[str, str] = {
     "sleep": "sleep / wake release and restore device memory (colocated with trainers)",
     "named_weights": "named_weights: the engine's weights under Hugging Face names (weight checks)",
     "requests": "generate_request: single requests served concurrently (multi-turn episodes, one request per turn)",
+    "lora_adapters": "import_weights takes LoRA adapters and serves them on the base (roles.actor.lora.sync=adapter)",
 }
 KNOWN = {"train": TRAIN_CAPABILITIES, "rollout": ROLLOUT_CAPABILITIES}
 

@@ -14,6 +14,7 @@ import torch
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.engines import EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
+from hybridrl.lora import MergedAdapters, is_adapter_name
 from hybridrl.rollout.common import eos_and_pad
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,9 @@ class HFRollout(RolloutEngine):
         self.weight_version = 0
         #: prompt + response tokens the model supports (None: no limit stated in its config).
         self.context_length: int | None = getattr(cfg, "max_position_embeddings", None)
+        #: LoRA with ``sync: adapter``: the adapters each sync sends are merged into a copy of the base, on the CPU
+        self.adapters = (MergedAdapters(self._targets, ctx.lora.scaling)
+                         if ctx.lora is not None and ctx.lora.sends_adapters else None)
 
     @staticmethod
     def _resolve_device(device: str) -> torch.device:
@@ -187,10 +191,15 @@ class HFRollout(RolloutEngine):
     def import_weights(self, bucket: WeightBucket) -> None:
         """Copy each ``(name, tensor)`` into the model's tensor of that HF name (cast to its dtype/device).
         With tied embeddings ``lm_head.weight`` and ``model.embed_tokens.weight`` are one tensor: either name
-        (or both) may be sent. An unknown name raises ``KeyError``; a shape mismatch ``ValueError``."""
+        (or both) may be sent. With LoRA's ``sync: adapter`` the buckets hold adapters (``hybridrl.lora``), kept
+        until ``finish_weight_import`` merges them. An unknown name raises ``KeyError``; a shape mismatch
+        ``ValueError``."""
         targets = self._targets()
         with torch.no_grad():
             for name, tensor in bucket:
+                if self.adapters is not None and is_adapter_name(name):
+                    self.adapters.stage(name, tensor)  # merged once the sync's last bucket is in
+                    continue
                 target = targets.get(name)
                 if target is None:
                     raise KeyError(f"HFRollout.import_weights: the model has no weight named '{name}'")
@@ -200,7 +209,10 @@ class HFRollout(RolloutEngine):
                 target.copy_(tensor.detach())
 
     def finish_weight_import(self) -> None:
-        """Nothing to reset (the KV cache lives only inside one ``generate`` call); counts the updates."""
+        """Merge the adapters of a LoRA sync; nothing to reset (the KV cache lives only inside one ``generate``
+        call); counts the updates."""
+        if self.adapters is not None and self.adapters.pending:
+            self.adapters.apply()
         self.weight_version += 1
 
     def sleep(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from hybridrl.config import ConfigError, CriticConfig, RunConfig
 from hybridrl.run.checks import capability_problems, option_problems
 from hybridrl.environments.checks import environment_problems, probe_problems as environment_probe_problems
+from hybridrl.run.lora_setup import lora_problems, resume_problems as lora_resume_problems, target_problems, with_lora
 from hybridrl.run.pipeline import pipelining_problems
 from hybridrl.placement.plan import ClusterSpec, PlacementPlan, plan_placement, resolve_backends
 from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError
@@ -98,6 +99,7 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
     greedy_baseline = False
     backends, backend_problems = resolve_backends(cfg, registry, check_engines)
     problems += backend_problems
+    problems += lora_problems(cfg, backends)
     try:
         algo = resolve_algorithm(cfg.algorithm, registry)
         greedy_baseline = algo.greedy_baseline
@@ -222,6 +224,8 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
     backends, plan, problems = check_config(cfg, registry, cluster)
     run_cfg, notes = with_algorithm_roles(cfg, registry)
     run_cfg = without_sync_check_if_unsupported(run_cfg, backends, notes)
+    run_cfg, lora_notes = with_lora(run_cfg, plan, backends)
+    notes += lora_notes
     trained = {r: b.name for r, b in backends.items() if r in trainable_roles()}
     folder = plan_run_folder(cfg.trainer.out, cfg.trainer.resume, overwrite)
     problems += folder.problems + run_checks.tracker_problems(cfg, registry)
@@ -237,6 +241,7 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
             problems.append((key, str(exc)))
     model_problems = run_checks.model_problems(cfg)
     problems += model_problems
+    problems += [] if model_problems else target_problems(cfg)
     tokenizer = None if model_problems else run_checks.load_policy_tokenizer(cfg, problems)
     if tokenizer is None:
         raise ConfigError(problems)
@@ -262,6 +267,7 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
     signatures = run_checks.model_signatures(run_cfg, list(trained))
     if folder.resume_from is not None and signatures is not None and prompts is not None:
         problems += run_checks.resume_fit_problems(folder.resume_from, trained, signatures, len(prompts))
+        problems += lora_resume_problems(folder.resume_from, run_cfg)
     auto = resolve_run_auto(run_cfg, plan, registry, backends) if plan is not None else None
     if auto is not None:
         problems += auto.problems

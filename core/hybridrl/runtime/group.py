@@ -54,6 +54,10 @@ class WorkerGroup:
     def build(self, role: str, backend: str, ctx_fields: dict[str, Any]) -> None:
         self.dp[role] = self.call_all("build", role, backend, ctx_fields)
 
+    def build_view(self, role: str, of_role: str, backend: str, ctx_fields: dict[str, Any]) -> None:
+        """``role`` served by ``of_role``'s engine in the same processes (``RoleWorker.build_view``)."""
+        self.dp[role] = self.call_all("build_view", role, of_role, backend, ctx_fields)
+
     def dp_size(self, role: str) -> int:
         return self.dp[role][0].dp_size
 

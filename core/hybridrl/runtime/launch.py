@@ -9,6 +9,7 @@ from hybridrl.runtime.cluster import create_placement_group, ensure_ray
 from hybridrl.config import RunConfig
 from hybridrl.runtime.group import WorkerGroup
 from hybridrl.engines import TrainingOptions
+from hybridrl.lora import LoraSpec, reference_is_actor_base
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.roles import role_spec
 from hybridrl.runtime.worker import RoleWorker
@@ -97,15 +98,23 @@ def build_engines(cfg: RunConfig, plan: PlacementPlan, groups: dict[str, WorkerG
                   role_model_paths: dict[str, str] | None = None) -> None:
     """Trainers first, rollouts last: engines that size their memory from what is free start after the
     trainers on the same devices. ``role_model_paths`` gives a role its own checkpoint (the critic's
-    backbone, the reward model); the others load ``model_path``."""
-    order = sorted(groups, key=lambda r: 1 if r == "rollout" else 0)
+    backbone, the reward model); the others load ``model_path``. With LoRA the actor and the rollout are told
+    the adapters (``EngineContext.lora``), and a reference in the actor's process is the actor's base
+    (``TrainEngine.reference_view``), built after the actor."""
+    order = sorted(groups, key=lambda r: 2 if r == "rollout" else 0 if r == "actor" else 1)
+    lora = LoraSpec.from_config(cfg.roles.actor.lora)
     for role in order:
         backend = plan.group_of(role).roles[role]
         path = (role_model_paths or {}).get(role, model_path)
         training, options = role_settings(cfg, role)
         fields = {"model_path": path, "dtype": cfg.model.dtype, "seed": cfg.trainer.seed,
                   "trainable": role_spec(role).trainable, "options": options, "training": training}
+        if lora is not None and role in ("actor", "rollout"):
+            fields["lora"] = lora
         try:
-            groups[role].build(role, backend, fields)
+            if role == "ref" and reference_is_actor_base(cfg, plan):
+                groups[role].build_view(role, "actor", backend, fields)
+            else:
+                groups[role].build(role, backend, fields)
         except Exception as exc:  # noqa: BLE001 - any constructor error, raised on a worker
             raise engine_start_error(role, backend, exc) from exc

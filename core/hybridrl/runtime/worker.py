@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.weights.bridges import sync_in_process
+from hybridrl.weights.bridges import sync_buckets, sync_in_process
 from hybridrl.weights.channel import WeightChannel, bucket_specs
 from hybridrl.runtime.distributed import free_port, init_process_group, node_ip
 from hybridrl.engines import DataParallelInfo, EngineContext, RolloutEngine, TrainEngine
@@ -56,6 +56,14 @@ class RoleWorker:
             self.engines[role] = engine_cls(ctx)
         return self.engines[role].data_parallel()
 
+    def build_view(self, role: str, of_role: str, backend: str, ctx_fields: dict[str, Any]) -> DataParallelInfo:
+        """A role served by another role's engine in this process instead of an engine of its own: the reference
+        of a LoRA actor is the actor's base with the adapters disabled (``TrainEngine.reference_view``)."""
+        ctx = EngineContext(role=role, backend=backend, rank=self.rank, world_size=self.world_size,
+                            device=self.device, **ctx_fields)
+        self.engines[role] = self.engines[of_role].reference_view(ctx)
+        return self.engines[role].data_parallel()
+
     # --- calls ----------------------------------------------------------------------------------------
     def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> tuple[Any, float]:
         """``(engine.method(*args, **kwargs), seconds it took)`` in one round trip: the seconds are the model
@@ -74,7 +82,7 @@ class RoleWorker:
     def export_buckets(self, trainer_role: str, bucket_bytes: int) -> list | None:
         """Split-pool fallback: every rank takes part in the gather; the exporting rank returns the buckets."""
         engine = self.engines[trainer_role]
-        buckets = [[(n, t.detach().cpu()) for n, t in bucket] for bucket in engine.export_weights(bucket_bytes)]
+        buckets = [[(n, t.detach().cpu()) for n, t in bucket] for bucket in sync_buckets(engine, bucket_bytes, False)]
         return buckets if engine.exports_on_rank() else None
 
     def import_buckets(self, rollout_role: str, buckets: list) -> None:
@@ -90,7 +98,7 @@ class RoleWorker:
     def weight_manifest(self, trainer_role: str, bucket_bytes: int) -> list | None:
         """Bucket layout of the export (collective over the trainer's ranks; the exporting rank answers)."""
         engine = self.engines[trainer_role]
-        specs = bucket_specs(engine.export_weights_transient(bucket_bytes), self._wire_dtype(engine))
+        specs = bucket_specs(sync_buckets(engine, bucket_bytes), self._wire_dtype(engine))
         return specs if engine.exports_on_rank() else None
 
     def _wire_dtype(self, engine: TrainEngine) -> torch.dtype | None:
@@ -104,7 +112,7 @@ class RoleWorker:
     def send_weights(self, trainer_role: str, bucket_bytes: int, specs: list | None) -> float:
         """Export (every trainer rank takes part) and, on the exporting rank, broadcast the buckets."""
         engine = self.engines[trainer_role]
-        buckets = engine.export_weights_transient(bucket_bytes)  # each bucket is packed before the next is made
+        buckets = sync_buckets(engine, bucket_bytes)  # each bucket is packed before the next is made
         if not engine.exports_on_rank():
             for _ in buckets:
                 pass

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import time
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from hybridrl import hookimpl
 
 if TYPE_CHECKING:
     from hybridrl.runtime.group import WorkerGroup
-    from hybridrl.engines import RolloutEngine, TrainEngine
+    from hybridrl.engines import RolloutEngine, TrainEngine, WeightBucket
 
 
 #: Bucket size floor when no memory is at stake (views copied in place). Buckets then only pace the work:
@@ -38,7 +38,7 @@ def sync_in_process(trainer: "TrainEngine", rollout: "RolloutEngine", bucket_byt
     if views_in_large_buckets and _views_in_place(trainer, rollout):
         bucket_bytes = max(bucket_bytes, VIEW_BUCKET_BYTES)
     nbytes, buckets = 0, 0
-    for bucket in trainer.export_weights_transient(bucket_bytes):  # imported before the next is made
+    for bucket in sync_buckets(trainer, bucket_bytes):  # imported before the next is made
         rollout.import_weights(bucket)
         nbytes += sum(map(_NBYTES, map(_TENSOR, bucket)))
         buckets += 1
@@ -49,6 +49,16 @@ def sync_in_process(trainer: "TrainEngine", rollout: "RolloutEngine", bucket_byt
 
 
 _TENSOR, _NBYTES = itemgetter(1), attrgetter("nbytes")
+
+
+def sync_buckets(trainer: "TrainEngine", bucket_bytes: int, transient: bool = True) -> Iterator[WeightBucket]:
+    """What a weight sync sends: a LoRA actor whose rollout serves adapters (``ctx.lora.sync == 'adapter'``) its
+    adapters alone (``export_adapter``), any other trainer its full weights (``export_weights_transient`` for an
+    importer that copies each bucket before the next is made, ``export_weights`` otherwise)."""
+    lora = trainer.ctx.lora
+    if lora is not None and lora.sends_adapters:
+        return trainer.export_adapter(bucket_bytes)
+    return trainer.export_weights_transient(bucket_bytes) if transient else trainer.export_weights(bucket_bytes)
 
 
 def _views_in_place(trainer: "TrainEngine", rollout: "RolloutEngine") -> bool:

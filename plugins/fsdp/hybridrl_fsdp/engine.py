@@ -42,6 +42,7 @@ from hybridrl.placement.memory import OPTIMIZER_GROUP_BYTES
 from hybridrl.roles import role_spec
 
 from hybridrl_fsdp.fused_head import install_log_prob_head
+from hybridrl_fsdp.lora import Adapters
 from hybridrl_fsdp.logprobs import chunked_log_probs
 from hybridrl_fsdp.settings import FSDPSettings
 from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter_rows
@@ -82,6 +83,10 @@ class FSDPEngine(TrainEngine):
         # The fused head needs the model to select the positions it runs on (``logits_to_keep`` as indices).
         self._log_prob_head = (install_log_prob_head(self.model) if self._supports_logits_to_keep
                                and self.settings.fused_lm_head else None)
+        #: LoRA (``hybridrl_fsdp.lora``): the model becomes the peft model, frozen but for its adapters
+        self.lora = _wrap_lora(self.model, ctx, self.device) if ctx.lora is not None else None
+        if self.lora is not None:
+            self.model = self.lora.model
         self.mesh = init_device_mesh(self.device.type, (ctx.world_size,), mesh_dim_names=("dp",))
         _shard_model(self.model, self.mesh, _mixed_precision(ctx, self.device))
         self.optimizer: torch.optim.Optimizer | None = None
@@ -394,6 +399,10 @@ class FSDPEngine(TrainEngine):
     def _local_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """One rank: each parameter's local shard is the whole parameter; views of it, read afresh each call
         (an ``offload``/``onload`` or a load swaps the tensors)."""
+        if self.lora is not None:  # the adapted layers merged into new tensors, views of the rest
+            yield from self.lora.named_tensors(_local_view)
+            yield from ((self.lora.hf_name(n), b) for n, b in _persistent_buffers(self.model))
+            return
         for name, param in self.model.named_parameters():
             yield name, (param.to_local() if isinstance(param, DTensor) else param).detach()
         yield from _persistent_buffers(self.model)
@@ -401,6 +410,10 @@ class FSDPEngine(TrainEngine):
     @torch.no_grad()
     def _gathered_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         wire_dtype = self.ctx.torch_dtype if self.device.type == "cuda" else self.master_dtype
+        if self.lora is not None:
+            yield from self.lora.named_tensors(lambda p: _gathered(p, wire_dtype), dtype=wire_dtype)
+            yield from ((self.lora.hf_name(n), b) for n, b in _persistent_buffers(self.model))
+            return
         for name, param in self.model.named_parameters():
             if isinstance(param, DTensor):
                 yield name, param.detach().to(wire_dtype).full_tensor()
@@ -417,11 +430,34 @@ class FSDPEngine(TrainEngine):
     @torch.no_grad()
     def _full_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Unsharded copies of the parameters (``named_parameters`` drops tied duplicates) and persistent
-        buffers. Copies, never views: a consumer must not see later optimiser steps through them."""
+        buffers. Copies, never views: a consumer must not see later optimiser steps through them. With LoRA,
+        the policy: the adapters merged into the base."""
+        if self.lora is not None:
+            yield from self.lora.named_tensors(lambda p: _full_copy(p, self.master_dtype))
+            for name, buffer in _persistent_buffers(self.model):
+                yield self.lora.hf_name(name), _full_copy(buffer, buffer.dtype)
+            return
         for name, param in self.model.named_parameters():
             yield name, _full_copy(param, self.master_dtype)
         for name, buffer in _persistent_buffers(self.model):
             yield name, _full_copy(buffer, buffer.dtype)
+
+    def export_adapter(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """See ``TrainEngine.export_adapter``: with one rank views of the live fp32 adapters, with several their
+        all-gather; in the compute dtype on a GPU (the engine serving them computes in it), fp32 elsewhere."""
+        if self.lora is None:
+            return super().export_adapter(bucket_bytes)
+        dtype = self.ctx.torch_dtype if self.device.type == "cuda" else self.master_dtype
+        read = _local_view if self.ctx.world_size == 1 else (lambda p: _gathered(p, dtype))
+        return group_into_buckets(((n, t.to(dtype)) for n, t in self.lora.adapter_tensors(read)), bucket_bytes)
+
+    def reference_view(self, ctx: EngineContext) -> TrainEngine:
+        """See ``TrainEngine.reference_view`` (``hybridrl_fsdp.lora_reference``)."""
+        if self.lora is None:
+            return super().reference_view(ctx)
+        from hybridrl_fsdp.lora_reference import LoraReference
+
+        return LoraReference(self, ctx)
 
     # --- checkpoints --------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
@@ -444,14 +480,17 @@ class FSDPEngine(TrainEngine):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
+            model_sd = get_model_state_dict(self.model)
+            return {"model": model_sd if self.lora is None else self.lora.trainable_state(model_sd)}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if self.lora is not None:  # the adapters and their AdamW state: the base is model.path
+            model_sd = self.lora.trainable_state(model_sd)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what ``save_checkpoint`` wrote into this (already built) engine. Collective."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
         src = Path(path)
         if not (src / DCP_DIR).is_dir():
@@ -459,11 +498,13 @@ class FSDPEngine(TrainEngine):
         with self._state_on_device():
             state = self._dcp_state()
             dcp.load(state, checkpoint_id=str(src / DCP_DIR))
+            # a LoRA checkpoint holds the adapters alone: the base keeps what it loaded from model.path
+            options = None if self.lora is None else StateDictOptions(strict=False)
             if self.optimizer is not None:
                 set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                               optim_state_dict=state["optim"])
+                               optim_state_dict=state["optim"], options=options)
             else:
-                set_model_state_dict(self.model, state["model"])
+                set_model_state_dict(self.model, state["model"], options=options)
             del state
             # loading replaces AdamW's state tensors: the host copies must follow the new ones
             self.offload_policy = OffloadPolicy.build(self.settings.offload, list(self.model.parameters()),
@@ -631,6 +672,22 @@ def _all_reduce_max(value: int, device: str) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def _wrap_lora(model: nn.Module, ctx: EngineContext, device: torch.device) -> Adapters:
+    """peft's LoRA around ``model`` (before sharding); on a GPU the frozen base in the compute dtype."""
+    base_dtype = ctx.torch_dtype if device.type == "cuda" and ctx.torch_dtype != torch.float32 else None
+    return Adapters(model, ctx.lora, base_dtype=base_dtype)
+
+
+def _local_view(param: torch.Tensor) -> torch.Tensor:
+    """One rank: the whole parameter, a view of its local shard."""
+    return (param.to_local() if isinstance(param, DTensor) else param).detach()
+
+
+def _gathered(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole parameter gathered over the ranks in ``dtype`` (a new tensor)."""
+    return param.detach().to(dtype).full_tensor() if isinstance(param, DTensor) else param.detach()
 
 
 def _full_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
