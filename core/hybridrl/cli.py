@@ -29,6 +29,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     engine is missing here is a warning (``hybridrl train`` refuses it)."""
     from hybridrl.placement.plan import engine_warnings
     from hybridrl.runtime.cluster import detect_cluster
+    from hybridrl.run.lora_setup import with_lora
     from hybridrl.run.preflight import check_config, with_algorithm_roles
 
     cfg = load_config(args.config, args.overrides)
@@ -39,9 +40,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(problems)
     assert plan is not None
     run_cfg, notes = with_algorithm_roles(cfg, registry)
+    run_cfg, lora_notes = with_lora(run_cfg, plan, backends)
     auto_notes = _plan_memory(args, run_cfg, plan, registry, backends)
     print(plan.render())
-    for note in notes + auto_notes:
+    for note in notes + lora_notes + auto_notes:
         print(f"note: {note}")
     if not args.skip_engine_check:
         for warning in engine_warnings(backends):
@@ -133,7 +135,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from hybridrl.run.export import ExportError, export_checkpoint
 
     try:
-        out = export_checkpoint(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force)
+        out = export_checkpoint(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force,
+                                adapter=args.adapter)
     except ExportError as exc:
         print(f"hybridrl: {exc}", file=sys.stderr)
         return 2
@@ -190,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True,
                         help="the folder to write: new or empty (or a previous export, with --force)")
     export.add_argument("--force", action="store_true", help="replace --out when it holds a previous export")
+    export.add_argument("--adapter", action="store_true",
+                        help="a LoRA actor's adapters alone, as a peft adapter folder (default: the merged model)")
     export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the saved weights (default: the run's model.dtype)")
     export.set_defaults(func=cmd_export)

@@ -355,7 +355,8 @@ def memory_summary(est: MemoryEstimate) -> dict[str, Any]:
         "roles": {m.role: {"weights_mb": m.weights / mib, "optimizer_mb": m.optimizer / mib,
                            "grads_mb": m.grads / mib, "activations_mb": m.activations / mib,
                            "kv_cache_mb": m.kv_cache / mib, "resident_mb": m.idle / mib,
-                           "graphs_mb": m.graphs / mib, "offload": m.offload} for m in est.roles},
+                           "graphs_mb": m.graphs / mib, "offload": m.offload, "adapters_mb": m.adapters / mib}
+                  for m in est.roles},
         "warnings": list(est.warnings),
     }
 

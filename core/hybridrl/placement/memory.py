@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hybridrl.config import RunConfig
+from hybridrl.placement.lora_memory import apply_lora, apply_lora_rollout
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.roles import STEP_PHASES, phase_owner, role_spec
 from hybridrl.rollout.kv_budget import KVCacheTooSmall, KVDemand, is_auto, size_kv_cache
@@ -318,6 +319,7 @@ class RoleMemory:
     tokens: float = 0.0  # a train role's micro-batch (tokens at the longest sequence)
     checkpointing: bool = False
     utilization: Any = None  # a preallocating rollout's gpu_memory_utilization (auto or a share)
+    adapters: float = 0.0  # LoRA adapters, part of weights (``hybridrl.placement.lora_memory``)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -534,6 +536,7 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
             roles.append(train_role_memory(cfg, role, pool, shapes.get(role, shape), group.world_size, compute_bytes,
                                            trainable=role_spec(role).trainable, settings=settings.get(role),
                                            device=device))
+    apply_lora(cfg, plan, roles, shape, compute_bytes, device, OPTIMIZER_GROUP_BYTES)  # base and adapters apart
     pool_overhead: dict[str, float] = {}
     for pool in plan.pools:
         processes = sum(1 for g in plan.groups if g.pool == pool)
@@ -547,6 +550,7 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
         free = None if device_bytes is None else device_bytes - pool_overhead[pool] - resident
         roles.append(rollout_memory(cfg, pool, shapes.get("rollout", shape), group.world_size, dtype_bytes,
                                     device_bytes, group.roles["rollout"], free))
+        apply_lora_rollout(cfg, plan, roles[-1], shapes.get("rollout", shape), dtype_bytes)
     by_role = {m.role: m for m in roles}
     pools: list[PoolMemory] = []
     warnings: list[str] = []

@@ -1,5 +1,7 @@
 """``hybridrl export RUN``: the actor of a checkpoint as a Hugging Face model folder (config, tokenizer,
-safetensors) that ``AutoModelForCausalLM.from_pretrained`` loads.
+safetensors) that ``AutoModelForCausalLM.from_pretrained`` loads; for a LoRA actor the base with the adapters
+merged in, or with ``--adapter`` the adapters alone as a peft adapter folder (``adapter_config.json``,
+``adapter_model.safetensors``, the tokenizer) that ``peft.PeftModel.from_pretrained`` loads onto the run's base.
 
 The checkpoint's format belongs to its train backend, so the export does not read it directly: it builds
 the actor's engine on one CPU rank in this process, has it load the checkpoint (the backend reshards, e.g.
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hybridrl.lora import LoraSpec, pair_adapters, target_names, write_adapter
 from hybridrl.run import checkpoint as ckpt
 from hybridrl.run.atomic_dir import replaced_atomically
 
@@ -35,11 +38,11 @@ EXPORT_MARKER = "hybridrl_export.json"
 
 
 def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None, dtype: str | None = None,
-                      force: bool = False) -> Path:
-    """Write the actor of ``run``'s checkpoint of ``step`` (default: the latest) to ``out`` as an HF model.
-    ``run`` is a run folder (``trainer.out``) or a checkpoint folder; ``dtype`` defaults to the run's
-    ``model.dtype``. ``out`` must not exist or be empty, or (with ``force``) hold a previous export; it is
-    checked before anything is loaded. Returns ``out``."""
+                      force: bool = False, adapter: bool = False) -> Path:
+    """Write the actor of ``run``'s checkpoint of ``step`` (default: the latest) to ``out`` as an HF model
+    (``adapter``: its LoRA adapters as a peft adapter). ``run`` is a run folder (``trainer.out``) or a checkpoint
+    folder; ``dtype`` defaults to the run's ``model.dtype``. ``out`` must not exist or be empty, or (with
+    ``force``) hold a previous export; it is checked before anything is loaded. Returns ``out``."""
     run = Path(run)
     problem = export_target_problem(run.parent.parent if ckpt.is_complete(run) else run, Path(out), force)
     if problem:
@@ -52,10 +55,19 @@ def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None,
     model_path = Path(summary["model_path"])
     if not (model_path / "config.json").is_file():
         raise ExportError(f"the run's model folder '{model_path}' (config and tokenizer) is gone")
-    weights = actor_weights(folder / "actor", backend, str(model_path), *saved_actor_settings(summary))
+    settings, backend_options = saved_actor_settings(summary)
     target = getattr(torch, dtype or summary.get("dtype", "float32"))
-    return write_hf_model(weights, model_path, Path(out), target,
-                          {"source": str(folder), "step": summary["step"], "backend": backend})
+    meta = {"source": str(folder), "step": summary["step"], "backend": backend}
+    if adapter:
+        spec = LoraSpec.from_config(settings.get("lora"))
+        if spec is None:
+            raise ExportError(f"checkpoint '{folder}' holds a full actor, not LoRA adapters (roles.actor.lora): "
+                              "export it without --adapter")
+        tensors = actor_weights(folder / "actor", backend, str(model_path), settings, backend_options,
+                                adapter=True)
+        return write_adapter_folder(tensors, spec, model_path, Path(out), target, {**meta, "adapter": True})
+    weights = actor_weights(folder / "actor", backend, str(model_path), settings, backend_options)
+    return write_hf_model(weights, model_path, Path(out), target, meta)
 
 
 def _checkpoint_folder(run: Path, step: int | None) -> Path:
@@ -123,9 +135,10 @@ def saved_actor_settings(summary: dict[str, Any]) -> tuple[dict[str, Any], dict[
 
 
 def actor_weights(state_dir: Path, backend: str, model_path: str, settings: dict[str, Any],
-                  backend_options: dict[str, Any]) -> dict[str, torch.Tensor]:
+                  backend_options: dict[str, Any], adapter: bool = False) -> dict[str, torch.Tensor]:
     """Full HF-named CPU tensors of the actor saved in ``state_dir``: its engine built on one CPU rank (in a
-    one-rank gloo group of this process), loaded, exported."""
+    one-rank gloo group of this process), loaded, exported (a LoRA actor: merged; ``adapter``: its adapters
+    alone, under peft's names)."""
     import torch.distributed as dist
 
     from hybridrl.runtime.distributed import free_port, init_process_group
@@ -141,7 +154,8 @@ def actor_weights(state_dir: Path, backend: str, model_path: str, settings: dict
     try:
         training, _ = TrainingOptions.split(settings)
         ctx = EngineContext(role="actor", backend=backend, model_path=model_path, rank=0, world_size=1, device="cpu",
-                            dtype="float32", trainable=False, options=dict(backend_options), training=training)
+                            dtype="float32", trainable=False, options=dict(backend_options), training=training,
+                            lora=LoraSpec.from_config(settings.get("lora")))
         try:
             engine = engine_cls(ctx)
         except ValueError as exc:  # a layout one rank cannot hold (Megatron's tensor/pipeline parallel ...)
@@ -154,7 +168,8 @@ def actor_weights(state_dir: Path, backend: str, model_path: str, settings: dict
         except ValueError as exc:  # e.g. a layout (tensor parallel ...) that one rank cannot take
             raise ExportError(f"the '{backend}' checkpoint in '{state_dir}' does not load on one CPU rank: "
                               f"{exc}") from None
-        return {n: t.detach().to("cpu", copy=True) for bucket in engine.export_weights(1 << 28) for n, t in bucket}
+        buckets = engine.export_adapter(1 << 28) if adapter else engine.export_weights(1 << 28)
+        return {n: t.detach().to("cpu", copy=True) for bucket in buckets for n, t in bucket}
     finally:
         if own_group:
             dist.destroy_process_group()
@@ -184,9 +199,29 @@ def write_hf_model(weights: dict[str, torch.Tensor], model_path: Path, out: Path
     out = out.resolve()
     with replaced_atomically(out) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
-        for item in model_path.iterdir():
-            if item.is_file() and item.name != "config.json" and not item.name.endswith(_SKIP_SUFFIXES) \
-                    and not item.name.startswith("hybridrl_"):
-                shutil.copy2(item, tmp / item.name)
+        _copy_model_files(model_path, tmp)
         (tmp / EXPORT_MARKER).write_text(json.dumps(meta, indent=2) + "\n")
     return out
+
+
+def write_adapter_folder(tensors: dict[str, torch.Tensor], spec: LoraSpec, model_path: Path, out: Path,
+                         dtype: torch.dtype, meta: dict[str, Any]) -> Path:
+    """The adapters as a peft adapter folder (``adapter_config.json`` naming ``model_path`` as the base, the
+    tensors in ``dtype``) next to copies of the base's tokenizer files; written to a temporary folder and
+    renamed, so ``out`` is never half-written."""
+    modules = pair_adapters(tensors.items())  # every matrix has its pair
+    config = spec.peft_config(str(model_path), target_names(modules))
+    out = out.resolve()
+    with replaced_atomically(out) as tmp:
+        write_adapter(tmp, {n: t.to(dtype) for n, t in tensors.items()}, config)
+        _copy_model_files(model_path, tmp)
+        (tmp / EXPORT_MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def _copy_model_files(model_path: Path, out: Path) -> None:
+    """The tokenizer and generation files of the source model (not its weights, config or our markers)."""
+    for item in model_path.iterdir():
+        if item.is_file() and item.name != "config.json" and not item.name.endswith(_SKIP_SUFFIXES) \
+                and not item.name.startswith("hybridrl_"):
+            shutil.copy2(item, out / item.name)

@@ -399,8 +399,8 @@ class FSDPEngine(TrainEngine):
     def _local_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """One rank: each parameter's local shard is the whole parameter; views of it, read afresh each call
         (an ``offload``/``onload`` or a load swaps the tensors)."""
-        if self.lora is not None:  # the adapted layers merged into new tensors, views of the rest
-            yield from self.lora.named_tensors(_local_view)
+        if self.lora is not None:  # the adapted layers merged into new tensors (in the base's dtype), views of the rest
+            yield from self.lora.named_tensors(_local_view, dtype=self.lora.base_dtype)
             yield from ((self.lora.hf_name(n), b) for n, b in _persistent_buffers(self.model))
             return
         for name, param in self.model.named_parameters():

