@@ -11,11 +11,13 @@ For each size and variant it writes ``<out-dir>/model_sizes_<size>[_<variant>].j
 ``grpo_step.py`` writes (``shape``, ``ok``, ``median``, ``settings``) with ``settings.defaults: true`` when
 nothing beyond the workload was set, ``planned_peak_mb`` / ``measured_peak_mb`` (the device's memory in use,
 ``memory/device_peak_mb``) and their per-phase figures, the auto choices, tokens/s and MFU. ``--variant tuned``
-runs the hand-tuned settings of ``TUNED`` instead (``--override`` adds keys to either); ``--compare`` prints every
-result side by side.
+runs the hand-tuned settings of ``TUNED`` instead, ``--variant lora`` the defaults plus the ``roles.actor.lora`` key
+of ``LORA`` (issue 27; its JSON adds ``step_s``, ``reshard_s`` and ``reshard_bytes``, medians after the first step);
+``--override`` adds keys to any of them; ``--compare`` prints every result side by side.
 
     python benchmarks/model_sizes.py --sizes 0.5b,1.5b                 # on the GPU host (see benchmarks/gpu)
     python benchmarks/model_sizes.py --sizes 3b --variant tuned
+    python benchmarks/model_sizes.py --sizes 7b --variant lora         # a LoRA policy (add roles.actor.lora.sync=adapter)
     python benchmarks/model_sizes.py --sizes tiny --device cpu --backend hf --steps 2   # smoke test
     python benchmarks/model_sizes.py --compare
 """
@@ -62,6 +64,9 @@ TUNED = {
            "roles.rollout.options.gpu_memory_utilization=0.3"],
     "tiny": ["roles.actor.micro_batch=8"],
 }
+#: the one key the LoRA variant adds to the defaults (issue 27): rank 32 on every linear layer, alpha 64; the sync
+#: mode stays ``auto`` (merged when the actor and the rollout share a process) unless an override sets it.
+LORA = ["roles.actor.lora={rank: 32, alpha: 64}"]
 PHASES = ["wake", "gen", "sleep", "reward", "ref", "old_log_prob", "adv", "update_actor", "reshard", "step"]
 
 
@@ -131,9 +136,15 @@ def workload_config(args: argparse.Namespace, size: str, model_dir: Path, data: 
     }
 
 
+def variant_name(args: argparse.Namespace) -> str:
+    """The variant as result files name it (``lora_adapter``: LoRA with the adapters sent alone)."""
+    adapter = any(o.replace(" ", "") == "roles.actor.lora.sync=adapter" for o in args.override)
+    return f"{args.variant}_adapter" if args.variant == "lora" and adapter else args.variant
+
+
 def overrides_of(args: argparse.Namespace, size: str) -> list[str]:
-    tuned = TUNED.get(size, []) if args.variant == "tuned" else []
-    return [*tuned, *args.override]
+    variant = {"tuned": TUNED.get(size, []), "lora": LORA}.get(args.variant, [])
+    return [*variant, *args.override]
 
 
 def run_size(args: argparse.Namespace, size: str, timeout: float) -> dict[str, Any]:
@@ -143,7 +154,7 @@ def run_size(args: argparse.Namespace, size: str, timeout: float) -> dict[str, A
     model_dir, build_s = ensure_model(size, dtype, workdir)
     data = workdir / "prompts.jsonl"
     write_prompts(data, args.prompts * max(args.steps, 1), args.prompt_len)
-    name = f"{size}_{args.variant}"
+    name = f"{size}_{variant_name(args)}"
     run_dir = workdir / f"run-{name}"
     cfg = workload_config(args, size, model_dir, data, run_dir)
     cfg_path = workdir / f"config-{name}.json"
@@ -182,7 +193,9 @@ def result_of(args: argparse.Namespace, size: str, overrides: list[str], run_dir
         "workload": {"prompts": args.prompts, "samples": args.samples, "prompt_len": args.prompt_len,
                      "new_tokens": args.new_tokens, "kl_coef": STANDARD["kl_coef"],
                      "standard": all(getattr(args, k) == v for k, v in STANDARD.items() if k != "kl_coef")},
-        "settings": {"defaults": not overrides, "overrides": overrides,
+        "settings": {"defaults": not overrides, "defaults_plus_lora": overrides == LORA or (
+                         args.variant == "lora" and all(o.startswith("roles.actor.lora") for o in overrides)),
+                     "overrides": overrides,
                      "auto": {k: v.get("value") for k, v in auto.get("choices", {}).items()}},
         "auto_reasons": {k: v.get("reason") for k, v in auto.get("choices", {}).items()},
         "ok": code == 0 and len(rows) == args.steps, "returncode": code, "wall_s": wall, "model_build_s": build_s,
@@ -211,6 +224,10 @@ def result_of(args: argparse.Namespace, size: str, overrides: list[str], run_dir
         result["tokens_per_s"] = {"step": tokens / step if step else None,
                                   "gen": med.get("perf/gen_tokens_per_s"), "train": med.get("perf/train_tokens_per_s")}
         result["mfu"] = med.get("perf/mfu")
+        result["step_s"] = step
+        result["reshard_s"] = med.get("timing/reshard")
+        result["reshard_bytes"] = med.get("reshard/bytes")
+        result["lora_sync"] = (config.get("roles", {}).get("actor", {}).get("lora") or {}).get("sync")
         result["per_step"] = rows
     if code != 0 or len(rows) != args.steps:
         result["log_tail"] = log[-6000:]
@@ -236,6 +253,7 @@ def compare(results: list[dict[str, Any]]) -> str:
     row("gen tokens/s", [num(r.get("tokens_per_s", {}).get("gen"), "{:,.0f}") for r in results])
     row("step tokens/s", [num(r.get("tokens_per_s", {}).get("step"), "{:,.0f}") for r in results])
     row("MFU", [num(r.get("mfu"), "{:.3f}") for r in results])
+    row("reshard MB", [num(r.get("reshard_bytes") and r["reshard_bytes"] / 2**20, "{:,.1f}") for r in results])
     row("planned peak GiB", [num(_gib(r.get("planned_peak_mb"))) + f" ({r.get('planned_peak_phase') or '-'})"
                              for r in results])
     row("measured peak GiB", [num(_gib(r.get("measured_peak_mb"))) for r in results])
@@ -254,7 +272,7 @@ def _gib(mb: Any) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated: {', '.join(SIZES)}, tiny")
-    parser.add_argument("--variant", choices=["defaults", "tuned"], default="defaults")
+    parser.add_argument("--variant", choices=["defaults", "tuned", "lora"], default="defaults")
     parser.add_argument("--backend", default="vllm", help="rollout backend: vllm, sglang, hf")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--steps", type=int, default=6)
@@ -296,7 +314,7 @@ def main() -> None:
                 print(f"model_sizes: no time left for {size} ({timeout:.0f}s of the budget)", flush=True)
                 break
         result = run_size(args, size, timeout)
-        name = f"model_sizes_{size}" + ("" if args.variant == "defaults" else f"_{args.variant}")
+        name = f"model_sizes_{size}" + ("" if args.variant == "defaults" else f"_{variant_name(args)}")
         out = Path(args.out_dir) / f"{name}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))

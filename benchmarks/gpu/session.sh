@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One measurement on the GPU host, after the engine's wheels were unpacked into SITE (see benchmarks/gpu/README.md).
-#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | install | megatron | grpo | model-sizes | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests
+#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | install | megatron | grpo | model-sizes | lora-7b | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests
 # Figures and logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 site=$1 step=$2; shift 2
@@ -21,6 +21,9 @@ case $step in
           --out "$OUT/grpo_step_$backend${TAG:-}.json" "$@" ;;
   model-sizes)  # issue 20: the workload at 0.5B/1.5B/3B/7B with the README defaults (or --variant tuned)
         python3 benchmarks/model_sizes.py --out-dir "$OUT" --log-dir "$OUT" "$@" ;;
+  lora-7b)  # issue 27: the 7B shape with the README defaults plus roles.actor.lora (add roles.actor.lora.sync=adapter)
+        python3 benchmarks/model_sizes.py --sizes 7b --variant lora --budget 585 --timeout 580 --out-dir "$OUT" \
+          --log-dir "$OUT" "$@" ;;
   install) ;;  # only the editable installs above (do it once before running steps side by side)
   micro) python3 benchmarks/vllm_rollout.py --parts micro --out "$OUT/${TAG:-vllm}_rollout.json" --log-dir "$OUT/${TAG:-vllm}" "$@" ;;
   multi-turn) python3 benchmarks/multi_turn.py --backend "${BACKEND:-vllm}" --shape qwen0.5b \

@@ -60,11 +60,14 @@ def hf_parameters(model_path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("fused_lm_head", [True, False])
-def test_lora_log_probs_equal_the_merged_models(process_group, tiny_model, tmp_path, fused_lm_head):
-    actor = trained(lora_engine(tiny_model, fused_lm_head=fused_lm_head))
+@pytest.mark.parametrize("packing", [True, False])
+def test_lora_log_probs_equal_the_merged_models(process_group, tiny_model, tmp_path, fused_lm_head, packing):
+    """The peft-wrapped model through packed (padding-free) and padded micro-batches: the merged model's numbers
+    (the merged model read padded, so packed LoRA is checked against the other path too)."""
+    actor = trained(lora_engine(tiny_model, fused_lm_head=fused_lm_head, packing=packing))
     batch = make_batch(5, seed=3)
     lora = actor.compute_log_probs(batch, with_entropy=True)
-    merged = FSDPEngine(context(save_weights(full_weights(actor), tiny_model, tmp_path / "merged"),
+    merged = FSDPEngine(context(save_weights(full_weights(actor), tiny_model, tmp_path / "merged"), packing=False,
                                 trainable=False, fused_lm_head=fused_lm_head)).compute_log_probs(batch, True)
     base = FSDPEngine(context(tiny_model, trainable=False)).compute_log_probs(batch)
     assert (lora["log_probs"] - base["log_probs"]).abs().max() > 1e-2, "the adapters never moved the policy"
@@ -90,7 +93,7 @@ def test_reference_is_the_base_and_only_the_adapters_train(process_group, tiny_m
         torch.testing.assert_close(base[name], tensor, atol=0, rtol=0)
     # one model: the view holds no weights of its own, plans its own micro-batches, has no optimizer
     assert reference.model is actor.model and reference.optimizer is None
-    assert reference.settings.micro_batch == 2 and actor.settings.micro_batch != 2
+    assert reference.training.micro_batch == 2 and actor.training.micro_batch != 2
     with pytest.raises(RuntimeError, match="frozen"):
         reference.update(batch, PolicyGradient())
 

@@ -10,18 +10,13 @@ inside ``Adapters.disabled()``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterator
 
 from hybridrl.batch import Batch
 from hybridrl.engines import EngineContext, TrainEngine, WeightBucket
 from hybridrl.weights.buckets import group_into_buckets
 
-from hybridrl_fsdp.engine import FSDPEngine, FSDPSettings, _full_copy, _persistent_buffers
-
-#: settings the reference takes from its own role (how it splits a batch); the rest describe the model it shares.
-PLANNING_FIELDS = ("micro_batch", "max_tokens_per_micro_batch")
-
+from hybridrl_fsdp.engine import FSDPEngine, _full_copy, _persistent_buffers
 
 class LoraReference(FSDPEngine):
     """The base of a LoRA actor's engine, with the adapters disabled (see the module docstring)."""
@@ -32,11 +27,8 @@ class LoraReference(FSDPEngine):
         TrainEngine.__init__(self, ctx)
         vars(self).update({k: v for k, v in vars(actor).items() if k != "ctx"})  # the actor's model, mesh, policy
         self.actor = actor
-        own = FSDPSettings.from_options(ctx.options, ctx.role)
-        self.settings = dataclasses.replace(actor.settings, **{f: getattr(own, f) for f in PLANNING_FIELDS
-                                                               if hasattr(own, f) and hasattr(actor.settings, f)})
-        if hasattr(ctx, "training") and hasattr(actor, "training"):  # shared training options carry the planning
-            self.training = ctx.training
+        self.settings = actor.settings  # the model's settings (head, packing, offload) are the actor's
+        self.training = ctx.training  # how the reference splits a batch (micro_batch, token budget) is its own
         self.optimizer = None
         self.scheduler = None
 

@@ -298,9 +298,13 @@ def final_only(params: Any) -> Any:
     return params
 
 
-def add_request(llm: Any, request_id: str, prompt: Any, params: Any) -> None:
-    """Queue one request on the in-process ``LLMEngine`` (outputs carry ``request_id`` as given)."""
-    llm.llm_engine.add_request(request_id, prompt, params)
+def add_request(llm: Any, request_id: str, prompt: Any, params: Any, lora_request: Any = None) -> None:
+    """Queue one request on the in-process ``LLMEngine`` (outputs carry ``request_id`` as given), with
+    ``lora_request``'s adapter when one is given."""
+    if lora_request is None:
+        llm.llm_engine.add_request(request_id, prompt, params)
+    else:
+        llm.llm_engine.add_request(request_id, prompt, params, lora_request=lora_request)
 
 
 def step(llm: Any) -> list[Any]:

@@ -278,12 +278,19 @@ class VLLMRollout(RolloutEngine):
 
     def run_requests(self, coroutine: Any) -> Any:
         """Run the episode runner's coroutine with a request pump of its own (``hybridrl_vllm.requests``)."""
-        self._pump = RequestPump(lambda rid, prompt, sampling: compat.add_request(self.llm, rid, prompt, sampling),
-                                 lambda: compat.step(self.llm), lambda ids: compat.abort_requests(self.llm, ids))
+        self._pump = self._request_pump()
         try:
             return asyncio.run(coroutine)
         finally:
             self._pump = None
+
+    def _request_pump(self) -> RequestPump:
+        """Single requests through the engine's step loop (with the run's adapter under ``sync: adapter``)."""
+        def add(rid: str, prompt: Any, sampling: Any) -> None:
+            compat.add_request(self.llm, rid, prompt, sampling,
+                               lora_request=self.lora.request() if self.lora is not None else None)
+
+        return RequestPump(add, lambda: compat.step(self.llm), lambda ids: compat.abort_requests(self.llm, ids))
 
     async def generate_request(self, prompt_ids: list[int], params: SamplingParams) -> GeneratedTokens:
         """See ``RolloutEngine.generate_request``: one request through the engine's step loop, decoded in the
@@ -293,8 +300,7 @@ class VLLMRollout(RolloutEngine):
             raise RuntimeError("VLLMRollout.generate_request called during a weight import")
         self.state.on_generate()
         if self._pump is None:  # awaited outside run_requests
-            self._pump = RequestPump(lambda rid, p, s: compat.add_request(self.llm, rid, p, s),
-                                     lambda: compat.step(self.llm), lambda ids: compat.abort_requests(self.llm, ids))
+            self._pump = self._request_pump()
         check_context([prompt_ids], int(params.max_new_tokens), self.context_length)
         kwargs = per_request_kwargs(params, self.eos_ids, 1, self.layout.replica, self.seed_mode, self.flat_logprobs)
         sampling = compat.final_only(compat.make_sampling_params(kwargs))

@@ -58,6 +58,15 @@ def sleep_level(level: int | str) -> int | str:
     return level
 
 
+def _loads_in_place() -> bool:
+    """Whether this vLLM's ``LoRARequest`` can replace an adapter under the same id (``load_inplace``)."""
+    import inspect
+
+    from vllm.lora.request import LoRARequest
+
+    return "load_inplace" in inspect.signature(LoRARequest).parameters
+
+
 def adapter_folder() -> Path:
     """A private folder for the adapter files: in shared memory where there is some (no disk write per sync)."""
     shm = Path("/dev/shm")
@@ -74,7 +83,8 @@ class AdapterSync:
         # removed when the engine goes or the process exits (a process killed outright leaves it behind)
         self._remove = weakref.finalize(self, shutil.rmtree, str(self.folder), True)
         self.staged: dict[str, torch.Tensor] = {}
-        self.loads = 0
+        self.loads = 0  # syncs loaded so far
+        self.loading = False
         self.timing: dict[str, float] = {}
 
     def stage(self, bucket: WeightBucket) -> None:
@@ -96,17 +106,31 @@ class AdapterSync:
     def request(self, replace: bool = False) -> Any:
         """The run's ``LoRARequest``: ``replace`` for the sync that reloads the adapter in place; without it for
         the generations (vLLM applies a request's adapter at every scheduler step, and one asking to be loaded
-        in place would be read from its folder again each time)."""
+        in place would be read from its folder again each time). A vLLM without in-place reloads gets a new
+        adapter id per sync instead (the previous one removed)."""
         from vllm.lora.request import LoRARequest
 
-        return LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(self.folder), load_inplace=replace)
+        if _loads_in_place():
+            return LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(self.folder), load_inplace=replace)
+        return LoRARequest(f"{ADAPTER_NAME}-{self.version}", ADAPTER_ID + self.version, str(self.folder))
+
+    @property
+    def version(self) -> int:
+        """The adapter id's offset without in-place reloads: one per sync (the first sync's is 0)."""
+        return max(0, self.loads - (0 if self.loading else 1))
 
     def load(self, llm: Any) -> None:
         """Write the staged adapters and load them into the engine now (not at the next generation)."""
         self.write()
         start = time.perf_counter()
-        if not llm.llm_engine.add_lora(self.request(replace=True)):
-            raise RuntimeError(f"vLLM did not load the LoRA adapter from {self.folder}")
+        self.loading = True
+        try:
+            if not llm.llm_engine.add_lora(self.request(replace=True)):
+                raise RuntimeError(f"vLLM did not load the LoRA adapter from {self.folder}")
+        finally:
+            self.loading = False
+        if not _loads_in_place() and self.loads > 0:
+            llm.llm_engine.remove_lora(ADAPTER_ID + self.loads - 1)
         self.loads += 1
         self.timing["adapter_load_s"] = time.perf_counter() - start
 
