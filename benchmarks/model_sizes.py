@@ -17,7 +17,7 @@ of ``LORA`` (issue 27; its JSON adds ``step_s``, ``reshard_s`` and ``reshard_byt
 
     python benchmarks/model_sizes.py --sizes 0.5b,1.5b                 # on the GPU host (see benchmarks/gpu)
     python benchmarks/model_sizes.py --sizes 3b --variant tuned
-    python benchmarks/model_sizes.py --sizes 7b --variant lora         # a LoRA policy (add roles.actor.lora.sync=adapter)
+    python benchmarks/model_sizes.py --sizes 7b --variant lora         # LoRA (+ roles.actor.lora.sync=adapter)
     python benchmarks/model_sizes.py --sizes tiny --device cpu --backend hf --steps 2   # smoke test
     python benchmarks/model_sizes.py --compare
 """

@@ -154,3 +154,21 @@ def test_exported_adapter_loads_into_peft(process_group, tiny_model, tmp_path):
     for name, tensor in model.merge_and_unload().state_dict().items():
         if name in merged:
             torch.testing.assert_close(tensor, merged[name], atol=1e-6, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lora_on_cuda(tmp_path):
+    """bf16 base + fp32 adapters, packed flash micro-batches through peft, merged bf16 export, offload (in a
+    process of its own: NCCL)."""
+    import os
+    import subprocess
+    import sys
+
+    from hybridrl.runtime.distributed import free_port
+
+    worker = Path(__file__).with_name("_lora_cuda_worker.py")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+    proc = subprocess.run([sys.executable, str(worker), str(free_port()), str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
