@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
 
 from hybridrl.config import ConfigError, RunConfig, load_config
+from hybridrl.run.faults import Terminated
 from hybridrl.placement.plan import ClusterSpec
 from hybridrl.plugins.registry import RegistryError
 
@@ -92,24 +94,45 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from hybridrl.run.checkpoint import CheckpointError
-    from hybridrl.runtime.cluster import detect_cluster
-    from hybridrl.run.faults import BadStepsError, WorkerDiedError
-    from hybridrl.rewards.calling import RewardError
-    from hybridrl.run.preflight import prepare_run
-    from hybridrl.run.oom import OutOfMemoryStop, memory_stop
-    from hybridrl.run.trainer import Trainer
-    from hybridrl.runtime.launch import EngineStartError
+    from hybridrl.run.faults import signals_deferred, signals_raise
+    from hybridrl.runtime.local_ray import stop_local_ray
 
     cfg = load_config(args.config, args.overrides)
-    setup = prepare_run(cfg, _registry(cfg), detect_cluster(cfg.cluster), overwrite=args.overwrite)
+    with signals_raise():  # SIGTERM unwinds like Ctrl-C: the workers and the run's Ray are stopped
+        try:
+            return _train(cfg, args.overwrite)
+        finally:
+            with signals_deferred():  # a second Ctrl-C cannot cut the shutdown short
+                stop_local_ray()
+
+
+def _train(cfg: RunConfig, overwrite: bool) -> int:
+    """Exit status: 0 done, 1 a fault (named), 130 / 143 stopped by Ctrl-C / SIGTERM (after saving, or at once
+    on a second signal)."""
+    from hybridrl.rewards.calling import RewardError
+    from hybridrl.run.checkpoint import CheckpointError
+    from hybridrl.run.faults import EXIT_STATUS, RunFailure, Terminated, signal_name, signals_deferred
+    from hybridrl.run.oom import OutOfMemoryStop, memory_stop
+    from hybridrl.run.preflight import prepare_run
+    from hybridrl.run.trainer import Trainer
+    from hybridrl.runtime.cluster import detect_cluster
+    from hybridrl.runtime.launch import EngineStartError
+
+    setup = prepare_run(cfg, _registry(cfg), detect_cluster(cfg.cluster), overwrite=overwrite)
     trainer = Trainer(setup)
     try:
-        trainer.start()
-        history = trainer.fit()
-    except (WorkerDiedError, BadStepsError, CheckpointError, RewardError, OutOfMemoryStop) as exc:
+        with trainer.guard.explaining(lambda: trainer.groups, lambda: "during start-up"):
+            trainer.start()
+        with trainer.guard.explaining(lambda: trainer.groups, lambda: f"after step {trainer.step}"):
+            history = trainer.fit()  # (faults inside a step are explained by fit itself)
+    except (RunFailure, CheckpointError, RewardError, OutOfMemoryStop) as exc:
         print(f"hybridrl: {exc}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, Terminated) as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"hybridrl: stopped at once by {signal_name(signum)} after step {trainer.step}. "
+              f"{trainer.checkpointer.last_checkpoint_message()}", file=sys.stderr)
+        return EXIT_STATUS[signum]
     except Exception as exc:  # out of memory while the engines start (the training loop's guard is not up yet)
         started = exc.__cause__ if isinstance(exc, EngineStartError) and exc.__cause__ is not None else exc
         stop = memory_stop(started, setup.plan, None, trainer.checkpointer.last_checkpoint_message())
@@ -120,9 +143,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"hybridrl: {stop}", file=sys.stderr)
         return 1
     finally:
-        trainer.shutdown()
+        with signals_deferred():
+            trainer.shutdown()
     if trainer.interrupted:
-        return 130
+        return EXIT_STATUS.get(trainer.guard.stop_signal or signal.SIGINT, 130)
     if history:
         last = history[-10:]
         mean = sum(m["reward/mean"] for m in last) / len(last)
@@ -229,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hybridrl: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("hybridrl: terminated (SIGTERM)", file=sys.stderr)
+        return 143
 
 
 if __name__ == "__main__":

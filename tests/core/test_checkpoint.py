@@ -48,7 +48,10 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path: Path,
         (tmp / "actor" / "shard0").write_bytes(b"partial")
         raise fail
 
-    with pytest.raises(type(fail)):
+    # a full disk is said in words, with the folder and the checkpoint that is left; Ctrl-C goes through as is
+    expected = (ckpt.CheckpointError, "in '.*checkpoints': no space left on device.*step_000002, is intact") \
+        if isinstance(fail, OSError) else (KeyboardInterrupt, "")
+    with pytest.raises(expected[0], match=expected[1]):
         ckpt.save_checkpoint(tmp_path, 4, half_written, keep=1)
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]  # no temporary folder left

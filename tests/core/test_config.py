@@ -55,3 +55,20 @@ def test_override_syntax_and_missing_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
     assert "not valid YAML" in problems_of([], bad)["<file>"]
+
+
+def test_an_override_that_is_not_yaml_names_its_key() -> None:
+    found = problems_of(["trainer.trackers=[console,"])
+    assert "the value '[console,' is not valid YAML" in found["trainer.trackers"]
+
+
+def test_a_duplicated_key_is_refused_with_its_path_and_lines(tmp_path: Path) -> None:
+    config = tmp_path / "dup.yaml"
+    config.write_text(QUICKSTART.read_text() + "\ntrainer:\n  steps: 5\n")  # a second 'trainer:' at the top
+    found = problems_of([], config)
+    assert "duplicate key (first at line" in found["trainer"] and str(config) in found["trainer"]
+    config.write_text("model: {tiny: {}}\ndata:\n  train: x.jsonl\n  shuffle: true\n  shuffle: false\n")
+    assert problems_of([], config)["data.shuffle"].endswith("line 5: duplicate key (first at line 4); keep one")
+    merged = tmp_path / "merge.yaml"  # a merge may still be overridden
+    merged.write_text("base: &b {steps: 3}\nmodel: {tiny: {}}\ndata: {train: x.jsonl}\ntrainer: {<<: *b, steps: 4}\n")
+    assert "trainer" not in problems_of([], merged)

@@ -80,6 +80,8 @@ CASES = {
                                    "t.jinja' is not a file"),
     "resume without a critic": (lambda t: [f"trainer.resume={grpo_checkpoint(t)}", "algorithm.name=ppo"],
                                 "trainer.resume", "holds no critic state"),
+    "GRPO with one sample per prompt": (lambda t: ["algorithm.n_samples=1"], "algorithm.n_samples",
+                                        "nothing to compare within a prompt's group"),
     "trainer.out is a file": (lambda t: [f"trainer.out={a_file(t)}"], "trainer.out", "exists and is not a folder"),
     "model folder without weights": (lambda t: ["model.tiny=null", f"model.path={model_folder(t, '*.safetensors')}"],
                                      "model.path", "holds no weights"),

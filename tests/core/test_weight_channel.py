@@ -76,3 +76,85 @@ def test_channel_broadcasts_every_bucket_bit_for_bit_to_every_receiver():
         p.join(timeout=60)
     assert results[1] is True and results[2] is True
     assert results["sent"] == sum(describe_bucket(sample_bucket(s)).nbytes for s in range(n_buckets))
+
+
+def _silent_sender_member(rank: int, port: int, timeout_s: float, queue) -> None:
+    import time
+
+    torch.set_num_threads(1)
+    channel = WeightChannel("127.0.0.1", port, rank, 2, "cpu", timeout_s=timeout_s)
+    specs = [describe_bucket(sample_bucket())]
+    if rank == 0:  # joins the group, then never sends: a peer stuck elsewhere (or one that will never come)
+        queue.put(("sender", "ready"))
+        time.sleep(timeout_s * 6)
+        return
+    start = time.perf_counter()
+    try:
+        channel.receive(specs, lambda bucket: None)
+        queue.put(("receiver", "received?!", time.perf_counter() - start))
+    except RuntimeError as exc:
+        queue.put(("receiver", str(exc).splitlines()[0], time.perf_counter() - start))
+
+
+def test_a_receive_with_no_sender_fails_after_the_collective_timeout_instead_of_hanging():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port, timeout_s = free_port(), 3.0
+    procs = [ctx.Process(target=_silent_sender_member, args=(r, port, timeout_s, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = {}
+        for _ in range(2):
+            item = queue.get(timeout=120)
+            results[item[0]] = item[1:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(timeout=30)
+    message, waited = results["receiver"]
+    assert "timed out" in message.lower() or "timeout" in message.lower(), message
+    assert timeout_s * 0.8 <= waited < timeout_s * 5, waited
+
+
+def _silent_nccl_member(rank: int, port: int, timeout_s: float, queue) -> None:
+    import time
+
+    torch.cuda.set_device(rank)
+    channel = WeightChannel("127.0.0.1", port, rank, 2, "cuda", timeout_s=timeout_s)
+    specs = [describe_bucket(sample_bucket())]
+    if rank == 0:
+        queue.put(("sender", "ready"))
+        time.sleep(timeout_s * 6)
+        return
+    start = time.perf_counter()
+    try:
+        channel.receive(specs, lambda bucket: None)
+        torch.cuda.synchronize()
+        queue.put(("receiver", "received?!", time.perf_counter() - start))
+    except Exception as exc:  # noqa: BLE001 - NCCL's watchdog error type varies by version
+        queue.put(("receiver", f"{type(exc).__name__}: {exc}".splitlines()[0], time.perf_counter() - start))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (one per rank of the NCCL group)")
+def test_an_nccl_receive_with_no_sender_fails_after_the_collective_timeout():
+    """The NCCL group is made with the run's collective timeout (it had none: a dead sender hung the rollout)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port, timeout_s = free_port(), 10.0
+    procs = [ctx.Process(target=_silent_nccl_member, args=(r, port, timeout_s, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        procs[1].join(timeout=timeout_s * 6 + 120)  # start-up, then the timeout: an error, or the watchdog's abort
+        ended = not procs[1].is_alive()
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(timeout=30)
+    messages = []
+    while not queue.empty():
+        messages.append(queue.get())
+    assert ended, "the receiver still waits for a sender that never sends"
+    assert not any(m[0] == "receiver" and m[1] == "received?!" for m in messages), messages

@@ -11,10 +11,10 @@ QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray for the end-to-end tests (each run removes its placement groups when done)."""
-    import ray
+    """One local Ray for the end-to-end tests, started as a run starts its own (loopback only, its session
+    folder removed at the end); each run removes its placement groups when done."""
+    from hybridrl.runtime.local_ray import LOOPBACK_ENV, start_local_ray, stop_local_ray
 
-    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, configure_logging=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    start_local_ray(os.cpu_count() or 2, {"env_vars": {"TOKENIZERS_PARALLELISM": "false", **LOOPBACK_ENV}})
     yield
-    ray.shutdown()
+    stop_local_ray()

@@ -32,6 +32,7 @@ from hybridrl.observe.tracking import build_trackers
 from hybridrl.run.trainer import Trainer
 
 from _folder_state import folder_state
+from _mounts import fill, read_only, small_disk
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
@@ -246,6 +247,30 @@ def test_a_new_run_never_replaces_a_run_that_has_no_checkpoint(full_run, tmp_pat
     assert folder_state(out) == before
 
 
+@pytest.mark.parametrize("damage", ["truncate the actor's shard", "random bytes in driver.pt"])
+def test_a_damaged_checkpoint_is_found_before_start_up_and_left_as_it_is(full_run, tmp_path, damage) -> None:
+    from hybridrl.config import ConfigError
+
+    out = copy_of(full_run["out"], tmp_path)
+    folder = checkpoints_root(out) / "step_000004"
+    if damage.startswith("truncate"):
+        shard = next((folder / "actor").rglob("*.distcp"))
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+        expected = f"{shard.relative_to(folder).as_posix()} is {shard.stat().st_size} bytes"
+    else:
+        state = folder / "driver.pt"
+        state.write_bytes(os.urandom(state.stat().st_size))
+        expected = "driver.pt has other contents than when saved"
+    before = folder_state(out)
+    cfg = load_config(QUICKSTART, [*RUN, "trainer.steps=8", f"trainer.out={out}"])
+    with pytest.raises(ConfigError) as err:
+        prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster))
+    reason = dict(err.value.problems)["trainer.resume"]
+    assert "every checkpoint under" in reason and f"step_000004: {expected}" in reason, reason
+    assert folder_state(out) == before
+
+
 def test_a_failed_save_leaves_the_previous_checkpoint_loadable(full_run, resumed_run, monkeypatch) -> None:
     import errno
 
@@ -259,8 +284,9 @@ def test_a_failed_save_leaves_the_previous_checkpoint_loadable(full_run, resumed
 
     with monkeypatch.context() as patch:
         patch.setattr(checkpoint, "save_driver_state", disk_full)
-        with pytest.raises(OSError, match="No space left"):
+        with pytest.raises(checkpoint.CheckpointError, match=r"step \d+ in .*checkpoints.: no space left on device") as err:
             trainer.save()
+        assert f"The previous checkpoint, {root / 'step_000002'}, is intact" in str(err.value)
     assert sorted(p.name for p in root.iterdir()) == [LATEST, "step_000002"]
     assert (root / LATEST).read_text() == "step_000002"
     # the previous checkpoint loads into the running workers
@@ -271,6 +297,59 @@ def test_a_failed_save_leaves_the_previous_checkpoint_loadable(full_run, resumed
     expected = {k: v for k, v in computed(full_run["history"][2]).items() if not k.startswith("trainer/")}
     assert again.keys() == expected.keys()  # (fit adds trainer/bad_step*, a bare train_step does not)
     assert all(again[k] == pytest.approx(v, rel=1e-6, abs=1e-6) for k, v in expected.items())
+
+
+def test_a_full_disk_during_a_save_is_named_and_the_previous_checkpoint_kept(resumed_run, tmp_path) -> None:
+    from hybridrl.run.checkpoint import CheckpointError
+
+    trainer: Trainer = resumed_run["trainer"]
+    before = folder_state(checkpoints_root(resumed_run["out"]))
+    original = trainer.checkpointer.out
+    with small_disk(tmp_path / "disk", 4) as disk:  # smaller than one PPO checkpoint (actor and critic, Adam)
+        trainer.checkpointer.out = disk
+        try:
+            with pytest.raises(CheckpointError) as err:
+                trainer.save()  # the workers write their shards onto the full disk (torch: 'enforce fail ...')
+        finally:
+            trainer.checkpointer.out = original
+        message = str(err.value)
+        assert f"in '{disk / 'checkpoints'}': no space left on device" in message, message
+        assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == []  # nothing half-written left
+    assert folder_state(checkpoints_root(resumed_run["out"])) == before
+
+
+def test_a_read_only_checkpoints_folder_is_named_and_left_as_it_was(resumed_run) -> None:
+    from hybridrl.run.checkpoint import CheckpointError
+
+    trainer: Trainer = resumed_run["trainer"]
+    root = checkpoints_root(resumed_run["out"])
+    before = folder_state(root)
+    with read_only(root):
+        with pytest.raises(CheckpointError, match=r"not writable \(read-only file system\)") as err:
+            trainer.save()
+        assert f"'{root}'" in str(err.value)
+    assert folder_state(root) == before
+
+
+def test_metrics_on_a_full_disk_end_the_run_with_the_file_named(resumed_run, tmp_path) -> None:
+    from hybridrl.observe.tracking import JsonlTracker
+    from hybridrl.run.faults import DiskError
+
+    trainer: Trainer = resumed_run["trainer"]
+    steps = trainer.cfg.trainer.steps
+    with small_disk(tmp_path / "disk", 1) as disk:
+        trainer.trackers = [JsonlTracker(str(disk))]
+        fill(disk)
+        trainer.cfg.trainer.steps = trainer.step + 1
+        try:
+            with pytest.raises(DiskError) as err:
+                trainer.fit()
+        finally:
+            trainer.cfg.trainer.steps = steps
+            trainer.trackers = []
+    message = str(err.value)
+    assert "during step" in message and "no space left on device" in message and "metrics.jsonl" in message, message
+    assert "step_000002" in message  # the checkpoint to resume from
 
 
 def test_nan_steps_are_skipped_reported_and_stop_the_run(resumed_run) -> None:

@@ -52,6 +52,17 @@ def estimator_needs(fn: Callable) -> tuple[str, ...]:
     return tuple(getattr(fn, "needs", ()))
 
 
+def within_group(fn: Callable) -> Callable:
+    """Mark an estimator whose baseline is the other samples of the same prompt: with one sample per prompt
+    it has none and the advantage is the raw score, so pre-flight refuses ``algorithm.n_samples=1`` for it."""
+    fn.within_group = True  # type: ignore[attr-defined]
+    return fn
+
+
+def compares_within_group(fn: Callable) -> bool:
+    return bool(getattr(fn, "within_group", False))
+
+
 # --- helpers ------------------------------------------------------------------------------------------
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the masked entries (unbiased variance), zero where masked out."""
@@ -102,6 +113,7 @@ def _reverse_discounted_sum(rewards: torch.Tensor, mask: torch.Tensor, gamma: fl
 
 
 # --- estimators ---------------------------------------------------------------------------------------
+@within_group
 def grpo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: the group-normalised sequence score, given to every response token (Dr.GRPO when
     ``norm_by_std`` is off)."""
@@ -109,6 +121,7 @@ def grpo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return _broadcast(adv, inputs.response_mask)
 
 
+@within_group
 def rloo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: score minus the mean score of the *other* samples of the same prompt,
     ``s_i - mean_{j != i} s_j = n/(n-1) * (s_i - mean)``. A group of one keeps its raw score."""

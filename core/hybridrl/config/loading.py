@@ -11,12 +11,68 @@ from pydantic import ValidationError
 
 from hybridrl.config.schema import ConfigError, RunConfig
 
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping with the same key twice: PyYAML keeps the last one silently, so a duplicated ``lr:`` would
+    set one value and hide the other."""
+
+    def __init__(self, path: str, first: int, again: int) -> None:
+        super().__init__(f"duplicate key '{path}' at line {again} (first at line {first})")
+        self.path, self.first, self.again = path, first, again
+
+
+def _check_unique(node: yaml.Node, path: str) -> None:
+    """Walk the composed YAML: every mapping's keys unique (keys a merge ``<<:`` brings in may be overridden,
+    which is what merges are for)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else repr(key_node.value)
+            where = f"{path}.{key}" if path else key
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise DuplicateKeyError(where, seen[key], line)
+            seen[key] = line
+            _check_unique(value_node, where)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_unique(item, f"{path}[{i}]")
+
+
+def load_yaml(text: str, path: str = "") -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys (``DuplicateKeyError``, with the key's dotted path under
+    ``path``)."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if node is not None:
+        _check_unique(node, path)
+    return yaml.safe_load(text)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """``a.b.c=value`` -> (["a","b","c"], value parsed as YAML)."""
+    """``a.b.c=value`` -> (["a","b","c"], value parsed as YAML); a value that is not valid YAML (an unclosed
+    ``[console,``) is a ``ConfigError`` naming the key."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError([(text, "override must look like key.path=value")])
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = load_yaml(raw, key.strip()) if raw.strip() else None
+    except DuplicateKeyError as exc:
+        raise ConfigError([(exc.path, f"duplicate key in the override '{text}'; keep one")]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([(key.strip(), f"the value '{raw}' is not valid YAML ({_yaml_reason(exc)}); quote it "
+                                         "for the shell, and close brackets and quotes")]) from None
+    return key.strip().split("."), value
+
+
+def _yaml_reason(exc: yaml.YAMLError) -> str:
+    """The problem of a YAML error in one line (PyYAML's message spans several, with a pointer)."""
+    if isinstance(exc, DuplicateKeyError):
+        return str(exc)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -60,9 +116,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None,
         if not p.is_file():
             raise ConfigError([("<file>", f"config file '{p}' not found")])
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = load_yaml(p.read_text()) or {}
+        except DuplicateKeyError as exc:
+            raise ConfigError([(exc.path, f"{p}, line {exc.again}: duplicate key (first at line {exc.first}); "
+                                          "keep one")]) from None
         except yaml.YAMLError as exc:
-            raise ConfigError([("<file>", f"{p} is not valid YAML: {exc}")]) from None
+            raise ConfigError([("<file>", f"{p} is not valid YAML: {_yaml_reason(exc)}")]) from None
         if not isinstance(loaded, dict):
             raise ConfigError([("<file>", f"{p} must hold a mapping at the top level")])
         data.update(loaded)

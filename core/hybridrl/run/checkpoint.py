@@ -169,14 +169,15 @@ def save_checkpoint(out: str | Path, step: int, write: Callable[[Path], dict[str
     """Write a checkpoint of ``step`` through ``write(tmp_dir) -> summary`` into a temporary folder, rename it
     to ``step_N``, point ``latest`` at it, then keep only the newest ``keep`` (0: all). Any exception
     (a full disk, a worker failing, Ctrl-C) removes the temporary folder and leaves the previous checkpoint
-    and ``latest`` untouched, then propagates."""
+    and ``latest`` untouched, then propagates; one caused by the disk (full, not writable) becomes a
+    ``CheckpointError`` that says so and names the folder."""
     root = checkpoints_root(out)
-    root.mkdir(parents=True, exist_ok=True)
     name = step_dir_name(step)
     tmp, final = root / f"{TMP_PREFIX}{name}", root / name
-    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save of the same step
-    tmp.mkdir()
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save of the same step
+        tmp.mkdir()
         summary = write(tmp)
         summary = {"format_version": FORMAT_VERSION, "step": step, "saved_at": time.time(), **summary}
         write_manifest(tmp)
@@ -189,12 +190,25 @@ def save_checkpoint(out: str | Path, step: int, write: Callable[[Path], dict[str
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-    except BaseException:
+    except BaseException as exc:
+        why = _disk_problem(root, exc) if isinstance(exc, Exception) else None  # before the cleanup frees space
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if why is None:
+            raise
+        previous = latest_checkpoint(out)
+        raise CheckpointError(f"cannot save the checkpoint of step {step} in '{root}': {why}. "
+                              + (f"The previous checkpoint, {previous}, is intact. " if previous else "")
+                              + "Free some space (or lower trainer.keep_checkpoints, or choose another trainer.out) "
+                              "and rerun the same command.") from exc
     _write_atomic(root / LATEST, name)
     prune(out, keep)
     return final
+
+
+def _disk_problem(root: Path, exc: BaseException) -> str | None:
+    from hybridrl.run.faults import disk_problem
+
+    return disk_problem(root, exc)
 
 
 def prune(out: str | Path, keep: int) -> list[Path]:

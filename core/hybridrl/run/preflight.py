@@ -110,6 +110,7 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
                 registry.get(category, name)
             except RegistryError as exc:
                 problems.append((key, str(exc)))
+        problems += _group_size_problems(cfg, registry, algo.advantage)
         if cfg.algorithm.kl is not None and cfg.algorithm.kl.coef > 0:
             try:
                 registry.get("kl_estimator", cfg.algorithm.kl.estimator)
@@ -152,6 +153,26 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
         problems += pipelining_problems(cfg, plan, greedy_baseline)
         problems += capability_problems(plan, backends) + option_problems(cfg, backends)
     return backends, plan, problems
+
+
+def _group_size_problems(cfg: RunConfig, registry: Registry, advantage: str) -> list[tuple[str, str]]:
+    """One sample per prompt leaves a group-relative advantage (GRPO's, RLOO's) without a baseline: each
+    response would be pushed by its raw score. Refused as TRL refuses ``num_generations < 2`` (verl runs it
+    silently with the raw score)."""
+    from hybridrl.algorithms.advantages import compares_within_group
+
+    if cfg.algorithm.n_samples > 1:
+        return []
+    try:
+        fn = registry.get("advantage", advantage)
+    except RegistryError:
+        return []
+    if not compares_within_group(fn):
+        return []
+    return [("algorithm.n_samples", f"1 sample per prompt leaves advantage '{advantage}' nothing to compare within "
+                                    "a prompt's group: each response's advantage would be its raw score. Set "
+                                    "algorithm.n_samples to 2 or more (GRPO recipes use 8-64), or use an advantage "
+                                    "with a baseline of its own (reinforce_pp, remax, ppo)")]
 
 
 def _reward_problems(cfg: RunConfig, registry: Registry) -> list[tuple[str, str]]:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.roles import trainable_roles
 from hybridrl.run import checkpoint as ckpt
-from hybridrl.run.faults import (BadStepGuard, StopRequest, WorkerDiedError, describe_dead_worker, is_worker_death,
-                                 stop_on_interrupt)
+from hybridrl.run.faults import BadStepGuard, StopRequest, explain_failure, stop_on_interrupt
 from hybridrl.runtime.group import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -82,7 +81,7 @@ class Checkpointer:
                  f"; dropped {dropped} metrics row(s) logged after it" if dropped else "")
 
     def last_checkpoint_message(self) -> str:
-        latest = ckpt.latest_checkpoint(self.out)
+        latest, _ = ckpt.newest_intact(self.out, checksums=False)  # sizes against the manifest: cheap, at a fault
         if latest is None:
             return "No checkpoint was saved (set trainer.save_every to save one every N steps)."
         return f"The last checkpoint, {latest}, is intact: rerun the same command to resume from it."
@@ -98,10 +97,16 @@ class StepGuard:
         self.plan = plan
         self.checkpointer = checkpointer
         self._stop: StopRequest | None = None
+        self.stopped_by: int | None = None  # the signal that stopped the last loop (SIGINT, SIGTERM), if any
 
     @property
     def stop_requested(self) -> bool:
         return self._stop is not None and self._stop.requested
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal that asked for the stop (SIGINT, SIGTERM), during the loop or after it."""
+        return self._stop.signum if self._stop is not None else self.stopped_by
 
     @contextmanager
     def guarding(self, groups: dict[str, WorkerGroup], step: Any) -> Iterator[None]:
@@ -109,21 +114,34 @@ class StepGuard:
         with stop_on_interrupt() as stop:
             self._stop = stop
             try:
-                yield
-            except Exception as exc:
-                from hybridrl.run.oom import memory_stop
-
-                oom = memory_stop(exc, self.plan, step(), self.checkpointer.last_checkpoint_message())
-                if oom is not None:
-                    raise oom from exc
-                if is_worker_death(exc):
-                    where = describe_dead_worker(groups, self.plan.cluster.device, exc)
-                    raise WorkerDiedError(f"{where} during step {step()}. "
-                                          f"{self.checkpointer.last_checkpoint_message()}"
-                                          f"\n  ({type(exc).__name__}: {str(exc).strip().splitlines()[0]})") from exc
-                raise
+                with self.explaining(groups, lambda: f"during step {step()}", step):
+                    yield
             finally:
+                self.stopped_by = stop.signum
                 self._stop = None
+
+    @contextmanager
+    def explaining(self, groups: dict[str, WorkerGroup] | Callable[[], dict[str, WorkerGroup]], where: Any,
+                   step: Any = None) -> Iterator[None]:
+        """Out of memory (``hybridrl.run.oom``), a dead worker (also behind a peer's collective error), a failed
+        collective or a full disk becomes one error naming it and the last checkpoint
+        (``hybridrl.run.faults.explain_failure``); ``where()`` says when ('during step 3', 'during start-up'),
+        ``step()`` the step under way (None: start-up); ``groups`` may be a callable (the groups once started)."""
+        try:
+            yield
+        except Exception as exc:
+            from hybridrl.run.oom import memory_stop
+
+            oom = memory_stop(exc, self.plan, step() if step is not None else None,
+                              self.checkpointer.last_checkpoint_message())
+            if oom is not None:
+                raise oom from exc
+            found = groups() if callable(groups) else groups
+            failure = explain_failure(exc, found, self.plan.cluster.device, where(), self.checkpointer.out,
+                                      self.checkpointer.last_checkpoint_message())
+            if failure is not None:
+                raise failure from exc
+            raise
 
     def observe(self, step: int, metrics: dict[str, float]) -> list[str]:
         """Right after a step: mark it bad or not (metrics ``trainer/bad_step``, ``trainer/bad_steps_in_row``)."""

@@ -38,6 +38,7 @@ from hybridrl.roles import role_spec
 from hybridrl.run import checkpoint as ckpt
 from hybridrl.run.pipeline import GenerationJob, needs_sync, staleness_of
 from hybridrl.run.preflight import RunSetup
+from hybridrl.run.faults import signal_name
 from hybridrl.run.state import Checkpointer, StepGuard, trained_roles
 from hybridrl.runtime.group import Result, WorkerGroup, average_metrics, unique_groups
 from hybridrl.runtime.launch import build_engines, role_options, start_worker_groups
@@ -487,7 +488,7 @@ class Trainer:
         from tqdm import tqdm
 
         tcfg = self.cfg.trainer
-        history = []
+        history, finished = [], False
         bar = tqdm(total=tcfg.steps, initial=self.step, desc="train", unit="step", disable=not tcfg.progress,
                    dynamic_ncols=True)
         try:
@@ -514,10 +515,16 @@ class Trainer:
                     if self.guard.stop_requested:
                         self.stop_on_interrupt()
                         break
+            finished = True
         finally:
             bar.close()
             for tracker in self.trackers:
-                tracker.close()
+                try:
+                    tracker.close()
+                except OSError as exc:  # a full disk: the error in flight (if any) says so; do not mask it
+                    if finished:
+                        raise
+                    log.warning("could not close the %s tracker: %s", type(tracker).__name__, exc)
         return history
 
     def save(self) -> Path:
@@ -528,7 +535,8 @@ class Trainer:
         self.interrupted = True
         if self.checkpointer.last_saved_step != self.step and trained_roles(self.groups):
             self.save()
-        log.info("stopped at step %d on Ctrl-C; rerun the same command to resume", self.step)
+        log.info("stopped at step %d on %s; rerun the same command to resume", self.step,
+                 signal_name(self.guard.stop_signal))
 
     def shutdown(self) -> None:
         import ray

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hybridrl.config import ClusterConfig
+from hybridrl.config import ClusterConfig, ConfigError
 from hybridrl.placement.plan import ClusterSpec
 
 
@@ -59,7 +59,8 @@ def cluster_from_ray(device: str) -> ClusterSpec:
 
 
 def ensure_ray(cfg: ClusterConfig, env: dict[str, str] | None = None) -> None:
-    """Join ``cluster.address`` / ``RAY_ADDRESS`` when given, else start a local Ray sized to this machine."""
+    """Join ``cluster.address`` / ``RAY_ADDRESS`` when given (after checking that it answers), else start a
+    local Ray sized to this machine, reachable from it only (``hybridrl.runtime.local_ray``)."""
     import ray
 
     if ray.is_initialized():
@@ -67,10 +68,70 @@ def ensure_ray(cfg: ClusterConfig, env: dict[str, str] | None = None) -> None:
     runtime_env: dict[str, Any] = {"env_vars": dict(env or {})}
     address = ray_address(cfg)
     if address:
+        problem = address_problem(address)
+        if problem:
+            key = "cluster.address" if cfg.address else "RAY_ADDRESS"
+            raise ConfigError([(key, problem)])
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
-        ray.init(num_cpus=os.cpu_count() or 1, runtime_env=runtime_env, include_dashboard=False,
-                 log_to_driver=True, configure_logging=False)
+        from hybridrl.runtime.local_ray import LOOPBACK_ENV, start_local_ray
+
+        runtime_env["env_vars"] = {**LOOPBACK_ENV, **runtime_env["env_vars"]}
+        start_local_ray(os.cpu_count() or 1, runtime_env)
+
+
+#: the ports Ray listens on when an address gives none: the GCS (``host``), the Ray Client (``ray://host``).
+GCS_PORT, CLIENT_PORT = 6379, 10001
+
+
+def gcs_problem(address: str, timeout_s: float) -> str | None:
+    """Why ``address`` (host:port, something accepts TCP there) is not a Ray head: one call to its GCS with a
+    short timeout. A firewall or proxy that accepts every connection answers it with an HTTP error; a GCS
+    answers, or refuses a client without its token (still a Ray head: ``ray.init`` reports that itself)."""
+    try:
+        from ray._raylet import GcsClient
+    except ImportError:  # pragma: no cover - another Ray layout: the TCP check alone
+        return None
+    try:
+        GcsClient(address=address).internal_kv_keys(b"", namespace=None, timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - whatever the client raises says something about the peer
+        text = str(exc).lower()
+        if any(word in text for word in ("auth", "token", "permission")):
+            return None
+        return f"no Ray head replied there ({str(exc).strip().splitlines()[0][:200]})"
+    return None
+
+
+def address_problem(address: str, timeout_s: float = 3.0) -> str | None:
+    """Why ``address`` cannot be joined, found by one TCP connection and one call to its GCS, each with a short
+    timeout (``ray.init`` would retry for about 25 s and end in a traceback); None when a Ray head answers.
+    ``auto`` and ``local`` are left to Ray (they look for a cluster started on this machine)."""
+    import socket
+
+    if address in ("auto", "local"):
+        return None
+    client = address.startswith("ray://")
+    hostport = address.removeprefix("ray://").rstrip("/")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        host, port = hostport, str(CLIENT_PORT if client else GCS_PORT)
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+        why = None if client else gcs_problem(f"{host}:{port}", timeout_s)
+        if why is None:
+            return None
+    except socket.gaierror:
+        why = f"the host '{host}' does not resolve"
+    except socket.timeout:
+        why = f"nothing answered on port {port} within {timeout_s:.0f}s"
+    except OSError as exc:
+        why = (exc.strerror or str(exc)).lower()
+    except ValueError as exc:
+        why = str(exc)
+    return (f"the address '{address}' does not answer ({why}): start the cluster's head there (ray start --head), "
+            "correct the address, or leave it unset to run on a local Ray")
 
 
 def bundle_resources(device: str, cpus: float) -> dict[str, float]:

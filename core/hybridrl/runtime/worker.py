@@ -16,7 +16,7 @@ import torch
 
 from hybridrl.weights.bridges import sync_buckets, sync_in_process
 from hybridrl.weights.channel import WeightChannel, bucket_specs
-from hybridrl.runtime.distributed import free_port, init_process_group, node_ip
+from hybridrl.runtime.distributed import init_process_group, node_ip, reserve_port
 from hybridrl.engines import DataParallelInfo, EngineContext, RolloutEngine, TrainEngine
 from hybridrl.observe.memory import DeviceMemoryMeter
 from hybridrl.plugins.discovery import get_registry
@@ -38,7 +38,8 @@ class RoleWorker:
     # --- set-up ---------------------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
         """Address for the process group (asked of rank 0 only)."""
-        return node_ip(), free_port()
+        host = node_ip()
+        return host, reserve_port(host)  # held open until this rank serves the store on it
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         if self.device == "cuda":

@@ -14,22 +14,25 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from hybridrl.runtime.distributed import COLLECTIVE_TIMEOUT_S, tcp_store
 from hybridrl.weights.buckets import BucketSpec, describe_bucket, pack_bucket, unpack_bucket
 
 
 class WeightChannel:
     """Rank 0 sends, every other rank receives; at most ``max_in_flight`` buckets are outstanding."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, device: str, timeout_s: float = 600.0,
-                 max_in_flight: int = 2) -> None:
+    def __init__(self, host: str, port: int, rank: int, world_size: int, device: str,
+                 timeout_s: float = COLLECTIVE_TIMEOUT_S, max_in_flight: int = 2) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.max_in_flight = max_in_flight
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
+        store = tcp_store(host, port, world_size, rank == 0, timeout_s)
         prefixed = dist.PrefixStore("hybridrl-weights", store)
         self._store = store  # keep the server alive as long as the group
-        if device == "cuda":
-            self.group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+        if device == "cuda":  # a timeout, so that a dead peer ends the broadcast with an error, not a hang
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
             self.buffer_device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
