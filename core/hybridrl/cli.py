@@ -76,8 +76,17 @@ def _plan_memory(args: argparse.Namespace, cfg: RunConfig, plan, registry, backe
     auto = resolve_auto(cfg, plan, registry, names, shape, device_bytes, source, model_shapes_by_role(cfg, bases))
     if auto.problems:
         raise ConfigError(auto.problems)
-    plan.memory_table = render_memory(auto.estimate) if auto.estimate is not None else None
+    tables = ([render_memory(auto.estimate)] if auto.estimate is not None else []) + _reshard_lines(cfg, plan, shape)
+    plan.memory_table = "\n".join(tables) or None
     return auto.notes()
+
+
+def _reshard_lines(cfg: RunConfig, plan, shape) -> list[str]:
+    """The bytes each weight sync moves (``hybridrl.placement.reshard``), when the run has one."""
+    from hybridrl.placement.reshard import estimate_reshard, render_reshard
+
+    reshard = estimate_reshard(cfg, plan, shape)
+    return [] if reshard is None else [render_reshard(reshard, shape)]
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -54,7 +54,9 @@ def test_plan_cli_prints_the_device_map(capsys):
     assert main(["plan", QUICKSTART, *SPLIT_2x8, "--cluster", "2x8"]) == 0
     out = capsys.readouterr().out
     assert "2 node(s) x 8 GPU(s) (declared)" in out
-    assert "node1:3  train" in out and "actor[fsdp] rank 7/8, ref[fsdp] rank 7/8" in out
+    # devices print as runs: the same indices on consecutive nodes are one row
+    assert "node0-1:0-3  train" in out and "actor[fsdp] ranks 0-7/8, ref[fsdp] ranks 0-7/8" in out
+    assert "node0-1:4-7  gen" in out and "rollout[hf] ranks 0-7/8" in out
 
 
 @pytest.mark.parametrize("overrides, key, text", [

@@ -3,6 +3,13 @@
 Pure logic, no Ray: the same code checks a plan against a declared cluster on a laptop and places the
 real run. Roles on one pool are colocated; roles whose backends are of the same *process family* are fused
 into one process per device, and a device may hold at most ``cluster.max_colocate_count`` processes.
+
+A plan's devices are logical (``node1:3``: the fourth device of the pool's second node). How Ray is asked
+to place them is the plan's ``placements``: the devices of a node that talk over NVLink (a trainer's
+collectives, one tensor-parallel engine) form one ``STRICT_PACK`` placement group, so they land on one
+machine; everything else (CPU slots over gloo/TCP, independent engine replicas) is one ``SPREAD`` group per
+pool, where Ray picks the nodes. Which machine each rank landed on is the *device map*
+(``hybridrl.runtime.launch``), read from Ray once the workers run.
 """
 
 from __future__ import annotations
@@ -22,11 +29,26 @@ def role_phase_names(role: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class NodeHost:
+    """A node of a live Ray cluster: its id, its address and its devices (GPUs, or CPUs as slots)."""
+
+    node_id: str
+    ip: str
+    devices: int
+    head: bool = False
+
+    def describe(self) -> str:
+        return f"{self.ip}{' head' if self.head else ''} [id {self.node_id[:8]}, {self.devices}]"
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     nodes: int
     devices_per_node: int
     device: str  # "cpu" or "cuda"
     declared: bool = False
+    #: the nodes of the Ray cluster the spec was read from (empty for a declared cluster or this machine)
+    hosts: tuple[NodeHost, ...] = ()
 
     @property
     def total(self) -> int:
@@ -34,7 +56,8 @@ class ClusterSpec:
 
     def describe(self) -> str:
         kind = "GPU" if self.device == "cuda" else "CPU slot"
-        return f"{self.nodes} node(s) x {self.devices_per_node} {kind}(s){' (declared)' if self.declared else ''}"
+        text = f"{self.nodes} node(s) x {self.devices_per_node} {kind}(s){' (declared)' if self.declared else ''}"
+        return text + (f": {', '.join(h.describe() for h in self.hosts)}" if self.hosts else "")
 
 
 @dataclass(frozen=True)
@@ -65,6 +88,27 @@ class ProcessGroupPlan:
         return f"{self.pool}/{'+'.join(self.roles)}"
 
 
+#: Ray placement-group strategies a pool is placed with (``PoolPlacement``).
+STRICT_PACK, SPREAD = "STRICT_PACK", "SPREAD"
+
+
+@dataclass(frozen=True)
+class PoolPlacement:
+    """How Ray is asked to place a pool: one placement group per entry of ``bundle_sets`` (each the pool
+    positions, in rank order, of the devices it reserves), all with ``strategy``, and why."""
+
+    pool: str
+    strategy: str  # STRICT_PACK: the group's devices share one node; SPREAD: Ray spreads them over nodes
+    bundle_sets: tuple[tuple[int, ...], ...]
+    reason: str
+
+    def describe(self) -> str:
+        groups = len(self.bundle_sets)
+        shape = f"{groups} group(s) of {len(self.bundle_sets[0])}" if self.strategy == STRICT_PACK else \
+            f"1 group of {len(self.bundle_sets[0])}"
+        return f"pool '{self.pool}': {self.strategy}, {shape} ({self.reason})"
+
+
 @dataclass
 class PlacementPlan:
     cluster: ClusterSpec
@@ -74,6 +118,11 @@ class PlacementPlan:
     pipelined_staleness: int | None = None  # trainer.max_staleness when trainer.pipelined, else None
     memory_table: str | None = None  # the memory estimate (placement.memory.render_memory), printed with the map
     memory: Any = None  # that estimate (placement.memory.MemoryEstimate): an out-of-memory answer quotes it
+    placements: dict[str, PoolPlacement] = field(default_factory=dict)  # pool -> how Ray places it
+
+    def nodes_of(self, role: str) -> list[int]:
+        """The (logical) nodes a role's devices are on, in rank order, each once."""
+        return list(dict.fromkeys(d.node for d in self.group_of(role).devices))
 
     def group_of(self, role: str) -> ProcessGroupPlan:
         for group in self.groups:
@@ -115,9 +164,40 @@ class PlacementPlan:
                 out.append((str(device), ", ".join(cells)))
         return out
 
+    def device_runs(self, pool: str) -> list[tuple[str, int, int]]:
+        """The pool's devices as runs for printing: ``(label, first rank, last rank)``, consecutive nodes that
+        hold the same device indices joined (``node0-3:0-7`` is 32 devices, ranks 0-31)."""
+        devices = self.pools[pool]
+        by_node: dict[int, list[int]] = {}
+        for d in devices:
+            by_node.setdefault(d.node, []).append(d.index)
+        runs: list[tuple[list[int], list[int]]] = []
+        for node, indices in by_node.items():
+            if runs and runs[-1][1] == indices and runs[-1][0][-1] == node - 1:
+                runs[-1][0].append(node)
+            else:
+                runs.append(([node], indices))
+        out, rank = [], 0
+        for nodes, indices in runs:
+            span = f"{nodes[0]}" if len(nodes) == 1 else f"{nodes[0]}-{nodes[-1]}"
+            contiguous = indices == list(range(indices[0], indices[0] + len(indices)))
+            idx = (f"{indices[0]}" if len(indices) == 1 else
+                   f"{indices[0]}-{indices[-1]}" if contiguous else ",".join(map(str, indices)))
+            count = len(nodes) * len(indices)
+            out.append((f"node{span}:{idx}", rank, rank + count - 1))
+            rank += count
+        return out
+
     def render(self) -> str:
         header = ("device", "pool", "process", "roles")
-        rows = [header, *self.rows()]
+        rows: list[tuple[str, ...]] = [header]
+        for pool in self.pools:
+            for label, first, last in self.device_runs(pool):
+                ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+                for group in self.groups:
+                    if group.pool == pool:
+                        roles = ", ".join(f"{r}[{b}] {ranks}/{group.world_size}" for r, b in group.roles.items())
+                        rows.append((label, pool, f"proc {group.slot} ({group.family})", roles))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = [f"cluster: {self.cluster.describe()}"]
         for i, row in enumerate(rows):
@@ -132,10 +212,21 @@ class PlacementPlan:
         if "actor" in self.role_pool and "rollout" in self.role_pool:
             how = "in-process" if self.same_process("actor", "rollout") else (
                 "colocated, separate processes" if self.colocated("actor", "rollout") else "split pools (broadcast)")
+            if not self.colocated("actor", "rollout") and set(self.nodes_of("rollout")) - {self.nodes_of("actor")[0]}:
+                how += ", between nodes"
             lines.append(f"reshard actor -> rollout: {how}")
-        phase_rows = self.phase_rows()
-        width = max((len(d) for d, _ in phase_rows), default=0)
+        if self.placements:
+            lines.append("ray placement groups:")
+            lines += [f"  {p.describe()}" for p in self.placements.values()]
         lines.append("phases per device:")
+        phase_rows = []
+        for pool in self.pools:
+            cells = []
+            for group in self.groups:
+                if group.pool == pool:
+                    cells += [f"{r}[{', '.join(role_phase_names(r) or ('?',))}]" for r in group.roles]
+            phase_rows += [(label, ", ".join(cells)) for label, _, _ in self.device_runs(pool)]
+        width = max((len(d) for d, _ in phase_rows), default=0)
         lines += [f"  {device.ljust(width)}  {phases}" for device, phases in phase_rows]
         if self.pipelined_staleness is not None and "rollout" in self.role_pool:
             lines.append(f"pipelined: pool '{self.role_pool['rollout']}' generates step k+1 while step k trains "
@@ -233,8 +324,36 @@ def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, Bac
             groups.append(ProcessGroupPlan(pool, family, roles, pools[pool], slot))
     if problems:
         raise ConfigError(problems)
-    return PlacementPlan(cluster, pools, groups, role_pool,
-                         cfg.trainer.max_staleness if cfg.trainer.pipelined else None)
+    staleness = cfg.trainer.max_staleness if cfg.trainer.pipelined else None
+    plan = PlacementPlan(cluster, pools, groups, role_pool, staleness)
+    plan.placements = {pool: pool_placement(plan, pool, cfg.roles.rollout.tensor_parallel) for pool in used}
+    return plan
+
+
+def pool_placement(plan: PlacementPlan, pool: str, rollout_tp: int = 1) -> PoolPlacement:
+    """``STRICT_PACK`` per node where the pool's processes talk over NVLink inside a node (on GPUs: a train
+    backend's collectives over more than one device of the node, a tensor-parallel rollout), else one ``SPREAD``
+    group: CPU slots talk over TCP wherever they are, independent replicas do not talk at all."""
+    devices = plan.pools[pool]
+    positions: dict[int, list[int]] = {}
+    for i, d in enumerate(devices):
+        positions.setdefault(d.node, []).append(i)
+    per_node = max(len(p) for p in positions.values())
+    reasons = []
+    if plan.cluster.device == "cuda" and per_node > 1:
+        for group in plan.groups:
+            if group.pool != pool:
+                continue
+            trainers = [f"{r}[{b}]" for r, b in group.roles.items() if role_spec(r).kind == "train"]
+            if trainers:
+                reasons.append(f"{'+'.join(trainers)} run collectives every layer: NVLink inside a node")
+            if "rollout" in group.roles and rollout_tp > 1:
+                reasons.append(f"rollout tensor_parallel={rollout_tp}: one engine's ranks on one node")
+    if reasons:
+        return PoolPlacement(pool, STRICT_PACK, tuple(tuple(p) for p in positions.values()), "; ".join(reasons))
+    why = ("CPU slots talk over TCP wherever they are" if plan.cluster.device == "cpu" else
+           "one device per node" if per_node == 1 else "independent engine replicas")
+    return PoolPlacement(pool, SPREAD, (tuple(range(len(devices))),), why)
 
 
 def _allocate(cfg: RunConfig, used: list[str], cluster: ClusterSpec) -> dict[str, list[Device]]:

@@ -42,7 +42,7 @@ from hybridrl.run.faults import signal_name
 from hybridrl.run.state import Checkpointer, StepGuard, trained_roles
 from hybridrl.runtime.group import Result, WorkerGroup, average_metrics, unique_groups
 from hybridrl.runtime.launch import build_engines, role_options, start_worker_groups
-from hybridrl.weights.bridges import transport_for
+from hybridrl.weights.bridges import resolve_transport
 from hybridrl.weights.sync_check import GREEDY_MARGIN, SyncCheck
 
 log = logging.getLogger(__name__)
@@ -175,10 +175,7 @@ class Trainer:
         self.rollout_colocated = any(plan.colocated("rollout", r) for r in self.groups if r != "rollout")
         # a colocated engine that declares it can release its memory sleeps while the trainers work
         self.rollout_sleeps = self.rollout_colocated and self.setup.backends["rollout"].can("sleep")
-        transport = self.cfg.roles.rollout.weight_transport
-        if transport == "auto":
-            transport = transport_for(plan.same_process("actor", "rollout"), plan.colocated("actor", "rollout"),
-                                      plan.cluster.device)
+        transport = resolve_transport(self.cfg.roles.rollout.weight_transport, plan)
         self.bridge = self.registry.bridge(plan.group_of("actor").roles["actor"],
                                            plan.group_of("rollout").roles["rollout"], transport).target()
         self.bucket_bytes = int(self.cfg.roles.rollout.bucket_mb * 2**20)

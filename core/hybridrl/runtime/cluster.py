@@ -49,13 +49,20 @@ def detect_cluster(cfg: ClusterConfig) -> ClusterSpec:
 
 
 def cluster_from_ray(device: str) -> ClusterSpec:
+    """The joined Ray cluster's size (alive nodes with devices of ``device``'s kind; the smallest sets the
+    devices per node) and its nodes, the head first, then by address."""
     import ray
 
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    from hybridrl.placement.plan import NodeHost
+
     key = "GPU" if device == "cuda" else "CPU"
-    per_node = [int(n["Resources"].get(key, 0)) for n in nodes]
-    per_node = [c for c in per_node if c > 0] or [0]
-    return ClusterSpec(len(per_node), min(per_node), device)
+    hosts = [NodeHost(n["NodeID"], n["NodeManagerAddress"], int(n["Resources"].get(key, 0)),
+                      head="node:__internal_head__" in n["Resources"])
+             for n in ray.nodes() if n.get("Alive")]
+    hosts = sorted((h for h in hosts if h.devices > 0), key=lambda h: (not h.head, h.ip, h.node_id))
+    if not hosts:
+        return ClusterSpec(1, 0, device)
+    return ClusterSpec(len(hosts), min(h.devices for h in hosts), device, hosts=tuple(hosts))
 
 
 def ensure_ray(cfg: ClusterConfig, env: dict[str, str] | None = None) -> None:
@@ -139,19 +146,20 @@ def bundle_resources(device: str, cpus: float) -> dict[str, float]:
 
 
 def create_placement_group(n_devices: int, device: str, cpus_per_device: float, name: str,
-                           timeout_s: float = 120.0) -> Any:
-    """One bundle per device; waits until Ray has reserved them all."""
+                           timeout_s: float = 120.0, strategy: str = "PACK") -> Any:
+    """One bundle per device, placed with ``strategy`` (``PoolPlacement``); waits until Ray has reserved them all."""
     import ray
     from ray.util.placement_group import placement_group
 
     bundles = [bundle_resources(device, cpus_per_device) for _ in range(n_devices)]
-    pg = placement_group(bundles, strategy="PACK", name=name)
+    pg = placement_group(bundles, strategy=strategy, name=name)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(pg)
-        raise RuntimeError(f"Ray could not reserve pool '{name}' ({n_devices} x {bundles[0]}) within {timeout_s:.0f}s; "
-                           f"available: {ray.available_resources()}") from None
+        one_node = " on one node" if strategy == "STRICT_PACK" else ""
+        raise RuntimeError(f"Ray could not reserve pool '{name}' ({n_devices} x {bundles[0]}{one_node}, {strategy}) "
+                           f"within {timeout_s:.0f}s; available: {ray.available_resources()}") from None
     return pg

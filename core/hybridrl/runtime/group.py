@@ -44,6 +44,7 @@ class WorkerGroup:
     plan: ProcessGroupPlan
     workers: list[Any]  # Ray actor handles of RoleWorker, in rank order
     dp: dict[str, list[DataParallelInfo]] = field(default_factory=dict)
+    locations: list[Any] = field(default_factory=list)  # WorkerLocation of each rank (runtime.device_map)
 
     def call_all(self, worker_method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """A method of ``RoleWorker`` itself on every rank, waited for; the per-rank results in rank order."""

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
-from hybridrl.runtime.cluster import create_placement_group, ensure_ray
 from hybridrl.config import RunConfig
-from hybridrl.runtime.group import WorkerGroup
 from hybridrl.engines import TrainingOptions
 from hybridrl.lora import LoraSpec, reference_is_actor_base
-from hybridrl.placement.plan import PlacementPlan
+from hybridrl.placement.plan import STRICT_PACK, PlacementPlan, PoolPlacement
 from hybridrl.roles import role_spec
+from hybridrl.runtime.cluster import create_placement_group, ensure_ray
+from hybridrl.runtime.device_map import render_device_map, write_device_map
+from hybridrl.runtime.group import WorkerGroup, unique_groups
 from hybridrl.runtime.worker import RoleWorker
+
+log = logging.getLogger(__name__)
 
 TRAIN_ROLE_FIELDS = {"pool", "backend", "options"}
 
@@ -28,8 +32,6 @@ def engine_start_error(role: str, backend: str, exc: BaseException) -> EngineSta
     text = str(cause).strip().splitlines()
     return EngineStartError(f"roles.{role}: the '{backend}' engine did not start: {type(cause).__name__}: "
                             f"{text[0] if text else '(no message)'}")
-
-
 
 
 def role_options(cfg: RunConfig, role: str) -> dict[str, Any]:
@@ -71,15 +73,15 @@ def start_worker_groups(cfg: RunConfig, plan: PlacementPlan) -> tuple[dict[str, 
     per_device = max(used_devices, 1)
     cpus = max(available // per_device, min(1.0, available / per_device)) if device == "cpu" else 1.0
     threads = cfg.cluster.threads_per_worker or max(1, (os.cpu_count() or 1) // max(used_devices, 1))
-    placement_groups = {pool: create_placement_group(len(devices), device, cpus, f"hybridrl-{pool}")
-                        for pool, devices in plan.pools.items()}
+    slots, placement_groups = reserve_pools(plan, device, cpus)
     remote_worker = ray.remote(RoleWorker)
     role_groups: dict[str, WorkerGroup] = {}
     for gplan in plan.groups:
         share = 1.0 / slots_per_pool[gplan.pool]
         workers = []
         for rank in range(gplan.world_size):
-            strategy = PlacementGroupSchedulingStrategy(placement_groups[gplan.pool], placement_group_bundle_index=rank)
+            pg, index = slots[gplan.pool][rank]
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
             options: dict[str, Any] = {"num_cpus": cpus * share, "scheduling_strategy": strategy,
                                        "name": f"{gplan.name}:{rank}".replace("/", "_")}
             if device == "cuda":
@@ -87,11 +89,44 @@ def start_worker_groups(cfg: RunConfig, plan: PlacementPlan) -> tuple[dict[str, 
             workers.append(remote_worker.options(**options).remote(rank, gplan.world_size, device, threads,
                                                                    tuple(cfg.plugins)))
         group = WorkerGroup(gplan, workers)
+        group.locations = ray.get([w.location.remote() for w in workers])
         addr, port = ray.get(workers[0].rendezvous_address.remote())
         group.call_all("init_distributed", addr, port)
         for role in gplan.roles:
             role_groups[role] = group
-    return role_groups, list(placement_groups.values())
+    log.info("%s", render_device_map(unique_groups(role_groups)))
+    if os.path.isdir(cfg.trainer.out):  # the trainer made it: the map stays with the run
+        write_device_map(cfg.trainer.out, unique_groups(role_groups))
+    return role_groups, placement_groups
+
+
+def reserve_pools(plan: PlacementPlan, device: str, cpus: float) -> tuple[dict[str, list[tuple[Any, int]]], list[Any]]:
+    """The placement groups of every pool as the plan places them (``plan.placements``; STRICT_PACK ones
+    first, so that a SPREAD group cannot take the devices a node's group needs). Returns each pool's
+    ``(placement group, bundle index)`` by rank, and the groups (to remove at shutdown; all of them are
+    removed here when one cannot be reserved)."""
+    from ray.util.placement_group import remove_placement_group
+
+    placements = plan.placements or {pool: PoolPlacement(pool, "PACK", (tuple(range(len(devices))),), "")
+                                     for pool, devices in plan.pools.items()}
+    slots: dict[str, list[tuple[Any, int]]] = {pool: [] for pool in plan.pools}
+    taken: dict[str, dict[int, tuple[Any, int]]] = {pool: {} for pool in plan.pools}
+    created: list[Any] = []
+    try:
+        for placement in sorted(placements.values(), key=lambda p: p.strategy != STRICT_PACK):
+            many = len(placement.bundle_sets) > 1
+            for k, positions in enumerate(placement.bundle_sets):
+                name = f"hybridrl-{placement.pool}" + (f"-{k}" if many else "")
+                pg = create_placement_group(len(positions), device, cpus, name, strategy=placement.strategy)
+                created.append(pg)
+                taken[placement.pool].update({position: (pg, i) for i, position in enumerate(positions)})
+    except BaseException:
+        for pg in created:
+            remove_placement_group(pg)
+        raise
+    for pool, devices in plan.pools.items():
+        slots[pool] = [taken[pool][position] for position in range(len(devices))]
+    return slots, created
 
 
 def build_engines(cfg: RunConfig, plan: PlacementPlan, groups: dict[str, WorkerGroup], model_path: str,

@@ -16,6 +16,7 @@ import torch
 
 from hybridrl.weights.bridges import sync_buckets, sync_in_process
 from hybridrl.weights.channel import WeightChannel, bucket_specs
+from hybridrl.runtime.device_map import WorkerLocation, this_worker_location
 from hybridrl.runtime.distributed import init_process_group, node_ip, reserve_port
 from hybridrl.engines import DataParallelInfo, EngineContext, RolloutEngine, TrainEngine
 from hybridrl.observe.memory import DeviceMemoryMeter
@@ -40,6 +41,10 @@ class RoleWorker:
         """Address for the process group (asked of rank 0 only)."""
         host = node_ip()
         return host, reserve_port(host)  # held open until this rank serves the store on it
+
+    def location(self) -> WorkerLocation:
+        """Where this process runs (node id and address, the GPUs Ray gave it): the driver's device map."""
+        return this_worker_location()
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         if self.device == "cuda":

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 from hybridrl import hookimpl
 
 if TYPE_CHECKING:
-    from hybridrl.runtime.group import WorkerGroup
     from hybridrl.engines import RolloutEngine, TrainEngine, WeightBucket
+    from hybridrl.placement.plan import PlacementPlan
+    from hybridrl.runtime.group import WorkerGroup
 
 
 #: Bucket size floor when no memory is at stake (views copied in place). Buckets then only pace the work:
@@ -133,6 +134,14 @@ def transport_for(same_process: bool, colocated: bool = False, device: str = "cp
     if colocated and device == "cuda":
         return "object_store"
     return "broadcast"
+
+
+def resolve_transport(setting: str, plan: "PlacementPlan") -> str:
+    """``roles.rollout.weight_transport`` as the run uses it: ``auto`` follows the placement (``transport_for``)."""
+    if setting != "auto":
+        return setting
+    return transport_for(plan.same_process("actor", "rollout"), plan.colocated("actor", "rollout"),
+                         plan.cluster.device)
 
 
 @hookimpl

@@ -1,0 +1,87 @@
+"""The device map: where Ray placed each rank of each worker group (node id, node address, the device it got).
+
+The plan's devices are logical (``node1:0``); the placement groups decide the machines (``PoolPlacement``).
+Each worker reports its location once it runs; the driver logs the map, writes it to
+``<trainer.out>/device_map.json`` and keeps it on the groups, so that a lost node is named by its address and
+id with the roles and ranks that ran there (``lost_node_ranks``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from hybridrl.runtime.group import WorkerGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerLocation:
+    """Where one worker process runs: its node (Ray's id and the node's address), the accelerator ids Ray gave
+    it (GPU indices on that node; empty on CPU) and its process id."""
+
+    node_id: str
+    node_ip: str
+    gpu_ids: tuple[str, ...]
+    pid: int
+
+    def device(self) -> str:
+        return f"GPU {','.join(self.gpu_ids)}" if self.gpu_ids else "CPU"
+
+    def describe(self) -> str:
+        return f"{self.node_ip} [node {self.node_id[:8]}] {self.device()}"
+
+
+def this_worker_location() -> WorkerLocation:
+    """The calling Ray worker's location (call inside a worker: outside one, Ray would start a cluster)."""
+    import os
+
+    import ray
+
+    context = ray.get_runtime_context()
+    gpus = tuple(str(g) for g in context.get_accelerator_ids().get("GPU", []))
+    return WorkerLocation(context.get_node_id(), ray.util.get_node_ip_address(), gpus, os.getpid())
+
+
+def map_rows(groups: Iterable["WorkerGroup"]) -> list[dict[str, Any]]:
+    """One row per rank of every group: the plan's device and where the rank runs."""
+    rows = []
+    for group in groups:
+        for rank, location in enumerate(group.locations):
+            rows.append({"group": group.plan.name, "pool": group.plan.pool, "roles": list(group.plan.roles),
+                         "rank": rank, "planned": str(group.plan.devices[rank]), **asdict(location)})
+    return rows
+
+
+def render_device_map(groups: Iterable["WorkerGroup"]) -> str:
+    """The map as lines, consecutive ranks of a group on one node joined (``ranks 0-7``)."""
+    lines = ["device map (where Ray placed each rank):"]
+    for group in groups:
+        runs: list[tuple[int, int, WorkerLocation]] = []
+        for rank, loc in enumerate(group.locations):
+            if runs and runs[-1][2].node_id == loc.node_id and runs[-1][1] == rank - 1:
+                runs[-1] = (runs[-1][0], rank, runs[-1][2])
+            else:
+                runs.append((rank, rank, loc))
+        for first, last, loc in runs:
+            ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+            gpus = (",".join(g for r in range(first, last + 1) for g in group.locations[r].gpu_ids))
+            where = f"{loc.node_ip} [node {loc.node_id[:8]}] " + (f"GPU {gpus}" if gpus else "CPU")
+            lines.append(f"  {group.plan.name} {ranks}/{group.plan.world_size} -> {where}")
+    return "\n".join(lines)
+
+
+def write_device_map(out: str | Path, groups: Iterable["WorkerGroup"]) -> Path:
+    path = Path(out) / "device_map.json"
+    path.write_text(json.dumps(map_rows(groups), indent=2))
+    return path
+
+
+def lost_node_ranks(groups: Iterable["WorkerGroup"], node_ids: set[str]) -> list[tuple["WorkerGroup", int]]:
+    """``(group, rank)`` of every rank that ran on one of ``node_ids``."""
+    return [(g, r) for g in groups for r, loc in enumerate(g.locations) if loc.node_id in node_ids]
