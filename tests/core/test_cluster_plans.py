@@ -157,3 +157,36 @@ def test_plan_cli_prints_memory_and_reshard_for_large_clusters(example, override
     assert "memory per device" in out and "DOES NOT FIT" not in out
     assert "reshard actor -> rollout" in out and "per step: >= " in out
     assert "ray placement groups:" in out and STRICT_PACK in out
+
+
+# --- bridges that cannot span the placement ------------------------------------------------------------
+
+def test_an_in_process_bridge_between_processes_is_refused(capsys):
+    assert main(["plan", str(EXAMPLES / "quickstart-split.yaml"), "roles.rollout.weight_transport=in_process"]) == 2
+    err = capsys.readouterr().err
+    assert "roles.rollout.weight_transport: the 'in_process' bridge needs the actor and the rollout in one process" \
+        in err and "pool 'gen'" in err
+
+
+def test_a_node_local_bridge_between_pools_is_refused():
+    from hybridrl.plugins.discovery import build_registry, plugin_manager
+    from hybridrl.run.preflight import check_config
+
+    registry = build_registry(plugin_manager(()))  # a registry of this test's own (get_registry's is shared)
+    registry.current_plugin = "test-ipc"
+    registry.add_bridge("fsdp", "hf", "broadcast", "x:IpcBridge", scope="node")  # e.g. CUDA IPC handles
+    split = load_config(EXAMPLES / "qwen7b-split.yaml", [])
+    _, _, problems = check_config(split, registry, cuda(2), check_engines=False)
+    reasons = dict(problems)
+    assert "reaches only within a machine" in reasons["roles.rollout.weight_transport"]
+    assert "test-ipc" in reasons["roles.rollout.weight_transport"]
+    colocated = load_config(EXAMPLES / "qwen7b-colocated.yaml", ["roles.rollout.weight_transport=broadcast"])
+    _, _, problems = check_config(colocated, registry, cuda(1), check_engines=False)
+    assert "roles.rollout.weight_transport" not in dict(problems)  # one pool: the same devices, one machine
+
+
+def test_a_bridge_scope_must_be_known():
+    from hybridrl.plugins.registry import Registry, RegistryError
+
+    with pytest.raises(RegistryError, match="scope 'rack'"):
+        Registry().add_bridge("*", "*", "broadcast", "x:y", scope="rack")

@@ -37,8 +37,8 @@ class NodeHost:
     devices: int
     head: bool = False
 
-    def describe(self) -> str:
-        return f"{self.ip}{' head' if self.head else ''} [id {self.node_id[:8]}, {self.devices}]"
+    def describe(self, kind: str = "device") -> str:
+        return f"{self.ip}{' (head)' if self.head else ''} [node {self.node_id[:8]}, {self.devices} {kind}(s)]"
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class ClusterSpec:
     def describe(self) -> str:
         kind = "GPU" if self.device == "cuda" else "CPU slot"
         text = f"{self.nodes} node(s) x {self.devices_per_node} {kind}(s){' (declared)' if self.declared else ''}"
-        return text + (f": {', '.join(h.describe() for h in self.hosts)}" if self.hosts else "")
+        return text + (f": {', '.join(h.describe(kind) for h in self.hosts)}" if self.hosts else "")
 
 
 @dataclass(frozen=True)

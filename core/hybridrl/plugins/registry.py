@@ -127,6 +127,13 @@ class BridgeEntry:
     transport: str
     target: Any
     plugin: str
+    #: how far apart the two sides may run: "process" (one process), "node" (one machine: CUDA IPC, shared
+    #: memory) or "cluster" (anywhere); the pre-flight refuses a placement the bridge cannot span.
+    scope: str = "cluster"
+
+
+#: the scopes a bridge may declare, narrowest first.
+BRIDGE_SCOPES = ("process", "node", "cluster")
 
 
 @dataclass(frozen=True)
@@ -187,9 +194,13 @@ class Registry:
         self._add_backend("rollout", name, target, requires, install_hint, process_family, devices, supports,
                           max_ranks, check_options)
 
-    def add_bridge(self, trainer: str, rollout: str, transport: str, target: Any) -> None:
-        """Register a reshard bridge for a backend pair; later registrations of the same key win."""
-        self.bridges.append(BridgeEntry(trainer, rollout, transport, target, self.current_plugin))
+    def add_bridge(self, trainer: str, rollout: str, transport: str, target: Any, *, scope: str = "cluster") -> None:
+        """Register a reshard bridge for a backend pair; later registrations of the same key win. ``scope``
+        says where its two sides may run (``BRIDGE_SCOPES``: one process, one machine, anywhere)."""
+        if scope not in BRIDGE_SCOPES:
+            raise RegistryError(f"bridge {trainer} -> {rollout} over '{transport}': scope '{scope}' is none of "
+                                f"{', '.join(BRIDGE_SCOPES)} (plugin {self.current_plugin})")
+        self.bridges.append(BridgeEntry(trainer, rollout, transport, target, self.current_plugin, scope))
 
     def backend(self, kind: BackendKind, name: str) -> BackendEntry:
         try:

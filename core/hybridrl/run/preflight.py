@@ -12,6 +12,7 @@ from typing import Any
 
 from hybridrl.config import ConfigError, CriticConfig, RunConfig
 from hybridrl.run.checks import capability_problems, option_problems
+from hybridrl.weights.bridges import bridge_placement_problems
 from hybridrl.environments.checks import environment_problems, probe_problems as environment_probe_problems
 from hybridrl.run.lora_setup import lora_problems, resume_problems as lora_resume_problems, target_problems, with_lora
 from hybridrl.run.pipeline import pipelining_problems
@@ -152,6 +153,7 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
     if plan is not None:
         problems += pipelining_problems(cfg, plan, greedy_baseline)
         problems += capability_problems(plan, backends) + option_problems(cfg, backends)
+        problems += bridge_placement_problems(cfg, plan, registry)
     return backends, plan, problems
 
 

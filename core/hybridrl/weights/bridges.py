@@ -144,8 +144,37 @@ def resolve_transport(setting: str, plan: "PlacementPlan") -> str:
                          plan.cluster.device)
 
 
+def bridge_placement_problems(cfg: Any, plan: "PlacementPlan", registry: Any) -> list[tuple[str, str]]:
+    """The bridge the run would use, refused where the placement puts its two sides farther apart than it
+    reaches (``BridgeEntry.scope``): an in-process bridge between two processes, a node-local one (CUDA IPC,
+    shared memory) between pools, which are placement groups of their own that Ray may put on other machines."""
+    if "actor" not in plan.role_pool or "rollout" not in plan.role_pool:
+        return []
+    key = "roles.rollout.weight_transport"
+    transport = resolve_transport(cfg.roles.rollout.weight_transport, plan)
+    trainer, rollout = plan.group_of("actor"), plan.group_of("rollout")
+    try:
+        entry = registry.bridge(trainer.roles["actor"], rollout.roles["rollout"], transport)
+    except Exception as exc:  # noqa: BLE001 - RegistryError: no bridge for the pair
+        return [(key, str(exc))]
+
+    def where(group: Any, role: str) -> str:
+        nodes = ", ".join(f"node{n}" for n in dict.fromkeys(d.node for d in group.devices))
+        return f"{role} on pool '{group.pool}' ({nodes})"
+
+    apart = f"{where(trainer, 'the actor')}, {where(rollout, 'the rollout')}"
+    if entry.scope == "process" and not plan.same_process("actor", "rollout"):
+        return [(key, f"the '{transport}' bridge needs the actor and the rollout in one process; they run in "
+                      f"separate processes ({apart}): set it to auto or broadcast")]
+    if entry.scope == "node" and not plan.colocated("actor", "rollout"):
+        return [(key, f"the '{transport}' bridge ({entry.plugin}) reaches only within a machine; the actor and the "
+                      f"rollout are on separate pools ({apart}), which Ray may place on other machines: colocate "
+                      "them on one pool, or use broadcast")]
+    return []
+
+
 @hookimpl
 def hybridrl_register_backends(registry: Any) -> None:
-    registry.add_bridge("*", "*", "in_process", InProcessBridge)
+    registry.add_bridge("*", "*", "in_process", InProcessBridge, scope="process")
     registry.add_bridge("*", "*", "object_store", ObjectStoreBridge)
     registry.add_bridge("*", "*", "broadcast", BroadcastBridge)
