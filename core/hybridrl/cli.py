@@ -6,6 +6,7 @@ import argparse
 import re
 import signal
 import sys
+from typing import Any
 
 from hybridrl.config import ConfigError, RunConfig, load_config
 from hybridrl.run.faults import Terminated
@@ -177,6 +178,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    """``hybridrl cluster up | down | env`` (``hybridrl.runtime.ray_nodes``)."""
+    from hybridrl.runtime import ray_nodes
+
+    folder = args.dir.resolve()
+    try:
+        if args.cluster_command == "up":
+            if args.head and args.address:
+                raise ray_nodes.ClusterError("--head starts a head, --address joins one: give one of them (a worker "
+                                             "without --address joins the head recorded in --dir)")
+            node = ray_nodes.start_node(folder, head=args.head, address=args.address, node_ip=args.node_ip,
+                                        port=args.port, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
+            print(f"started {node.name}, cluster {node.address}; log: {node.log}")
+            if node.head:
+                print(f"  join a worker: hybridrl cluster up --address {node.address} --dir {folder} [--node-ip IP]\n"
+                      f"  run a driver:  eval \"$(hybridrl cluster env --dir {folder})\" && hybridrl train CONFIG\n"
+                      f"  stop:          hybridrl cluster down --dir {folder}   (on every machine)")
+        elif args.cluster_command == "down":
+            stopped = ray_nodes.stop_nodes(folder)
+            print("\n".join(f"stopped {node.name}" for node in stopped) or f"no node of {folder} runs here")
+        else:
+            for key, value in ray_nodes.driver_env(folder).items():
+                print(f"export {key}={value}")
+    except ray_nodes.ClusterError as exc:
+        print(f"hybridrl: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from hybridrl.plugins.discovery import describe_plugins
 
@@ -231,9 +261,34 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the saved weights (default: the run's model.dtype)")
     export.set_defaults(func=cmd_export)
+    _cluster_parser(sub)
     plugins = sub.add_parser("plugins", help="list plugins, what they register, and engine availability")
     plugins.set_defaults(func=cmd_plugins)
     return parser
+
+
+def _cluster_parser(sub: Any) -> None:
+    from pathlib import Path
+
+    from hybridrl.runtime.ray_nodes import default_folder
+
+    cluster = sub.add_parser("cluster", help="start or stop the Ray nodes of a cluster on this machine")
+    cluster.set_defaults(func=cmd_cluster)
+    commands = cluster.add_subparsers(dest="cluster_command", required=True)
+    up = commands.add_parser("up", help="start a node: the head (--head) or a worker that joins it")
+    up.add_argument("--head", action="store_true", help="start the cluster's head")
+    up.add_argument("--address", help="HOST:PORT of the head to join (default: the head recorded in --dir)")
+    up.add_argument("--node-ip", help="the address this node binds and is reached on (default: Ray's choice, the "
+                                      "outward interface); on one machine 127.0.0.2, 127.0.0.3, ...")
+    up.add_argument("--port", type=int, help="the head's port (default 6379)")
+    up.add_argument("--num-cpus", type=int, help="CPU slots of this node (default: its cores)")
+    up.add_argument("--num-gpus", type=int, help="GPUs of this node (default: those it has)")
+    down = commands.add_parser("down", help="stop the nodes of --dir that run on this machine")
+    env = commands.add_parser("env", help="the environment a driver sets to join the cluster (shell exports)")
+    for command in (up, down, env):
+        command.add_argument("--dir", type=Path, default=default_folder(),
+                             help="the cluster folder (shared by the nodes on a real cluster; default "
+                                  "$HYBRIDRL_CLUSTER_DIR or ~/.hybridrl/cluster)")
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
