@@ -85,3 +85,50 @@ def write_device_map(out: str | Path, groups: Iterable["WorkerGroup"]) -> Path:
 def lost_node_ranks(groups: Iterable["WorkerGroup"], node_ids: set[str]) -> list[tuple["WorkerGroup", int]]:
     """``(group, rank)`` of every rank that ran on one of ``node_ids``."""
     return [(g, r) for g in groups for r, loc in enumerate(g.locations) if loc.node_id in node_ids]
+
+
+# --- a node lost ----------------------------------------------------------------------------------------
+
+#: how long to wait for Ray to declare a node dead once a collective failed (Ray's GCS declares a node dead
+#: after ``health_check_failure_threshold`` missed checks, 5 x 3 s by default).
+NODE_DEATH_WAIT_S = 30.0
+
+
+def dead_nodes(groups: Iterable["WorkerGroup"], wait_s: float = 0.0) -> set[str]:
+    """The ids of the nodes that ran a rank of ``groups`` and that Ray no longer counts alive; waits up to
+    ``wait_s`` for one to be declared dead (a raylet that vanished is noticed only by missed health checks)."""
+    import time
+
+    import ray
+
+    placed = {loc.node_id for g in groups for loc in g.locations}
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        except Exception:  # noqa: BLE001 - the GCS itself is gone (the head was lost): nothing to name by id
+            return set()
+        gone = placed - alive
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.5)
+
+
+def describe_lost_nodes(groups: Iterable["WorkerGroup"], node_ids: set[str]) -> str:
+    """'node 10.0.0.2 [node 1a2b3c4d] was lost, with role actor+ref (pool 'main') ranks 1, 3 of 4': every
+    rank that ran on the lost nodes, by group, so that the user knows what to replace or shrink."""
+    groups = list(groups)
+    parts = []
+    for node_id in sorted(node_ids):
+        ranks = [(g, r) for g, r in lost_node_ranks(groups, {node_id})]
+        ip = next((g.locations[r].node_ip for g, r in ranks), "?")
+        by_group: dict[str, list[int]] = {}
+        sizes: dict[str, tuple[str, int]] = {}
+        for group, rank in ranks:
+            key = f"role {'+'.join(group.plan.roles)} (pool '{group.plan.pool}')"
+            by_group.setdefault(key, []).append(rank)
+            sizes[key] = (key, group.plan.world_size)
+        held = "; ".join(f"{key} rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} of {sizes[key][1]}"
+                         for key, r in by_group.items())
+        parts.append(f"node {ip} [node {node_id[:8]}] was lost, with {held}")
+    return "; ".join(parts)

@@ -11,7 +11,11 @@ Each node is one ``ray start --block`` process in a session of its own, bound to
 * ``cluster.json``: the head's address and the environment a driver sets (``env``, ``hybridrl cluster env``);
 * ``nodes/*.json``: one record per node started (host, address, pid and start time of its process), so that
   ``down`` signals only processes it started, on this machine, never a reused pid;
-* ``logs/`` and ``ray/``: each node's output and Ray's session folders.
+* ``logs/``: each node's output.
+
+Ray's own session folder (sockets, spill files) is kept on the node's local disk, not in the cluster folder:
+under the system's temp folder with a short name (``ray_temp_dir``), since a Unix socket's path is limited to
+107 bytes and a shared filesystem is no place for sockets.
 
 On one machine (tests, a laptop) every node needs an address of its own: 127.0.0.2, 127.0.0.3, ... are
 loopback addresses on Linux that Ray keeps as given (127.0.0.1 and ``localhost`` it replaces by the machine's
@@ -160,7 +164,7 @@ def start_node(folder: Path, *, head: bool, address: str | None = None, node_ip:
     """Start a head (``head=True``) or a worker joining ``address`` (default: the folder's head), and wait until
     it has registered with the head. Raises ``ClusterError`` naming the node's log when it does not."""
     folder = folder.resolve()
-    for sub in ("nodes", "logs", "ray"):
+    for sub in ("nodes", "logs"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
     if node_ip is not None:
         check_node_ip(node_ip)
@@ -173,8 +177,10 @@ def start_node(folder: Path, *, head: bool, address: str | None = None, node_ip:
     elif address is None:
         address = read_cluster(folder)["address"]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **auth_env(folder), **collective_env(node_ip)}
+    label = f"{'head' if head else 'worker'}-{node_ip or socket.gethostname()}-{int(time.time() * 1000)}"
+    temp_dir = ray_temp_dir(folder, label)
     args = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
-            "--temp-dir", str(folder / "ray")]
+            "--temp-dir", temp_dir]
     if head:
         args += ["--head", "--port", str(port), "--include-dashboard", "false",
                  "--system-config", json.dumps({"enable_metrics_collection": False})]
@@ -188,7 +194,6 @@ def start_node(folder: Path, *, head: bool, address: str | None = None, node_ip:
         args += ["--num-gpus", str(num_gpus)]
     if resources:
         args += ["--resources", json.dumps(resources)]
-    label = f"{'head' if head else 'worker'}-{node_ip or socket.gethostname()}-{int(time.time() * 1000)}"
     log_path = folder / "logs" / f"{label}.log"
     since = time.time()
     with open(log_path, "wb") as out:
@@ -197,7 +202,7 @@ def start_node(folder: Path, *, head: bool, address: str | None = None, node_ip:
     import psutil
 
     record = NodeRecord(head, address, node_ip or "", socket.gethostname(), proc.pid,
-                        psutil.Process(proc.pid).create_time(), str(log_path), str(folder / "ray"))
+                        psutil.Process(proc.pid).create_time(), str(log_path), temp_dir)
     (folder / "nodes" / f"{label}.json").write_text(json.dumps(asdict(record), indent=2))
     try:
         _wait_registered(proc, record, env, since, timeout_s)
@@ -209,6 +214,15 @@ def start_node(folder: Path, *, head: bool, address: str | None = None, node_ip:
         driver = {"RAY_ADDRESS": address, **auth_env(folder), **collective_env(node_ip)}
         (folder / "cluster.json").write_text(json.dumps({"address": address, "env": driver}, indent=2))
     return record
+
+
+def ray_temp_dir(folder: Path, label: str) -> str:
+    """A short, node-local folder for Ray's session of the node ``label`` of ``folder``."""
+    import hashlib
+    import tempfile
+
+    digest = hashlib.sha1(f"{folder}/{label}".encode()).hexdigest()[:10]
+    return str(Path(tempfile.gettempdir()) / f"hybridrl-ray-{digest}")
 
 
 def _outward_ip() -> str:
@@ -284,10 +298,9 @@ def stop_nodes(folder: Path, workers_first: bool = True) -> list[NodeRecord]:
     stopped = []
     for path, record in records:
         _stop_record(record)
+        shutil.rmtree(record.temp_dir, ignore_errors=True)
         path.unlink(missing_ok=True)
         stopped.append(record)
-    if not node_records(folder.resolve(), this_host_only=False):
-        shutil.rmtree(folder / "ray", ignore_errors=True)
     return stopped
 
 
