@@ -111,6 +111,7 @@ def test_fsdp_across_nodes_survives_a_lost_node_and_resumes_on_one(cluster, tmp_
             proc.communicate()
     assert proc.returncode not in (0, None), err[-3000:]
     message = err[-4000:]
+    print(message)  # shown with -rP: what a user reads
     assert f"node {WORKER_IP}" in message and lost["node_id"][:8] in message, message
     assert f"rank {lost['rank']} of 2" in message and "actor" in message, message
     checkpoint = _complete_checkpoints(out)[-1]

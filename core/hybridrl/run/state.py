@@ -137,6 +137,11 @@ class StepGuard:
             if oom is not None:
                 raise oom from exc
             found = groups() if callable(groups) else groups
+            from hybridrl.run.node_loss import node_loss_failure
+
+            lost = node_loss_failure(exc, found or {}, where(), self.checkpointer.last_checkpoint_message())
+            if lost is not None:  # a node gone: named before its ranks are (explain_failure)
+                raise lost from exc
             failure = explain_failure(exc, found, self.plan.cluster.device, where(), self.checkpointer.out,
                                       self.checkpointer.last_checkpoint_message())
             if failure is not None:

@@ -158,11 +158,32 @@ def free_port(host: str) -> int:
 
 # --- up -------------------------------------------------------------------------------------------------
 
+#: attempts at starting a node: on a loaded machine a raylet may give up waiting for its agents (Ray's "The
+#: current node timed out during startup"); a second try usually gets through.
+START_ATTEMPTS = 2
+
+
 def start_node(folder: Path, *, head: bool, address: str | None = None, node_ip: str | None = None,
                port: int | None = None, num_cpus: int | None = None, num_gpus: int | None = None,
-               resources: dict[str, float] | None = None, timeout_s: float = START_TIMEOUT_S) -> NodeRecord:
+               resources: dict[str, float] | None = None, timeout_s: float = START_TIMEOUT_S,
+               attempts: int = START_ATTEMPTS) -> NodeRecord:
     """Start a head (``head=True``) or a worker joining ``address`` (default: the folder's head), and wait until
-    it has registered with the head. Raises ``ClusterError`` naming the node's log when it does not."""
+    it has registered with the head; a node that exits while starting is tried again (``attempts`` in all).
+    Raises ``ClusterError`` naming the node's log when it does not start."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return _start_node_once(folder, head=head, address=address, node_ip=node_ip, port=port,
+                                    num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, timeout_s=timeout_s)
+        except ClusterError as exc:
+            if attempt == attempts or "while starting" not in str(exc):
+                raise
+            log.warning("%s; trying again (%d of %d)", str(exc).splitlines()[0], attempt + 1, attempts)
+    raise AssertionError("unreachable")
+
+
+def _start_node_once(folder: Path, *, head: bool, address: str | None, node_ip: str | None, port: int | None,
+                     num_cpus: int | None, num_gpus: int | None, resources: dict[str, float] | None,
+                     timeout_s: float) -> NodeRecord:
     folder = folder.resolve()
     for sub in ("nodes", "logs"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
@@ -208,6 +229,7 @@ def start_node(folder: Path, *, head: bool, address: str | None = None, node_ip:
         _wait_registered(proc, record, env, since, timeout_s)
     except BaseException:
         _stop_record(record)
+        shutil.rmtree(record.temp_dir, ignore_errors=True)
         (folder / "nodes" / f"{label}.json").unlink(missing_ok=True)
         raise
     if head:
