@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,7 @@ def main() -> int:
         device_map = json.loads((run / "device_map.json").read_text())
     finally:
         ray_nodes.stop_nodes(folder)
+        shutil.rmtree(work, ignore_errors=True)
     result = {
         "benchmark": "multinode_quickstart",
         "command": " ".join(["hybridrl cluster up --head --node-ip", args.head_ip, "--num-cpus 1 --dir DIR &&",

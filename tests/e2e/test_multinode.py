@@ -123,7 +123,7 @@ def test_fsdp_across_nodes_survives_a_lost_node_and_resumes_on_one(cluster, tmp_
     step = int(checkpoint.name.rsplit("_", 1)[-1])
     resumed = hybridrl("train", *args, "pools.main.nodes=1", f"trainer.steps={step + 1}", env=driver)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
-    assert f"resum" in (resumed.stdout + resumed.stderr).lower()
+    assert "resum" in (resumed.stdout + resumed.stderr).lower()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == step + 1 and [r["step"] for r in rows] == list(range(1, step + 2))
     assert {row["node_ip"] for row in device_map(out)} == {HEAD_IP}
