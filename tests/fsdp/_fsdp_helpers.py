@@ -17,6 +17,14 @@ from hybridrl.engines import EngineContext, LossScale, TrainingOptions
 VOCAB = 40
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter or optimizer state: a DTensor's local shard, or the tensor itself (one
+    CPU rank keeps a plain module, see ``hybridrl_fsdp.engine.uses_fsdp``)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def save_tiny_qwen2(path: Path, tie: bool = True, seed: int = 0) -> Path:
     """A 2-layer Qwen2 with hidden size 32, saved with ``save_pretrained`` (wide init: peaky distributions)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

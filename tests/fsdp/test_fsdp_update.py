@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hybridrl_fsdp.engine as engine_module
-from _fsdp_helpers import NaNObjective, PolicyGradient, context, make_batch
+from _fsdp_helpers import NaNObjective, PolicyGradient, context, local_tensor, make_batch
 from hybridrl.batch import ADVANTAGES, LOG_PROBS, RESPONSE_MASK
 from hybridrl.engine_support import raise_if_counts_differ
 from hybridrl_fsdp.engine import FSDPEngine
@@ -75,8 +75,8 @@ def test_nan_loss_skips_step(process_group, tiny_model: Path) -> None:
     assert_same_weights(engine.full_state_dict(), before)
     assert all(p.grad is None for p in engine.model.parameters())
     states = list(engine.optimizer.state.values())  # created at start (the KV sizing needs them resident)
-    assert states and all(float(s["step"]) == 0 and not s["exp_avg"].to_local().any()
-                          and not s["exp_avg_sq"].to_local().any() for s in states), \
+    assert states and all(float(s["step"]) == 0 and not local_tensor(s["exp_avg"]).any()
+                          and not local_tensor(s["exp_avg_sq"]).any() for s in states), \
         "a skipped step must not touch the AdamW moments"
     recovered = engine.update(batch, PolicyGradient())  # the next good step runs normally
     assert recovered["skipped_step"] == 0.0 and recovered["lr"] == pytest.approx(1e-2)
@@ -122,3 +122,22 @@ def test_offload_is_a_noop_on_cpu(process_group, tiny_model: Path) -> None:
     engine.offload()
     engine.onload()
     assert_same_weights(engine.full_state_dict(), before)
+
+
+def test_one_cpu_rank_keeps_a_plain_module_with_fused_adamw(process_group, tiny_model: Path) -> None:
+    """FSDP2 wraps the model only with ranks to shard over or a GPU's mixed precision; on one CPU rank the engine
+    trains the plain module with AdamW's fused CPU kernel (the numbers against a hand-written AdamW are checked
+    by test_fsdp_data_parallel, one and two ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    assert not engine_module.uses_fsdp(1, torch.device("cpu"))
+    assert engine_module.uses_fsdp(2, torch.device("cpu")) and engine_module.uses_fsdp(1, torch.device("cuda"))
+    engine = FSDPEngine(context(tiny_model))
+    assert not engine.sharded
+    assert not any(isinstance(p, DTensor) for p in engine.model.parameters())
+    assert all(group["fused"] for group in engine.optimizer.param_groups)
+    batch = make_batch(6, seed=3)
+    before = objective_value(engine, batch)
+    for _ in range(3):
+        engine.update(batch, PolicyGradient())
+    assert objective_value(engine, batch) < before

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _fsdp_helpers import PolicyGradient, context, make_batch
+from _fsdp_helpers import PolicyGradient, context, local_tensor, make_batch
 from hybridrl_fsdp.engine import FSDPEngine
 
 
@@ -92,6 +92,6 @@ def test_transient_export_follows_updates_and_swapped_shards(process_group, tiny
         torch.testing.assert_close(swapped[name], live[name].double(), atol=0, rtol=0)
 
     # views of the live shards, no copy of the model: the same memory as each parameter's local tensor
-    locals_ = {n: p.to_local() for n, p in engine.model.named_parameters()}
+    locals_ = {n: local_tensor(p) for n, p in engine.model.named_parameters()}
     assert all(swapped[n].data_ptr() == t.data_ptr() for n, t in locals_.items())
     assert engine.transient_export_holds_views()  # one rank: the bridge may take them in one bucket

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hybridrl_fsdp.engine as engine_module
-from _fsdp_helpers import PolicyGradient, context, make_batch
+from _fsdp_helpers import PolicyGradient, context, local_tensor, make_batch
 from hybridrl.batch import LOG_PROBS
 from hybridrl_fsdp.engine import FSDPEngine
 from hybridrl_fsdp.offload import HostCopy, OffloadPolicy
@@ -33,7 +33,7 @@ def weights_of(engine: FSDPEngine) -> dict[str, torch.Tensor]:
 
 def moments_of(engine: FSDPEngine) -> list[torch.Tensor]:
     engine.offload_policy.ensure_optimizer()
-    out = [t.to_local().clone() for t in optimizer_tensors(engine)]
+    out = [local_tensor(t).clone() for t in optimizer_tensors(engine)]
     if engine.offload_policy.optimizer:
         engine.offload_policy.release_optimizer()
     return out
@@ -113,7 +113,7 @@ def test_optimizer_state_exists_from_the_start(process_group, tiny_model: Path):
     for p in params:
         state = engine.optimizer.state[p]
         assert float(state["step"]) == 0 and state["step"].device.type == "cpu"
-        assert state["exp_avg"].shape == p.shape and not state["exp_avg"].to_local().any()
+        assert state["exp_avg"].shape == p.shape and not local_tensor(state["exp_avg"]).any()
 
 
 def test_checkpoint_round_trip_with_the_optimizer_offloaded(process_group, tiny_model: Path, tmp_path: Path):

@@ -3,7 +3,8 @@
 The engine runs inside a process whose default ``torch.distributed`` group is already initialised by the
 host (``hybridrl.runtime.distributed.init_process_group``): every rank of that group is one data-parallel shard.
 Master weights, gradients and AdamW state are fp32; on CUDA the forward/backward run in ``ctx.dtype``
-through FSDP2's ``MixedPrecisionPolicy`` (gradients reduced in fp32).
+through FSDP2's ``MixedPrecisionPolicy`` (gradients reduced in fp32). A single CPU rank has nothing to shard
+and no mixed precision: its model stays a plain module (``uses_fsdp``).
 
 Every public method except ``offload``/``onload`` is collective: all ranks must call it, with local batches
 that split into the same number of micro-batches (checked, so a mismatch raises instead of hanging; with a
@@ -87,8 +88,15 @@ class FSDPEngine(TrainEngine):
         self.lora = _wrap_lora(self.model, ctx, self.device) if ctx.lora is not None else None
         if self.lora is not None:
             self.model = self.lora.model
-        self.mesh = init_device_mesh(self.device.type, (ctx.world_size,), mesh_dim_names=("dp",))
-        _shard_model(self.model, self.mesh, _mixed_precision(ctx, self.device))
+        #: FSDP2 wraps the model only where it does something: several ranks to shard over, or a GPU's mixed
+        #: precision. One CPU rank keeps the plain module (same fp32 numbers, without the per-layer gathers,
+        #: gradient reduce-scatters and hooks that one rank pays for nothing).
+        self.sharded = uses_fsdp(ctx.world_size, self.device)
+        if self.sharded:
+            self.mesh = init_device_mesh(self.device.type, (ctx.world_size,), mesh_dim_names=("dp",))
+            _shard_model(self.model, self.mesh, _mixed_precision(ctx, self.device))
+        else:
+            self.model.to(self.device)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         offload = self.settings.offload
@@ -185,7 +193,8 @@ class FSDPEngine(TrainEngine):
         """Free what a forward-only pass leaves behind: the root module's gathered parameters (FSDP2 keeps the
         root unsharded after a forward, expecting a backward) and, for a frozen role with ``offload: all``, its
         weights."""
-        self.model.reshard()
+        if self.sharded:
+            self.model.reshard()
         if self._release_after == "forward":
             self.offload_policy.release_weights()
 
@@ -591,6 +600,14 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise TypeError(f"{type(model).__name__} has no 'layers' list of decoder layers to shard")
 
 
+def uses_fsdp(world_size: int, device: torch.device) -> bool:
+    """Whether the engine wraps its model with FSDP2: on more than one rank, or on CUDA (its mixed precision
+    policy is how the forward/backward run in the compute dtype). A single CPU rank computes in fp32 on its
+    whole model: FSDP2 would only add a copy of every layer's weights per forward and of its gradients per
+    backward, and hooks around each."""
+    return world_size > 1 or device.type == "cuda"
+
+
 def _mixed_precision(ctx: EngineContext, device: torch.device) -> MixedPrecisionPolicy | None:
     """bf16/fp16 compute with fp32 gradient reduction on CUDA; CPU runs plain fp32 (no fast low precision)."""
     if device.type != "cuda":
@@ -624,7 +641,13 @@ def _build_optimizer(model: nn.Module, training: TrainingOptions) -> torch.optim
         groups[-1].append(p)
         size += nbytes
     return torch.optim.AdamW([{"params": g} for g in groups if g], lr=training.lr, betas=training.betas,
-                             weight_decay=training.weight_decay)
+                             weight_decay=training.weight_decay, fused=fused_adamw(params))
+
+
+def fused_adamw(params: list[nn.Parameter]) -> bool | None:
+    """AdamW's fused kernel for parameters on the CPU (one pass over each tensor instead of a dozen ops per
+    parameter, each dispatched from Python); elsewhere torch's default (foreach on CUDA)."""
+    return True if params and all(p.device.type == "cpu" for p in params) else None
 
 
 def _local_numel(param: torch.Tensor) -> int:
@@ -644,7 +667,7 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer, offload_groups: bool
             state = optimizer.state[p]
             if state:
                 continue
-            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(is_fused=bool(group.get("fused"))))
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group.get("amsgrad"):
