@@ -8,7 +8,7 @@ for each variant, the variants taken in turns so that a drifting machine load hi
 process CPU seconds (median over the repeats; the CPU seconds are what a loaded machine disturbs least) and
 writes JSON. ``--profile`` prints cProfile's top functions of the first variant instead.
 
-    python benchmarks/cpu_engine_step.py [--repeats 15] [--threads 1] [--variants default,padded]
+    python benchmarks/cpu_engine_step.py [--repeats 15] [--threads 1] [--variants default,fsdp_on_one_rank,...]
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ from hybridrl.testing.backends import build_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: variant name -> option overrides of both roles (engine options or typed training keys).
-VARIANTS: dict[str, dict[str, Any]] = {
-    "default": {},
-    "padded": {"packing": False},
+#: variant name -> (option overrides of both roles, engine-module functions replaced while its engines are built).
+#: The replacements put back what an optimisation took away, to show what it saves in the same run.
+VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Callable[..., Any]]]] = {
+    "default": ({}, {}),
+    "padded": ({"packing": False}, {}),
+    "fsdp_on_one_rank": ({}, {"uses_fsdp": lambda world_size, device: True}),
+    "adamw_unfused": ({}, {"fused_adamw": lambda params: None}),
 }
 
 
@@ -67,7 +70,21 @@ def step_batch(cfg: Any, seed: int = 0) -> Batch:
                                ADVANTAGES: torch.randn(rows, 1, generator=g).expand(rows, new).contiguous()})
 
 
-def engines(model_dir: Path, cfg: Any, overrides: dict[str, Any]) -> tuple[Any, Any]:
+def engines(model_dir: Path, cfg: Any, variant: str) -> tuple[Any, Any]:
+    import hybridrl_fsdp.engine as engine_module
+
+    overrides, replaced = VARIANTS[variant]
+    saved = {name: getattr(engine_module, name) for name in replaced}
+    try:
+        for name, fn in replaced.items():
+            setattr(engine_module, name, fn)
+        return _engines(model_dir, cfg, overrides)
+    finally:
+        for name, fn in saved.items():
+            setattr(engine_module, name, fn)
+
+
+def _engines(model_dir: Path, cfg: Any, overrides: dict[str, Any]) -> tuple[Any, Any]:
     actor_cfg = cfg.roles.actor
     actor = build_engine("train", "fsdp", str(model_dir), "cpu", role="actor",
                          options={"lr": actor_cfg.lr, "grad_clip": actor_cfg.grad_clip,
@@ -91,7 +108,7 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "examples" / "quickstart.yaml"))
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: least disturbed by load)")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated: {', '.join(VARIANTS)}")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_engine_step.json"))
     args = parser.parse_args()
@@ -101,7 +118,7 @@ def main() -> None:
     objective = PolicyObjective(cfg.algorithm, get_registry())
     batch = step_batch(cfg)
     names = args.variants.split(",")
-    runs = {name: train_side(*engines(model_dir, cfg, VARIANTS[name]), batch, objective) for name in names}
+    runs = {name: train_side(*engines(model_dir, cfg, name), batch, objective) for name in names}
     for run in runs.values():  # warm-up
         run()
     if args.profile:
@@ -122,7 +139,7 @@ def main() -> None:
             wall[name].append(time.perf_counter() - w)
             cpu[name].append(time.process_time() - c)
     result = {"config": args.config, "threads": args.threads, "repeats": args.repeats,
-              "variants": {n: {"overrides": VARIANTS[n], "wall_s_median": statistics.median(wall[n]),
+              "variants": {n: {"overrides": VARIANTS[n][0], "replaced": sorted(VARIANTS[n][1]), "wall_s_median": statistics.median(wall[n]),
                                "cpu_s_median": statistics.median(cpu[n]), "cpu_s": cpu[n]} for n in names}}
     base = result["variants"][names[0]]["cpu_s_median"]
     for n in names:

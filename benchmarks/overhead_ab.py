@@ -26,13 +26,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_side(root: Path, python: str, steps: int, skip: int, out_dir: Path, overrides: list[str]) -> list[float]:
-    """One quick-start run of ``root``'s overhead benchmark; the step seconds after the warm-up."""
-    shutil.rmtree(out_dir, ignore_errors=True)
+def run_side(root: Path, python: str, steps: int, skip: int, out_dir: Path, overrides: list[str],
+             attempts: int = 3) -> list[float]:
+    """One quick-start run of ``root``'s overhead benchmark; the step seconds after the warm-up. A run that
+    fails is started again (on a loaded machine Ray's start-up can time out), ``attempts`` times at most."""
     cmd = [python, str(root / "benchmarks" / "overhead.py"), "--steps", str(steps), "--skip", str(skip),
            "--out", str(out_dir.with_suffix(".json")), f"trainer.out={out_dir}", *overrides]
-    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
-    if done.returncode != 0:
+    for attempt in range(1, attempts + 1):
+        shutil.rmtree(out_dir, ignore_errors=True)
+        done = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+        if done.returncode == 0:
+            break
+        print(f"attempt {attempt}/{attempts} of {root.name} failed ({done.returncode}): "
+              f"{done.stderr.strip().splitlines()[-1:] or ''}", flush=True)
+    else:
         sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [float(r["timing/step"]) for r in rows if "timing/step" in r][skip:]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One measurement on the GPU host, after the engine's wheels were unpacked into SITE (see benchmarks/gpu/README.md).
-#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | install | megatron | grpo | model-sizes | lora-7b | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests
+#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | install | megatron | grpo | model-sizes | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests
 # Figures and logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 site=$1 step=$2; shift 2
@@ -24,12 +24,18 @@ case $step in
   lora-7b)  # issue 27: the 7B shape with the README defaults plus roles.actor.lora (add roles.actor.lora.sync=adapter)
         python3 benchmarks/model_sizes.py --sizes 7b --variant lora --budget 585 --timeout 580 --out-dir "$OUT" \
           --log-dir "$OUT" "$@" ;;
+  packing|ragged)  # issue 23: packed against padded micro-batches on the FSDP engine (one process, no rollout)
+        if [ "$step" = ragged ]; then size=${1:-0.5b}; workload=ragged; shift $(( $# < 1 ? $# : 1 ))
+        else size=${1:-0.5b}; workload=${2:-ragged}; shift $(( $# < 2 ? $# : 2 )); fi
+        python3 benchmarks/packing_step.py --size "$size" --workload "$workload" \
+          --out "$OUT/packing_step_${size}_${workload}.json" "$@" 2>&1 | tee "$OUT/packing_step_${size}_${workload}.log" ;;
   install) ;;  # only the editable installs above (do it once before running steps side by side)
   micro) python3 benchmarks/vllm_rollout.py --parts micro --out "$OUT/${TAG:-vllm}_rollout.json" --log-dir "$OUT/${TAG:-vllm}" "$@" ;;
   multi-turn) python3 benchmarks/multi_turn.py --backend "${BACKEND:-vllm}" --shape qwen0.5b \
           --out "$OUT/multi_turn_${BACKEND:-vllm}${TAG:-}.json" "$@" 2>&1 | tee "$OUT/multi_turn_${BACKEND:-vllm}.log" ;;
   reshard-profile) python3 benchmarks/reshard_profile.py --out "$OUT/reshard_profile${TAG:-}.json" "$@" ;;
   gpu-tests) python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/vllm/test_copy_plan.py tests/fsdp/test_fsdp_cuda.py tests/fsdp/test_fsdp_lora.py \
+          tests/fsdp/test_packing_benchmark.py \
           tests/e2e/test_out_of_memory.py "$@" 2>&1 | tee "$OUT/gpu_tests.log" ;;
   sglang-tests)  # one pytest per file: a run cut short by the device's time still reports the first file's failures
           for f in tests/sglang/test_sglang_engine.py tests/sglang/test_sglang_kit.py; do
