@@ -96,7 +96,7 @@ class FSDPEngine(TrainEngine):
             self.mesh = init_device_mesh(self.device.type, (ctx.world_size,), mesh_dim_names=("dp",))
             _shard_model(self.model, self.mesh, _mixed_precision(ctx, self.device))
         else:
-            self.model.to(self.device)
+            _own_parameter_storage(self.model)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         offload = self.settings.offload
@@ -606,6 +606,15 @@ def uses_fsdp(world_size: int, device: torch.device) -> bool:
     whole model: FSDP2 would only add a copy of every layer's weights per forward and of its gradients per
     backward, and hooks around each."""
     return world_size > 1 or device.type == "cuda"
+
+
+def _own_parameter_storage(model: nn.Module) -> None:
+    """Every parameter in memory of its own, as FSDP2's sharding would leave it: weights loaded from a checkpoint
+    can be views of the memory-mapped file, whose storage the offload policy cannot resize."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.untyped_storage().resizable():
+                param.data = param.data.clone()
 
 
 def _mixed_precision(ctx: EngineContext, device: torch.device) -> MixedPrecisionPolicy | None:
