@@ -31,7 +31,8 @@ def test_the_first_signal_asks_for_a_stop_and_the_second_stops_at_once(signum: i
         with pytest.raises(second):
             os.kill(os.getpid(), signum)
             time.sleep(1)
-    assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN) or callable(signal.getsignal(signal.SIGTERM))
+    handler = signal.getsignal(signal.SIGTERM)
+    assert handler in (signal.SIG_DFL, signal.SIG_IGN) or callable(handler)
 
 
 def test_sigterm_outside_the_loop_unwinds_and_signals_are_held_during_shutdown() -> None:
@@ -49,8 +50,9 @@ def test_sigterm_outside_the_loop_unwinds_and_signals_are_held_during_shutdown()
 
 
 def test_a_disk_fault_is_told_from_other_errors(tmp_path: Path) -> None:
-    assert disk_problem(tmp_path, OSError(errno.ENOSPC, "No space left on device")).startswith("no space left on device")
-    assert disk_problem(tmp_path, OSError(errno.EROFS, "Read-only file system")) == "not writable (read-only file system)"
+    full, read_only = OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EROFS, "Read-only file system")
+    assert disk_problem(tmp_path, full).startswith("no space left on device")
+    assert disk_problem(tmp_path, read_only) == "not writable (read-only file system)"
     remote = RuntimeError("ray::RoleWorker.call() ... OSError: [Errno 28] No space left on device: '/x/__0_0.distcp'")
     assert disk_problem(tmp_path, remote).startswith("no space left on device")
     assert disk_problem(tmp_path, ValueError("shapes do not match")) is None  # not the disk's doing

@@ -284,7 +284,8 @@ def test_a_failed_save_leaves_the_previous_checkpoint_loadable(full_run, resumed
 
     with monkeypatch.context() as patch:
         patch.setattr(checkpoint, "save_driver_state", disk_full)
-        with pytest.raises(checkpoint.CheckpointError, match=r"step \d+ in .*checkpoints.: no space left on device") as err:
+        full = r"step \d+ in .*checkpoints.: no space left on device"
+        with pytest.raises(checkpoint.CheckpointError, match=full) as err:
             trainer.save()
         assert f"The previous checkpoint, {root / 'step_000002'}, is intact" in str(err.value)
     assert sorted(p.name for p in root.iterdir()) == [LATEST, "step_000002"]

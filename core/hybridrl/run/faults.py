@@ -87,7 +87,8 @@ def dead_workers(groups: dict[str, Any], exc: BaseException | None = None, timeo
 
     unique = list({id(g): g for g in groups.values()}.values())
     actor_id = getattr(exc, "actor_id", None)
-    named = [(g, r) for g in unique for r, w in enumerate(g.workers) if actor_id is not None and _actor_id(w) == actor_id]
+    named = [(g, r) for g in unique for r, w in enumerate(g.workers)
+             if actor_id is not None and _actor_id(w) == actor_id]
     if named:
         return named
     pings = {w.peak_memory_mb.remote(): (g, r) for g in unique for r, w in enumerate(g.workers)}
@@ -165,7 +166,8 @@ def first_line(exc: BaseException) -> str:
 # --- disks ---------------------------------------------------------------------------------------------
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-_NOT_WRITABLE = {errno.EROFS: "read-only file system", errno.EACCES: "permission denied", errno.EPERM: "permission denied"}
+_NOT_WRITABLE = {errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                 errno.EPERM: "permission denied"}
 _TEXT = (("no space left on device", "no space left on device"), ("disk quota exceeded", "no space left on device"),
          ("read-only file system", "not writable (read-only file system)"),
          ("permission denied", "not writable (permission denied)"))
