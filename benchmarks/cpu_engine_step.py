@@ -139,7 +139,8 @@ def main() -> None:
             wall[name].append(time.perf_counter() - w)
             cpu[name].append(time.process_time() - c)
     result = {"config": args.config, "threads": args.threads, "repeats": args.repeats,
-              "variants": {n: {"overrides": VARIANTS[n][0], "replaced": sorted(VARIANTS[n][1]), "wall_s_median": statistics.median(wall[n]),
+              "variants": {n: {"overrides": VARIANTS[n][0], "replaced": sorted(VARIANTS[n][1]),
+                               "wall_s_median": statistics.median(wall[n]),
                                "cpu_s_median": statistics.median(cpu[n]), "cpu_s": cpu[n]} for n in names}}
     base = result["variants"][names[0]]["cpu_s_median"]
     for n in names:
