@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Callable[..., Any]]]] = {
     "default": ({}, {}),
     "padded": ({"packing": False}, {}),
+    "plain_head": ({"fused_lm_head": False}, {}),
+    "padded_plain_head": ({"packing": False, "fused_lm_head": False}, {}),
     "fsdp_on_one_rank": ({}, {"uses_fsdp": lambda world_size, device: True}),
     "adamw_unfused": ({}, {"fused_adamw": lambda params: None}),
 }
