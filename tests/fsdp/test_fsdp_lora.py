@@ -172,3 +172,29 @@ def test_lora_on_cuda(tmp_path):
     proc = subprocess.run([sys.executable, str(worker), str(free_port()), str(tmp_path)], capture_output=True,
                           text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_reference_forward_first_leaves_the_adapters_gradients_fp32_under_mixed_precision(process_group,
+                                                                                             tiny_model):
+    """The GPU layout on CPU: a bf16 frozen base with fp32 adapters under FSDP2's mixed precision, whose groups
+    fix their gradient dtypes at the first forward; the step's first forward is the reference's (adapters
+    disabled). The training backward after it must give fp32 gradients (it failed on the H200 at 7B:
+    'attempting to assign a gradient with dtype BFloat16 to a tensor with grad_dtype Float')."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl_fsdp.lora import Adapters
+
+    lora = Adapters(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), SPEC,
+                    base_dtype=torch.bfloat16)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in lora.model.base_model.model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(lora.model, mp_policy=policy)
+    ids = torch.randint(0, lora.model.config.vocab_size, (2, 8))
+    with torch.no_grad(), lora.disabled():
+        lora.model(input_ids=ids)
+    lora.model(input_ids=ids).logits.float().sum().backward()
+    grads = {n: p.grad for n, p in lora.model.named_parameters() if p.grad is not None}
+    assert grads and set(grads) <= lora.adapter_params
+    assert {g.dtype for g in grads.values()} == {torch.float32}

@@ -19,7 +19,7 @@ Checkpoints hold the adapters and their optimizer state only (``trainable_state`
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -83,9 +83,17 @@ class Adapters:
             name = name[len(PEFT_PREFIX):]
         return name.replace(_BASE, ".")
 
-    def disabled(self) -> AbstractContextManager:
-        """Forwards inside run the frozen base alone (the reference policy)."""
-        return self.model.disable_adapter()
+    @contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Forwards inside run the frozen base alone (the reference policy). peft's ``disable_adapter`` also
+        turns the adapters' ``requires_grad`` off; FSDP2 fixes each group's gradient dtypes at the root's first
+        forward from the parameters that require grad then, so a reference forward coming first left the
+        adapters' groups reducing bf16 gradients into fp32 parameters. The flag goes back on inside."""
+        with self.model.disable_adapter():
+            for name, param in self.model.named_parameters():
+                if name in self.adapter_params:
+                    param.requires_grad_(True)
+            yield
 
     # --- what the engine exports -------------------------------------------------------------------------
     def named_tensors(self, tensor_of: TensorOf, merged: bool = True, dtype: torch.dtype | None = None
