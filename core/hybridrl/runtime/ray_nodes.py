@@ -31,7 +31,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -344,19 +343,9 @@ def _stop_record(record: NodeRecord, grace_s: float = STOP_GRACE_S) -> None:
     ``grace_s``. The tree is read first: a child whose parent went is still found."""
     import psutil
 
-    procs = node_processes(record)
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    _, left = psutil.wait_procs(procs, timeout=grace_s)
-    for proc in left:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(left, timeout=grace_s)
+    from hybridrl.runtime.watchdog import terminate_then_kill
+
+    terminate_then_kill(psutil, node_processes(record), grace_s)
 
 
 def raylet_of(record: NodeRecord) -> Any | None:

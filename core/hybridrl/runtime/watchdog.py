@@ -64,19 +64,25 @@ def stop(psutil: Any, known: dict[int, float], grace_s: float = GRACE_S) -> list
                 alive.append(proc)
         except psutil.Error:
             continue
-    for proc in alive:
+    terminate_then_kill(psutil, alive, grace_s)
+    return [p.pid for p in alive]
+
+
+def terminate_then_kill(psutil: Any, procs: list[Any], grace_s: float) -> None:
+    """SIGTERM ``procs`` (psutil processes), SIGKILL those still running after ``grace_s``; one that is gone
+    already is no error."""
+    for proc in procs:
         try:
             proc.send_signal(signal.SIGTERM)
         except psutil.Error:
             pass
-    _, left = psutil.wait_procs(alive, timeout=grace_s)
+    _, left = psutil.wait_procs(procs, timeout=grace_s)
     for proc in left:
         try:
             proc.kill()
         except psutil.Error:
             pass
     psutil.wait_procs(left, timeout=grace_s)
-    return [p.pid for p in alive]
 
 
 def remove_session(session: Path) -> None:
