@@ -28,7 +28,7 @@ def test_quickstart_with_tensor_parallel_megatron(tmp_path: Path) -> None:
                            "roles.rollout.log_probs=true"],  # rollout/logp_diff reads them (auto: off without TIS)
                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "actor[megatron] rank 1/2, ref[megatron] rank 1/2, rollout[hf] rank 1/2" in proc.stdout
+    assert "actor[megatron] ranks 0-1/2, ref[megatron] ranks 0-1/2, rollout[hf] ranks 0-1/2" in proc.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     for row in rows:

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridrl.run import checkpoint as ckpt
+from hybridrl.runtime.device_map import DEVICE_MAP_FILE
 
 #: what a run writes before its first step; a folder holding only these has nothing to lose.
-START_UP_ENTRIES = frozenset({"config.json", "init_model", "reward_model", "samples.jsonl"})
+START_UP_ENTRIES = frozenset({"config.json", "init_model", "reward_model", "samples.jsonl", DEVICE_MAP_FILE})
 #: what a run records as it trains; a folder holding any of these holds a previous run.
 RECORD_ENTRIES = frozenset({"metrics.jsonl", ckpt.CHECKPOINTS, "tensorboard", "wandb", "mlruns", "report"})
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Protocol
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.roles import trainable_roles
 from hybridrl.run import checkpoint as ckpt
-from hybridrl.run.faults import BadStepGuard, StopRequest, explain_failure, stop_on_interrupt
+from hybridrl.run.faults import BadStepGuard, RunFailure, StopRequest, explain_failure, stop_on_interrupt
 from hybridrl.runtime.group import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -130,8 +130,10 @@ class StepGuard:
         try:
             yield
         except Exception as exc:
-            from hybridrl.run.oom import memory_stop
+            from hybridrl.run.oom import OutOfMemoryStop, memory_stop
 
+            if isinstance(exc, (OutOfMemoryStop, RunFailure)):  # explained already, by a guard inside this one
+                raise
             oom = memory_stop(exc, self.plan, step() if step is not None else None,
                               self.checkpointer.last_checkpoint_message())
             if oom is not None:

@@ -76,8 +76,12 @@ def render_device_map(groups: Iterable["WorkerGroup"]) -> str:
     return "\n".join(lines)
 
 
+#: the file in ``trainer.out`` (written anew at each start: a run folder holding it alone has nothing to lose)
+DEVICE_MAP_FILE = "device_map.json"
+
+
 def write_device_map(out: str | Path, groups: Iterable["WorkerGroup"]) -> Path:
-    path = Path(out) / "device_map.json"
+    path = Path(out) / DEVICE_MAP_FILE
     path.write_text(json.dumps(map_rows(groups), indent=2))
     return path
 
