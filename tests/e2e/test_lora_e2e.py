@@ -49,7 +49,13 @@ def adapter_bytes(policy: dict[str, torch.Tensor]) -> int:
                if ".layers." in n and n.endswith("_proj.weight"))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+#: the layouts CI runs; the others are minutes more of CPU each (``HYBRIDRL_SLOW=1`` runs them too)
+ON_DEMAND = [pytest.mark.slow, pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW"),
+                                                  reason="minutes of CPU: set HYBRIDRL_SLOW=1 to run")]
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name == "colocated-adapter" else ON_DEMAND)
+                                    for name in LAYOUTS])
 def test_rollout_holds_the_lora_policy_after_every_sync(layout, tmp_path, ray_local):
     overrides, sync, bridge = LAYOUTS[layout]
     cfg = load_config(QUICKSTART, [*SMALL, *overrides, f"trainer.out={tmp_path}"])

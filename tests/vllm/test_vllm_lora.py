@@ -6,6 +6,7 @@ its own samples the actor's."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -73,8 +74,14 @@ LAYOUTS = {
 }
 
 
+#: the layouts CI runs; the others are minutes more of CPU each (``HYBRIDRL_SLOW=1`` runs them too)
+ON_DEMAND = [pytest.mark.slow, pytest.mark.skipif(not os.environ.get("HYBRIDRL_SLOW"),
+                                                  reason="minutes of CPU: set HYBRIDRL_SLOW=1 to run")]
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name == "colocated-adapter" else ON_DEMAND)
+                                    for name in LAYOUTS])
 @pytest.mark.vllm
-@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_rollout_serves_the_lora_policy_after_every_sync(layout, tmp_path, ray_local):
     from hybridrl.config import load_config
     from hybridrl.plugins.discovery import get_registry
