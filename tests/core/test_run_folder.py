@@ -121,3 +121,13 @@ def test_a_folder_that_cannot_be_written_is_found_before_anything_starts(read_on
     reason = reasons(plan_run_folder(read_only_folder / "run", "auto"))["trainer.out"]
     assert "is not writable" in reason
     assert not_writable(read_only_folder.parent) is None
+
+
+def test_the_device_map_of_a_start_is_nothing_to_lose(tmp_path: Path) -> None:
+    from hybridrl.run.run_folder import previous_run
+    from hybridrl.runtime.device_map import DEVICE_MAP_FILE
+
+    (tmp_path / DEVICE_MAP_FILE).write_text("[]")
+    assert previous_run(tmp_path) == []
+    (tmp_path / "notes.txt").write_text("mine")
+    assert previous_run(tmp_path) == ["notes.txt (not a run's)"]

@@ -48,6 +48,8 @@ def previous_run(out: Path) -> list[str]:
             continue
         elif name in START_UP_ENTRIES and entry.is_dir():
             continue  # the tiny models: rebuilt from the config, or refused by their builder if foreign
+        elif name == DEVICE_MAP_FILE:
+            continue  # written anew at each start
         else:
             held.append(f"{name}{'/' if entry.is_dir() else ''} (not a run's)")
     return held
