@@ -60,8 +60,8 @@ def _plan_memory(args: argparse.Namespace, cfg: RunConfig, plan, registry, backe
     from pathlib import Path
 
     from hybridrl.placement.auto import resolve_auto
-    from hybridrl.placement.memory import (MemoryEstimateError, device_memory_bytes, model_shape, model_shapes_by_role,
-                                           render_memory)
+    from hybridrl.placement.memory import (GIB, MemoryEstimateError, device_memory_bytes, model_shape,
+                                           model_shapes_by_role, render_memory)
 
     here = Path(args.config).resolve().parent
     bases = (here, here.parent)  # model.path relative to the config's folder, or to the project holding it
@@ -74,7 +74,10 @@ def _plan_memory(args: argparse.Namespace, cfg: RunConfig, plan, registry, backe
         auto = resolve_auto(cfg, plan, registry, names, None, device_bytes)
         plan.memory_table = f"memory estimate: skipped ({exc})"
         return auto.notes()
-    auto = resolve_auto(cfg, plan, registry, names, shape, device_bytes, source, model_shapes_by_role(cfg, bases))
+    host_gib = args.host_memory if args.host_memory is not None else cfg.cluster.host_memory_gb
+    host_bytes = None if host_gib is None else host_gib * GIB
+    auto = resolve_auto(cfg, plan, registry, names, shape, device_bytes, source, model_shapes_by_role(cfg, bases),
+                        host_bytes)
     if auto.problems:
         raise ConfigError(auto.problems)
     tables = ([render_memory(auto.estimate)] if auto.estimate is not None else []) + _reshard_lines(cfg, plan, shape)
@@ -244,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device-memory", type=float, metavar="GIB",
                       help="memory of one device in GiB for the estimate "
                            "(default: cluster.device_memory_gb, else 80 on cuda)")
+    plan.add_argument("--host-memory", type=float, metavar="GIB",
+                      help="host memory of one node in GiB, checked against what offloading and a sleeping rollout "
+                           "keep there (default: cluster.host_memory_gb, else not checked)")
     plan.add_argument("--model-config", metavar="PATH", help="HF config.json (or its folder) to size the model from")
     plan.set_defaults(func=cmd_plan)
     report = sub.add_parser("report", help="plots and a Markdown summary of a run, in RUN/report/")

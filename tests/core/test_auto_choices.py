@@ -34,13 +34,15 @@ roles:
     return load_config(cfg, list(overrides))
 
 
-def resolve(cfg: RunConfig, device_bytes: float | None = H200, device: str = "cuda", registry=None):
+def resolve(cfg: RunConfig, device_bytes: float | None = H200, device: str = "cuda", registry=None,
+            host_bytes: float | None = None):
     registry = registry or get_registry(tuple(cfg.plugins))
     backends, problems = resolve_backends(cfg, registry, check_engines=False)
     assert not problems
     plan = plan_placement(cfg, ClusterSpec(1, 1, device, declared=True), backends)
     shape = shape_from_hf_config(read_hf_config(cfg.model.path))
-    result = resolve_auto(cfg, plan, registry, {r: e.name for r, e in backends.items()}, shape, device_bytes)
+    result = resolve_auto(cfg, plan, registry, {r: e.name for r, e in backends.items()}, shape, device_bytes,
+                          host_bytes=host_bytes)
     return result, {c.key: c.value for c in result.choices}
 
 
@@ -171,3 +173,50 @@ def test_the_gen_phase_holds_what_the_engine_maps_back(tmp_path):
     assert pool.phases["gen"] > trainers + rollout.weights + rollout.kv_cache + rollout.graphs
     # asleep, the engine keeps its graphs only: the update phase holds them beside the actor's peak
     assert pool.phases["update_actor"] > roles["actor"].active + roles["ref"].idle + rollout.asleep
+
+
+def test_the_host_memory_that_offloading_fills_is_planned_and_checked(tmp_path):
+    """7B on an H200 offloads the actor's AdamW moments (57 GiB) to the host, beside the rollout's weights asleep:
+    on the GPU host (125 GiB) that fits; on a 64 GiB host the offloading settings are skipped, and a plan whose
+    explicit settings overfill the host says so with the keys that lower it."""
+    from hybridrl.placement.host_memory import HOST_PROCESS_GIB, HOST_USABLE_SHARE
+    from hybridrl.placement.memory import render_memory
+
+    result, choices = resolve(workload("7b", tmp_path=tmp_path), host_bytes=125 * GIB)
+    (need,) = result.estimate.host
+    assert choices["roles.actor.options.offload"] == "optimizer" and need.fits
+    actor = next(m for m in result.estimate.roles if m.role == "actor")
+    rollout = next(m for m in result.estimate.roles if m.role == "rollout")
+    assert need.parts["actor optimizer"] == actor.optimizer > 50 * GIB
+    assert need.parts["rollout weights asleep"] == rollout.weights
+    assert need.total == actor.optimizer + rollout.weights + HOST_PROCESS_GIB * GIB
+    assert "host memory per node, pool default" in render_memory(result.estimate)
+    assert result.cfg.auto["memory"]["host"]["default"]["fits"] is True
+
+    small = 64 * GIB
+    result, choices = resolve(workload("7b", tmp_path=tmp_path), host_bytes=small)  # neither fits: said so
+    reason = next(c.reason for c in result.choices if c.key == "roles.actor.options.offload")
+    assert "nothing fits" in reason and "64 GiB host memory" in reason
+    assert result.estimate.host[0].total > HOST_USABLE_SHARE * small
+    assert any("host memory of a node" in w for w in result.estimate.warnings)
+
+    explicit = workload("7b", "roles.actor.options.offload=all", "roles.ref.options.offload=all", tmp_path=tmp_path)
+    result, _ = resolve(explicit, host_bytes=small)
+    assert result.estimate.host[0].fits is False
+    warning = next(w for w in result.estimate.warnings if "host memory" in w)
+    assert "64 GiB" in warning and "roles.<role>.options.offload" in warning and "actor optimizer" in warning
+
+    # unknown host memory: the need is shown, nothing is refused
+    result, choices = resolve(workload("7b", tmp_path=tmp_path))
+    assert result.estimate.host[0].fits is None and choices["roles.actor.options.offload"] == "optimizer"
+
+
+def test_a_small_host_turns_offloading_into_checkpointing(tmp_path):
+    """1.5B on a 40 GiB device offloads the actor's moments (12 GiB); a host that cannot hold them beside the
+    rollout's weights gets the settings that keep everything on the device instead."""
+    _, roomy = resolve(workload("1.5b", tmp_path=tmp_path), device_bytes=40 * GIB, host_bytes=64 * GIB)
+    assert roomy["roles.actor.options.offload"] == "optimizer"
+    result, tight = resolve(workload("1.5b", tmp_path=tmp_path), device_bytes=40 * GIB, host_bytes=16 * GIB)
+    assert tight["roles.actor.options.offload"] == "none"
+    assert tight["roles.actor.options.gradient_checkpointing"] is True
+    assert result.estimate.host[0].fits and result.estimate.pools[0].fits

@@ -1,7 +1,7 @@
 """CUDA checks of LoRA on the FSDP engine in a fresh process (NCCL group): the frozen base kept in bf16 and the
 adapters in fp32, only the adapters in AdamW, packed bf16 micro-batches (flash varlen) through the peft model,
-the merged export and the adapters in bf16 on the device, the reference view being the base, and offload/onload keeping the
-policy. Run as ``python _lora_cuda_worker.py PORT TMPDIR``; exits non-zero on the first failed check."""
+the merged export and the adapters in bf16 on the device, the reference view being the base, and offload/onload
+keeping the policy. Run as ``python _lora_cuda_worker.py PORT TMPDIR``; exits non-zero on the first failed check."""
 
 from __future__ import annotations
 

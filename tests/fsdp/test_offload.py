@@ -16,7 +16,7 @@ import hybridrl_fsdp.engine as engine_module
 from _fsdp_helpers import PolicyGradient, context, local_tensor, make_batch
 from hybridrl.batch import LOG_PROBS
 from hybridrl_fsdp.engine import FSDPEngine
-from hybridrl_fsdp.offload import HostCopy, OffloadPolicy
+from hybridrl_fsdp.offload import HostCopy, OffloadPolicy, host_buffer
 
 
 def storage_bytes(tensors) -> int:
@@ -60,6 +60,28 @@ def test_host_copy_round_trip_keeps_values_views_and_objects() -> None:
         assert torch.equal(tensor, want)
     base.add_(1.0)  # the objects are live again: the view sees writes to its base
     assert torch.equal(view, expected[1] + 1.0)
+
+
+def test_host_buffers_are_exactly_the_size_asked() -> None:
+    sizes = [272 << 20, (1 << 20) + 1, 0]  # not powers of two: the pinned allocator would round them up
+    for size in sizes:
+        buffer = host_buffer(size, pin=False)
+        assert buffer.dtype == torch.uint8 and buffer.untyped_storage().nbytes() == size
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_host_buffers_are_page_locked_at_their_own_size_and_round_trip() -> None:
+    size = (3 << 20) + 7
+    buffer = host_buffer(size, pin=True)
+    assert buffer.is_pinned() and buffer.untyped_storage().nbytes() == size
+    weights = torch.randn(size // 4 + 1, device="cuda")
+    expected = weights.clone()
+    copy = HostCopy([weights])
+    copy.offload()
+    assert weights.untyped_storage().nbytes() == 0 and copy._host[0].is_pinned()
+    copy.onload()
+    assert torch.equal(weights, expected)
 
 
 def test_frozen_role_with_offload_all_keeps_its_weights_on_the_host_between_forwards(process_group, tiny_model: Path):

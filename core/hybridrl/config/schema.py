@@ -320,6 +320,9 @@ class ClusterConfig(Strict):
     max_colocate_count: int = Field(1, gt=0, description="processes allowed per device")
     device_memory_gb: float | None = Field(
         None, gt=0, description="GiB per device, for the plan's memory estimate (default 80 on cuda)")
+    host_memory_gb: float | None = Field(
+        None, gt=0, description="GiB of host memory per node, for the plan's host line (offloaded state, a rollout "
+                                "asleep; default: this machine's for a run on it)")
     threads_per_worker: int | None = Field(None, gt=0)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from hybridrl.batch import ROLLOUT_LOG_PROBS
 from hybridrl.config import RunConfig
+from hybridrl.placement.host_memory import HOST_USABLE_SHARE, host_needs, host_problems
 from hybridrl.placement.memory import (DEMAND_SIZED_ROLLOUTS, GIB, OFFLOAD_MODES, MemoryEstimate, ModelShape,
                                        TrainSettings, estimate_memory, step_workload, train_settings)
 from hybridrl.placement.plan import PlacementPlan
@@ -203,10 +204,21 @@ def _cost(cfg: RunConfig, shape: ModelShape, role: str, s: TrainSettings, dp: in
     return cost + 2 * moved / HOST_COPY_BYTES_PER_S
 
 
+def _with_host(cfg: RunConfig, plan: PlacementPlan, est: MemoryEstimate, host_bytes: float | None,
+               backends: dict[str, str]) -> MemoryEstimate:
+    """``est`` with what each node's host memory holds (on GPUs: where offloading sends state), and a warning
+    where it does not fit (``hybridrl.placement.host_memory``)."""
+    if plan.cluster.device == "cuda":
+        est.host = host_needs(cfg, plan, est, host_bytes, backends.get("rollout"))
+        est.warnings += host_problems(est.host)
+    return est
+
+
 def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, device_bytes: float | None,
                    backends: dict[str, str], shapes: dict[str, ModelShape] | None = None,
-                   source: str = "") -> AutoResult:
-    """Resolve the memory ``auto`` settings of ``cfg`` (see the module docstring) and estimate the result."""
+                   source: str = "", host_bytes: float | None = None) -> AutoResult:
+    """Resolve the memory ``auto`` settings of ``cfg`` (see the module docstring) and estimate the result;
+    ``host_bytes``: a node's host memory, when known (settings whose offloaded state would not fit are skipped)."""
     result = AutoResult(cfg, problems=option_problems(cfg))
     if result.problems:
         return result
@@ -218,7 +230,8 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
         cfg = _resolve_off(cfg, knobs, result.choices, "CPU" if plan.cluster.device != "cuda" else
                            "no device memory known")
         result.cfg = cfg
-        result.estimate = estimate_memory(cfg, plan, shape, device_bytes, source, shapes)
+        result.estimate = _with_host(cfg, plan, estimate_memory(cfg, plan, shape, device_bytes, source, shapes),
+                                     host_bytes, backends)
         return result
     usable = USABLE_SHARE * device_bytes
     fixed = {r: train_settings(cfg, r) for r in modelled if r not in auto_roles}
@@ -231,9 +244,11 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
 
     def evaluate(index: tuple[int, ...]) -> tuple[bool, float, dict[str, TrainSettings], MemoryEstimate]:
         settings = {**fixed, **{r: per_role[r][i] for r, i in zip(auto_roles, index)}}
-        est = estimate_memory(cfg, plan, shape, device_bytes, source, shapes, settings)
+        est = _with_host(cfg, plan, estimate_memory(cfg, plan, shape, device_bytes, source, shapes, settings),
+                         host_bytes, backends)
         peak = max((p.peak for p in est.pools), default=0.0)
-        return peak <= usable and not _kv_floor_missed(est), peak, settings, est
+        host_fits = all(need.fits is not False for need in est.host)
+        return peak <= usable and host_fits and not _kv_floor_missed(est), peak, settings, est
 
     found = _cheapest_fitting(per_role, auto_roles, cost_of, evaluate)
     if found is not None:
@@ -241,12 +256,15 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
     else:  # nothing fits: the settings that need the least memory, and the plan's warning says so
         least = tuple(min(range(len(per_role[r])), key=lambda i, r=r: _own_memory(per_role[r][i])) for r in auto_roles)
         _, peak, chosen, est = evaluate(least)
-        why = (f"nothing fits {USABLE_SHARE:.0%} of the {device_bytes / GIB:.0f} GiB device; these settings need the "
-               f"least ({peak / GIB:.1f} GiB at the peak)")
+        host = "" if host_bytes is None else \
+            f" and {HOST_USABLE_SHARE:.0%} of the {host_bytes / GIB:.0f} GiB host memory of a node"
+        why = (f"nothing fits {USABLE_SHARE:.0%} of the {device_bytes / GIB:.0f} GiB device{host}; these settings "
+               f"need the least device memory ({peak / GIB:.1f} GiB at the peak)")
     for role in auto_roles:
         cfg = _apply(cfg, role, knobs[role], chosen[role], result.choices, why, est)
     result.cfg = cfg
-    result.estimate = estimate_memory(cfg, plan, shape, device_bytes, source, shapes)
+    result.estimate = _with_host(cfg, plan, estimate_memory(cfg, plan, shape, device_bytes, source, shapes),
+                                 host_bytes, backends)
     return result
 
 
@@ -357,6 +375,9 @@ def memory_summary(est: MemoryEstimate) -> dict[str, Any]:
                            "kv_cache_mb": m.kv_cache / mib, "resident_mb": m.idle / mib,
                            "graphs_mb": m.graphs / mib, "offload": m.offload, "adapters_mb": m.adapters / mib}
                   for m in est.roles},
+        "host": {n.pool: {"per_node_mb": n.total / mib, "parts_mb": {k: v / mib for k, v in n.parts.items()},
+                          "host_mb": None if n.host_bytes is None else n.host_bytes / mib, "fits": n.fits}
+                 for n in est.host},
         "warnings": list(est.warnings),
     }
 
@@ -365,7 +386,7 @@ def memory_summary(est: MemoryEstimate) -> dict[str, Any]:
 
 def resolve_auto(cfg: RunConfig, plan: PlacementPlan, registry: Registry, backends: dict[str, str],
                  shape: ModelShape | None, device_bytes: float | None, source: str = "",
-                 shapes: dict[str, ModelShape] | None = None) -> AutoResult:
+                 shapes: dict[str, ModelShape] | None = None, host_bytes: float | None = None) -> AutoResult:
     """Every ``auto`` of ``cfg``: the rollout's log-probs, its workload, the train roles' memory settings; the
     result's ``cfg`` records them under ``auto`` (``record``). ``shape`` None (no model config to read): the
     memory settings resolve as on a CPU (checkpointing off, nothing offloaded)."""
@@ -378,7 +399,7 @@ def resolve_auto(cfg: RunConfig, plan: PlacementPlan, registry: Registry, backen
         if not result.problems:
             result.cfg = _resolve_off(cfg, knobs, result.choices, "no model config to plan from")
     else:
-        result = resolve_memory(cfg, plan, shape, device_bytes, backends, shapes, source)
+        result = resolve_memory(cfg, plan, shape, device_bytes, backends, shapes, source, host_bytes)
     result.choices = choices + result.choices
     result.cfg = record(result.cfg, result.choices, result.estimate)
     return result

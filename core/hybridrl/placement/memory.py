@@ -367,6 +367,7 @@ class MemoryEstimate:
     roles: list[RoleMemory]
     pools: list[PoolMemory]
     warnings: list[str] = field(default_factory=list)
+    host: list[Any] = field(default_factory=list)  # HostNeed per pool (``hybridrl.placement.host_memory``)
 
 
 def train_role_memory(cfg: RunConfig, role: str, pool: str, shape: ModelShape, dp: int, compute_bytes: int,
@@ -644,6 +645,9 @@ def render_memory(est: MemoryEstimate) -> str:
                  "CUDA graphs kept) while the trainers work and maps its weights and KV cache back at gen; the "
                  "trainers' weights and optimizer states stay resident unless offloaded; a device's peak is its "
                  f"largest phase, not the sum of its roles{context}")
+    from hybridrl.placement.host_memory import render_host  # it reads this module's types
+
+    lines += render_host(est.host)
     lines += [f"WARNING: {w}" for w in est.warnings]
     return "\n".join(lines)
 

@@ -315,9 +315,10 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
 def resolve_run_auto(cfg: RunConfig, plan: PlacementPlan, registry: Registry, backends: dict[str, BackendEntry],
                      declared_memory_gib: float | None = None):
     """The run's ``auto`` settings (``hybridrl.placement.auto``), planned against this machine's device memory
-    (``cluster.device_memory_gb`` when declared); the memory table is added to the printed device map, and the
-    estimate kept with the plan (an out-of-memory answer quotes it)."""
+    (``cluster.device_memory_gb`` when declared) and host memory (``cluster.host_memory_gb``); the memory table
+    is added to the printed device map, and the estimate kept with the plan (an out-of-memory answer quotes it)."""
     from hybridrl.placement.auto import resolve_auto
+    from hybridrl.placement.host_memory import host_memory_bytes
     from hybridrl.placement.memory import (GIB, MemoryEstimateError, device_memory_bytes, local_device_memory_bytes,
                                            model_shape, model_shapes_by_role, render_memory)
 
@@ -331,7 +332,9 @@ def resolve_run_auto(cfg: RunConfig, plan: PlacementPlan, registry: Registry, ba
     except MemoryEstimateError:
         shape, source = None, ""
     names = {role: entry.name for role, entry in backends.items()}
-    auto = resolve_auto(cfg, plan, registry, names, shape, device_bytes, source, model_shapes_by_role(cfg))
+    host_bytes = host_memory_bytes(cfg.cluster.host_memory_gb, local=not plan.cluster.declared)
+    auto = resolve_auto(cfg, plan, registry, names, shape, device_bytes, source, model_shapes_by_role(cfg),
+                        host_bytes)
     plan.memory = auto.estimate
     if auto.estimate is not None:
         plan.memory_table = render_memory(auto.estimate)

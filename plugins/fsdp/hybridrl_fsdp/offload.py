@@ -1,7 +1,8 @@
 """Moving a train engine's state to host memory while other roles use the device, and back (``options.offload``).
 
 ``HostCopy`` holds a set of tensors whose *storage* goes to host memory: the bytes are copied into host
-buffers (pinned when the device is a GPU, allocated once and reused), then the device storage is resized to
+buffers (pinned when the device is a GPU, allocated once, exactly the size asked, and reused: ``host_buffer``),
+then the device storage is resized to
 nothing; coming back, it is resized and the bytes copied in. The tensor objects themselves never change, so
 every view of them (FSDP2's DTensor shards are views of a padded flat buffer, AdamW's moments are looked up by
 parameter) stays valid; only their device addresses may differ after ``onload``. The same code runs on a CPU
@@ -16,6 +17,7 @@ its update and the weight export that follows it).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -34,6 +36,25 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """A 1-D uint8 tensor over the whole of ``storage``."""
     out = torch.empty(0, dtype=torch.uint8, device=storage.device)
     return out.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A host byte buffer of exactly ``nbytes``, page-locked when ``pin`` (asynchronous copies to and from a GPU).
+
+    Not ``torch.empty(..., pin_memory=True)``: PyTorch's pinned allocator rounds every request up to a power of
+    two, so a 7B model's AdamW moments (56.7 GiB, tensors of 272 MB rounded to 512 MB) would take about 110 GiB;
+    the 7B run on a 125 GiB host lost its worker to the kernel while it loaded. A plain allocation registered
+    with CUDA is pinned at its own size; it is unregistered when the buffer is collected."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if not pin or nbytes == 0:
+        return buffer
+    cudart = torch.cuda.cudart()
+    pointer = buffer.data_ptr()
+    error = cudart.cudaHostRegister(pointer, nbytes, 1)  # cudaHostRegisterPortable
+    if int(error) != 0:  # registration refused (a locked-memory limit): PyTorch's pinned allocator, rounded up
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    weakref.finalize(buffer, cudart.cudaHostUnregister, pointer)
+    return buffer
 
 
 class HostCopy:
@@ -68,7 +89,7 @@ class HostCopy:
         pin = self._device().type == "cuda"
         for i, holder in enumerate(self._holders):
             if self._host[i] is None:
-                self._host[i] = torch.empty(self._sizes[i], dtype=torch.uint8, pin_memory=pin)
+                self._host[i] = host_buffer(self._sizes[i], pin)
             self._host[i].copy_(_bytes_of(holder.untyped_storage()), non_blocking=pin)
         _synchronize(self._device())
         for holder in self._holders:
