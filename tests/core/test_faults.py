@@ -73,3 +73,17 @@ def test_a_cluster_address_that_does_not_answer_is_reported_without_a_traceback(
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"cluster.address: the address '127.0.0.1:{port}' does not answer (connection refused)" in proc.stderr
     assert "Traceback" not in proc.stderr  # Ray's own client retried for about 25 s, then raised
+
+
+def test_a_worker_that_died_while_its_engine_started_is_explained_as_such():
+    """Ray reports a worker the kernel killed (host memory exhausted) as ``ActorDiedError`` with no Python error
+    of the engine's: the one line names the role and backend and says what most likely happened and what to do."""
+    from ray.exceptions import ActorDiedError
+
+    from hybridrl.runtime.launch import engine_start_error
+
+    died = str(engine_start_error("ref", "fsdp", ActorDiedError()))
+    assert died.startswith("roles.ref: the 'fsdp' engine did not start: ActorDiedError")
+    assert "host runs out of memory" in died and "cluster.host_memory_gb" in died
+    refused = str(engine_start_error("actor", "fsdp", ValueError("roles.actor.options.head: 'tail' is not a head")))
+    assert "host" not in refused and refused.endswith("'tail' is not a head")

@@ -27,11 +27,18 @@ class EngineStartError(RuntimeError):
     wrapping of it."""
 
 
+#: what a worker that vanished without a Python error most often met while its engine started.
+DIED_HINT = ("the worker process ended without a Python error: on Linux the kernel kills a process when the host "
+             "runs out of memory (see dmesg); the device map's 'host memory per node' line is the plan's count "
+             "(offload less, or set cluster.host_memory_gb so that the plan checks it)")
+
+
 def engine_start_error(role: str, backend: str, exc: BaseException) -> EngineStartError:
     cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the engine's exception as ``cause``
     text = str(cause).strip().splitlines()
+    hint = f" ({DIED_HINT})" if type(cause).__name__ == "ActorDiedError" else ""
     return EngineStartError(f"roles.{role}: the '{backend}' engine did not start: {type(cause).__name__}: "
-                            f"{text[0] if text else '(no message)'}")
+                            f"{text[0] if text else '(no message)'}{hint}")
 
 
 def role_options(cfg: RunConfig, role: str) -> dict[str, Any]:
