@@ -88,3 +88,16 @@ def test_rejects_inconsistent_head_counts(tmp_path):
         build_tiny_model(CFG.model_copy(update={"num_kv_heads": 3}), tmp_path / "m")
     with pytest.raises(ValueError, match="num_heads"):
         build_tiny_model(CFG.model_copy(update={"num_heads": 5, "num_kv_heads": 1}), tmp_path / "m")
+
+
+def test_init_std_sets_the_spread_of_the_weights_and_the_default_keeps_old_folders(tmp_path):
+    """``init_std`` is the spread the weights are drawn with (the tied head's size: the largest logit a frozen
+    base can give); at its default the folder's marker is the one written before the key existed."""
+    default = build_tiny_model(CFG, tmp_path / "default")
+    wide = build_tiny_model(CFG.model_copy(update={"init_std": 0.08}), tmp_path / "wide")
+    spread = {name: float(_weights(folder)["model.embed_tokens.weight"].std()) for name, folder in
+              (("default", default), ("wide", wide))}
+    assert spread["default"] == pytest.approx(0.02, rel=0.15) and spread["wide"] == pytest.approx(0.08, rel=0.15)
+    assert json.loads((wide / "config.json").read_text())["initializer_range"] == 0.08
+    assert "init_std" not in json.loads((default / MARKER).read_text())["config"]
+    assert json.loads((wide / MARKER).read_text())["config"]["init_std"] == 0.08

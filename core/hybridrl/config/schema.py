@@ -35,6 +35,8 @@ class TinyModelConfig(Strict):
     intermediate_size: int = Field(256, gt=0)
     max_position: int = Field(128, gt=0)
     seed: int = 0
+    init_std: float = Field(0.02, gt=0, description="std of the random weights (HF initializer_range): the tied "
+                                                   "output head's size, which caps the logits of a frozen base")
     tokenizer: str = Field("char", min_length=1, description="char: the bundled character tokenizer; char_chat: "
                                                              "it with role tokens and a chat template; or a folder "
                                                              "holding a saved tokenizer (its vocabulary sizes the "

@@ -31,6 +31,10 @@ FORMAT_VERSION = 1
 BUNDLED_TOKENIZERS = ("char", "char_chat")
 
 
+#: transformers' default initializer_range, the tiny model's unless ``model.tiny.init_std`` says otherwise.
+DEFAULT_INIT_STD = 0.02
+
+
 def tiny_tokenizer(cfg: TinyModelConfig) -> Any:
     """The tokenizer a tiny model is built with: the bundled character one (``char``), its chat variant
     (``char_chat``), or the one saved in the folder ``cfg.tokenizer``."""
@@ -67,6 +71,8 @@ def _spec(cfg: TinyModelConfig, tokenizer: Any) -> dict[str, Any]:
         spec["chat_template_sha256"] = hashlib.sha256(str(getattr(tokenizer, "chat_template", "")).encode()).hexdigest()
     else:
         del config["tokenizer"]
+    if cfg.init_std == DEFAULT_INIT_STD:  # as before the key existed: those folders are reused
+        del config["init_std"]
     return spec
 
 
@@ -100,6 +106,7 @@ def tiny_hf_config(cfg: TinyModelConfig, tokenizer: Any | None = None) -> Any:
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=cfg.max_position,
+        initializer_range=cfg.init_std,
         tie_word_embeddings=True,
         use_sliding_window=False,
         bos_token_id=tokenizer.bos_token_id,
