@@ -138,7 +138,6 @@ def test_checkpoint_resume_and_export(tmp_path):
 
 
 # --- the quick start with LoRA learns (the acceptance bar) --------------------------------------------
-#: rank and learning rate of the LoRA quick start (10x the full model's lr: the adapters start at zero)
 #: the quick start's LoRA recipe (README, "LoRA"; why the temperature and the KL: the frozen random head caps the
 #: logits): last-10 mean reward 0.97 at step 300 on CPU
 LORA_QUICKSTART = ["roles.actor.lora={rank: 16}", "roles.actor.lr=2e-3", "roles.rollout.temperature=0.3",
