@@ -177,8 +177,8 @@ def test_the_gen_phase_holds_what_the_engine_maps_back(tmp_path):
 
 def test_the_host_memory_that_offloading_fills_is_planned_and_checked(tmp_path):
     """7B on an H200 offloads the actor's AdamW moments (57 GiB) to the host, beside the rollout's weights asleep:
-    on the GPU host (125 GiB) that fits; on a 64 GiB host the offloading settings are skipped, and a plan whose
-    explicit settings overfill the host says so with the keys that lower it."""
+    on the GPU host (125 GiB) that fits; a 64 GiB host fits no setting, so the device's choice stands with a
+    warning, and a plan whose explicit settings overfill the host says so with the keys that lower it."""
     from hybridrl.placement.host_memory import HOST_PROCESS_GIB, HOST_USABLE_SHARE
     from hybridrl.placement.memory import render_memory
 
@@ -194,9 +194,9 @@ def test_the_host_memory_that_offloading_fills_is_planned_and_checked(tmp_path):
     assert result.cfg.auto["memory"]["host"]["default"]["fits"] is True
 
     small = 64 * GIB
-    result, choices = resolve(workload("7b", tmp_path=tmp_path), host_bytes=small)  # neither fits: said so
-    reason = next(c.reason for c in result.choices if c.key == "roles.actor.options.offload")
-    assert "nothing fits" in reason and "64 GiB host memory" in reason
+    result, choices = resolve(workload("7b", tmp_path=tmp_path), host_bytes=small)  # the host fits nothing
+    assert choices == resolve(workload("7b", tmp_path=tmp_path))[1]  # so the device's choices, and a warning
+    assert any("the host memory does not fit" in c.reason for c in result.choices)
     assert result.estimate.host[0].total > HOST_USABLE_SHARE * small
     assert any("host memory of a node" in w for w in result.estimate.warnings)
 
@@ -220,3 +220,45 @@ def test_a_small_host_turns_offloading_into_checkpointing(tmp_path):
     assert tight["roles.actor.options.offload"] == "none"
     assert tight["roles.actor.options.gradient_checkpointing"] is True
     assert result.estimate.host[0].fits and result.estimate.pools[0].fits
+
+
+def test_host_memory_counts_every_device_of_a_node(tmp_path):
+    """On 8 GPUs a node holds eight shards of what is offloaded (the whole of it) and eight worker processes."""
+    from hybridrl.placement.host_memory import HOST_PROCESS_GIB
+
+    cfg = workload("7b", "roles.actor.options.offload=all", "roles.ref.options.offload=all",
+                   "pools={default: {nodes: 1, devices_per_node: 8}}", tmp_path=tmp_path)
+    registry = get_registry(tuple(cfg.plugins))
+    backends, _ = resolve_backends(cfg, registry, check_engines=False)
+    plan = plan_placement(cfg, ClusterSpec(1, 8, "cuda", declared=True), backends)
+    shape = shape_from_hf_config(read_hf_config(cfg.model.path))
+    result = resolve_auto(cfg, plan, registry, {r: e.name for r, e in backends.items()}, shape, H200,
+                          host_bytes=512 * GIB)
+    (need,) = result.estimate.host
+    n = shape.param_count()
+    assert need.devices_per_node == 8
+    assert need.parts["actor optimizer"] == pytest.approx(8 * n)  # two fp32 moments, all eight shards
+    assert need.parts["actor weights"] == pytest.approx(4 * n) and need.parts["ref weights"] == pytest.approx(2 * n)
+    assert need.parts["worker processes"] == 8 * HOST_PROCESS_GIB * GIB
+
+
+def test_a_host_that_nothing_fits_does_not_change_what_fits_the_device(tmp_path):
+    """8 rollouts asleep hold 8 copies of 7B weights on the host: on a 125 GiB node no setting fits the host, so the
+    choices are the device's own (never more offloading to please the host) and the warning says why."""
+    cfg = workload("7b", "pools={default: {nodes: 1, devices_per_node: 8}}", tmp_path=tmp_path)
+    registry = get_registry(tuple(cfg.plugins))
+    backends, _ = resolve_backends(cfg, registry, check_engines=False)
+    plan = plan_placement(cfg, ClusterSpec(1, 8, "cuda", declared=True), backends)
+    shape = shape_from_hf_config(read_hf_config(cfg.model.path))
+    names = {r: e.name for r, e in backends.items()}
+
+    def choose(host_bytes):
+        result = resolve_auto(cfg, plan, registry, names, shape, H200, host_bytes=host_bytes)
+        return result, {c.key: c.value for c in result.choices}
+
+    _, unknown = choose(None)
+    result, small = choose(125 * GIB)
+    assert small == unknown
+    assert any("the host memory does not fit" in c.reason for c in result.choices)
+    assert result.estimate.host[0].fits is False and "rollout weights asleep" in result.estimate.host[0].parts
+    assert any("host memory of a node" in w for w in result.estimate.warnings)

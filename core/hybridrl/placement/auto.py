@@ -242,17 +242,22 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
     per_role = {r: sorted(_candidates(cfg, r, knobs[r]), key=lambda s, r=r: (cost_of(r, s), -s.tokens))
                 for r in auto_roles}
 
-    def evaluate(index: tuple[int, ...]) -> tuple[bool, float, dict[str, TrainSettings], MemoryEstimate]:
+    def evaluate(index: tuple[int, ...], check_host: bool = True
+                 ) -> tuple[bool, float, dict[str, TrainSettings], MemoryEstimate]:
         settings = {**fixed, **{r: per_role[r][i] for r, i in zip(auto_roles, index)}}
         est = _with_host(cfg, plan, estimate_memory(cfg, plan, shape, device_bytes, source, shapes, settings),
                          host_bytes, backends)
         peak = max((p.peak for p in est.pools), default=0.0)
-        host_fits = all(need.fits is not False for need in est.host)
+        host_fits = not check_host or all(need.fits is not False for need in est.host)
         return peak <= usable and host_fits and not _kv_floor_missed(est), peak, settings, est
 
     found = _cheapest_fitting(per_role, auto_roles, cost_of, evaluate)
+    why = "the cheapest settings whose every phase fits"
+    if found is None and host_bytes is not None:  # the host is what no setting fits: fit the device, and warn
+        found = _cheapest_fitting(per_role, auto_roles, cost_of, lambda index: evaluate(index, check_host=False))
+        why = "the cheapest settings whose every phase fits the device (the host memory does not fit: see below)"
     if found is not None:
-        chosen, est, why = found[2], found[3], "the cheapest settings whose every phase fits"
+        chosen, est = found[2], found[3]
     else:  # nothing fits: the settings that need the least memory, and the plan's warning says so
         least = tuple(min(range(len(per_role[r])), key=lambda i, r=r: _own_memory(per_role[r][i])) for r in auto_roles)
         _, peak, chosen, est = evaluate(least)

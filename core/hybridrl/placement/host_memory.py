@@ -74,8 +74,8 @@ def host_needs(cfg: RunConfig, plan: PlacementPlan, est: MemoryEstimate, host_by
         for m in (r for r in est.roles if r.pool == pool.pool):
             for name, value in _role_parts(m, colocated, rollout_backend, sleep_level).items():
                 need.parts[name] = need.parts.get(name, 0.0) + value * per_node
-        processes_per_device = pool.processes / max(len(devices), 1)
-        need.parts["worker processes"] = HOST_PROCESS_GIB * GIB * processes_per_device * per_node
+        # each of the pool's process groups runs one process on every device of the pool
+        need.parts["worker processes"] = HOST_PROCESS_GIB * GIB * pool.processes * per_node
         needs.append(need)
     return needs
 
