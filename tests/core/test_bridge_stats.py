@@ -3,6 +3,8 @@ import (``RolloutEngine.import_stats``), which the trainer logs as ``reshard/<ke
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from hybridrl.engines import RolloutEngine, TrainEngine
@@ -11,6 +13,8 @@ from hybridrl.weights.bridges import sync_in_process
 
 class Exporter:
     """The part of ``TrainEngine`` the bridge calls, with the contract's defaults."""
+
+    ctx = SimpleNamespace(lora=None)  # the part of its context the bridge reads: no LoRA, full weights
 
     def __init__(self) -> None:
         self.weights = {"a": torch.ones(4), "b": torch.zeros(2, 3, dtype=torch.float64)}

@@ -56,7 +56,7 @@ def sync_buckets(trainer: "TrainEngine", bucket_bytes: int, transient: bool = Tr
     """What a weight sync sends: a LoRA actor whose rollout serves adapters (``ctx.lora.sync == 'adapter'``) its
     adapters alone (``export_adapter``), any other trainer its full weights (``export_weights_transient`` for an
     importer that copies each bucket before the next is made, ``export_weights`` otherwise)."""
-    lora = getattr(getattr(trainer, "ctx", None), "lora", None)  # an engine without a context trains no LoRA
+    lora = trainer.ctx.lora
     if lora is not None and lora.sends_adapters:
         return trainer.export_adapter(bucket_bytes)
     return trainer.export_weights_transient(bucket_bytes) if transient else trainer.export_weights(bucket_bytes)
