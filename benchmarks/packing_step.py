@@ -10,6 +10,8 @@ The train side of a GRPO step (the reference's log-probs, then one actor update)
   longest row;
 * ``padded_sorted`` (``--variants`` only): ``packing: false`` under the same token budget (rows sorted by length
   before binning, fewer rows where they are long).
+* ``<variant>_unfused`` (``--variants`` only): the variant without the fused RMSNorm/SwiGLU/rotary kernels
+  (``options.fused_kernels: false``; the others take the default, ``auto``).
 
 Workloads: ``ragged`` (the default) - response lengths drawn uniformly in ``--min-response..--max-response``
 (16..1024), each response ending in EOS (the mask stops there, as a sampled response's does); ``standard`` - every
@@ -79,14 +81,17 @@ def ragged_batch(rows: int, prompt_len: int, min_response: int, max_response: in
 
 
 def variant_options(variant: str, token_budget: int, rows_per_micro: int) -> dict[str, Any]:
-    """The engine options of a variant (see the module docstring)."""
-    if variant == "packed":
-        return {"packing": True, "max_tokens_per_micro_batch": token_budget}
-    if variant == "padded":
-        return {"packing": False, "micro_batch": rows_per_micro}
-    if variant == "padded_sorted":
-        return {"packing": False, "max_tokens_per_micro_batch": token_budget}
-    raise ValueError(f"unknown variant '{variant}' (known: {', '.join(VARIANTS)})")
+    """The engine options of a variant (see the module docstring); ``<variant>_unfused`` is the same without the
+    fused layer kernels (``options.fused_kernels: false``)."""
+    base = variant.removesuffix("_unfused")
+    extra = {"fused_kernels": False} if base != variant else {}
+    if base == "packed":
+        return {"packing": True, "max_tokens_per_micro_batch": token_budget, **extra}
+    if base == "padded":
+        return {"packing": False, "micro_batch": rows_per_micro, **extra}
+    if base == "padded_sorted":
+        return {"packing": False, "max_tokens_per_micro_batch": token_budget, **extra}
+    raise ValueError(f"unknown variant '{variant}' (known: {', '.join(VARIANTS)}, each also as <name>_unfused)")
 
 
 def build(role: str, model_dir: Path, device: str, dtype: str, options: dict[str, Any], seed: int = 0):

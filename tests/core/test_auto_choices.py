@@ -262,3 +262,50 @@ def test_a_host_that_nothing_fits_does_not_change_what_fits_the_device(tmp_path)
     assert any("the host memory does not fit" in c.reason for c in result.choices)
     assert result.estimate.host[0].fits is False and "rollout weights asleep" in result.estimate.host[0].parts
     assert any("host memory of a node" in w for w in result.estimate.warnings)
+
+
+def registry_with_fused_kernels(monkeypatch, declared: bool):
+    """A fresh registry in which the FSDP backend declares its fused layer kernels as it does where liger-kernel
+    is installed (``hybridrl_fsdp.plugin.FUSED_LAYERS``), or does not."""
+    pytest.importorskip("hybridrl_fsdp")
+    import hybridrl_fsdp.plugin as fsdp_plugin
+    from hybridrl.plugins.discovery import build_registry, plugin_manager
+
+    monkeypatch.setattr(fsdp_plugin, "FUSED_LAYERS", ("fused_layer_kernels",) if declared else ())
+    return build_registry(plugin_manager())
+
+
+def test_fused_kernels_are_on_on_gpus_where_the_backend_declares_them(tmp_path, monkeypatch):
+    cfg = workload("1.5b", tmp_path=tmp_path)
+    fused, fused_choices = resolve(cfg, registry=registry_with_fused_kernels(monkeypatch, True))
+    plain, plain_choices = resolve(cfg, registry=registry_with_fused_kernels(monkeypatch, False))
+    assert fused_choices["roles.actor.options.fused_kernels"] is True
+    assert fused_choices["roles.ref.options.fused_kernels"] is True
+    assert fused.cfg.roles.actor.options["fused_kernels"] is True
+    assert plain_choices["roles.actor.options.fused_kernels"] is False
+    assert "liger-kernel" in next(c.reason for c in plain.choices if c.key == "roles.actor.options.fused_kernels")
+    # fused layers keep less for backward: at the same micro-batch the plan's activations are smaller, so the
+    # auto token budget is at least as large
+    keep = ("roles.actor.max_tokens_per_micro_batch=8192",)
+    fused_actor = next(m for m in resolve(workload("1.5b", *keep, tmp_path=tmp_path),
+                                          registry=registry_with_fused_kernels(monkeypatch, True))[0].estimate.roles
+                       if m.role == "actor")
+    plain_actor = next(m for m in resolve(workload("1.5b", *keep, tmp_path=tmp_path),
+                                          registry=registry_with_fused_kernels(monkeypatch, False))[0].estimate.roles
+                       if m.role == "actor")
+    assert fused_actor.activations < 0.85 * plain_actor.activations
+    budget = "roles.actor.max_tokens_per_micro_batch"
+    assert fused_choices[budget] >= plain_choices[budget]
+
+
+def test_fused_kernels_stay_off_on_cpu_and_an_explicit_value_is_kept(tmp_path, monkeypatch):
+    registry = registry_with_fused_kernels(monkeypatch, True)
+    cfg = workload("0.5b", "roles.rollout.backend=hf", tmp_path=tmp_path)
+    result, choices = resolve(cfg, device_bytes=None, device="cpu", registry=registry)
+    assert choices["roles.actor.options.fused_kernels"] is False
+    assert "CPU" in next(c.reason for c in result.choices if c.key == "roles.actor.options.fused_kernels")
+    result, choices = resolve(workload("0.5b", "roles.actor.options.fused_kernels=false", tmp_path=tmp_path),
+                              registry=registry)
+    assert "roles.actor.options.fused_kernels" not in choices
+    assert result.cfg.roles.actor.options["fused_kernels"] is False
+    assert choices["roles.ref.options.fused_kernels"] is True  # each role resolves its own

@@ -125,6 +125,41 @@ def _with_role(cfg: RunConfig, role: str, update: dict[str, Any], options: dict[
     return cfg.model_copy(update={"roles": cfg.roles.model_copy(update={role: rcfg})})
 
 
+# --- fused layer kernels ----------------------------------------------------------------------------------
+
+#: ``roles.<role>.options.fused_kernels`` of a train backend that declares ``fused_layer_kernels``.
+FUSED_KERNELS = "fused_kernels"
+
+
+def resolve_fused_kernels(cfg: RunConfig, plan: PlacementPlan, registry: Registry, backends: dict[str, str]
+                          ) -> tuple[RunConfig, list[AutoChoice]]:
+    """``options.fused_kernels: auto`` (or unset) of each modelled train role: on with CUDA where its backend
+    declares the kernels (they keep less for backward, which the memory plan then counts), off otherwise."""
+    choices: list[AutoChoice] = []
+    for role in plan.role_pool:
+        backend = backends.get(role)
+        if role_spec(role).kind != "train" or backend not in MEMORY_MODELLED_BACKENDS:
+            continue
+        options = getattr(cfg.roles, role).options or {}
+        if options.get(FUSED_KERNELS, AUTO) != AUTO:
+            continue
+        try:
+            declared = registry.backend("train", backend).can("fused_layer_kernels")
+        except RegistryError:
+            declared = False
+        if plan.cluster.device != "cuda":
+            value, why = False, "CPU: the fused kernels are Triton kernels for CUDA"
+        elif not declared:
+            value, why = False, f"the {backend} backend has no fused layer kernels here (for FSDP: liger-kernel, " \
+                                "pip install 'hybridrl-fsdp[kernels]')"
+        else:
+            value, why = True, "fused RMSNorm, SwiGLU and rotary kernels: fewer passes over the activations, " \
+                               "less kept for backward"
+        cfg = _with_role(cfg, role, {}, {FUSED_KERNELS: value})
+        choices.append(AutoChoice(f"roles.{role}.options.{FUSED_KERNELS}", value, why))
+    return cfg, choices
+
+
 # --- memory choices ----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -185,7 +220,8 @@ def _candidates(cfg: RunConfig, role: str, knobs: Knobs) -> list[TrainSettings]:
         tokens = [(base.tokens, base.response_tokens)]
     checkpointing = [False, True] if knobs.checkpointing else [base.checkpointing]
     offloads = (list(OFFLOAD_MODES) if knobs.trainable else ["none", "all"]) if knobs.offload else [base.offload]
-    return [TrainSettings(t, r, c, o) for (t, r), c, o in itertools.product(tokens, checkpointing, offloads)]
+    return [TrainSettings(t, r, c, o, base.fused_layers)
+            for (t, r), c, o in itertools.product(tokens, checkpointing, offloads)]
 
 
 def _cost(cfg: RunConfig, shape: ModelShape, role: str, s: TrainSettings, dp: int) -> float:
@@ -396,6 +432,8 @@ def resolve_auto(cfg: RunConfig, plan: PlacementPlan, registry: Registry, backen
     result's ``cfg`` records them under ``auto`` (``record``). ``shape`` None (no model config to read): the
     memory settings resolve as on a CPU (checkpointing off, nothing offloaded)."""
     cfg, choices = resolve_log_probs(cfg, registry)
+    cfg, fused = resolve_fused_kernels(cfg, plan, registry, backends)
+    choices += fused
     cfg = with_workload(cfg, backends)
     if shape is None:
         knobs = {r: _knobs(cfg, r) for r in plan.role_pool if role_spec(r).kind == "train"

@@ -104,14 +104,18 @@ class ModelShape:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.kv_dim * dtype_bytes
 
-    def saved_bytes_per_token_layer(self, compute_bytes: int) -> int:
+    def saved_bytes_per_token_layer(self, compute_bytes: int, fused: bool = False) -> int:
         """Bytes one decoder layer keeps for backward per token, counted on a real Qwen2 layer (SDPA with
         grouped-query attention, no padding mask): each RMSNorm keeps its fp32 input, the rsqrt and the
         normalised value in the compute dtype; the attention and MLP input projections keep their input; the
         attention keeps rotated q/k, v, its output and the fp32 log-sum-exp per head; the MLP keeps gate, up,
         act(gate) and their product. Exact for bf16 (13608 bytes per token for hidden 256, intermediate 1024,
-        8 heads, 2 KV heads), and for fp32, where the dtype casts are no-ops."""
+        8 heads, 2 KV heads), and for fp32, where the dtype casts are no-ops. ``fused`` (the FSDP backend's
+        ``fused_kernels``): each RMSNorm keeps its input and the fp32 rsqrt per row, the MLP gate and up only
+        (its product is the down projection's input)."""
         h, q, kv, i, cb = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size, compute_bytes
+        if fused:
+            return 2 * (cb * h + 4) + 2 * cb * h + cb * (2 * q + 2 * kv) + 4 * self.num_heads + 3 * cb * i
         norm = 4 * h + 4 + (4 * h if cb == 4 else cb * h)  # fp32 input (the cast is a no-op in fp32), rsqrt, normalised
         return 2 * norm + 2 * cb * h + cb * (2 * q + 2 * kv) + 4 * self.num_heads + 4 * cb * i
 
@@ -262,6 +266,7 @@ class TrainSettings:
     response_tokens: float
     checkpointing: bool = False
     offload: str = "none"
+    fused_layers: bool = False  # options.fused_kernels resolved on: fused RMSNorm / SwiGLU keep less for backward
 
 
 def _tokens(cfg: RunConfig, micro_batch: int | None, max_tokens: int | None) -> tuple[float, float]:
@@ -292,7 +297,8 @@ def train_settings(cfg: RunConfig, role: str) -> TrainSettings:
     options = role_options(cfg, role)
     checkpointing = options.get("gradient_checkpointing")
     offload = options.get("offload") or "none"
-    return TrainSettings(tokens, resp, checkpointing is True, offload if offload in OFFLOAD_MODES else "none")
+    return TrainSettings(tokens, resp, checkpointing is True, offload if offload in OFFLOAD_MODES else "none",
+                         options.get("fused_kernels") is True)
 
 
 @dataclass
@@ -400,7 +406,7 @@ def train_role_memory(cfg: RunConfig, role: str, pool: str, shape: ModelShape, d
         mem.optimizer = 8 * shard
         mem.optimizer_step = 4 * min(shard, OPTIMIZER_GROUP_BYTES / 4)  # sqrt of one group's second moments
         mem.gathered += cb * shape.layer_params  # backward: a layer's unsharded gradients before reduce-scatter
-        per_layer = shape.saved_bytes_per_token_layer(cb)
+        per_layer = shape.saved_bytes_per_token_layer(cb, fused=settings.fused_layers and device == "cuda")
         if settings.checkpointing:
             layers = tokens * (shape.num_layers * shape.hidden_size * cb + per_layer)
         else:

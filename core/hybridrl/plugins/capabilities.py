@@ -18,6 +18,8 @@ TRAIN_CAPABILITIES: dict[str, str] = {
     "reward_head": "compute_scores with the 'reward' head (the reward-model role)",
     "offload": "offload / onload move the engine's state off the device and back",
     "lora": "LoRA adapters (EngineContext.lora): trains only them, export_adapter, reference_view (roles.actor.lora)",
+    "fused_layer_kernels": "options.fused_kernels: fused RMSNorm / SwiGLU / rotary kernels on CUDA, which keep less "
+                           "for backward (the memory plan counts it; auto turns them on)",
 }
 #: rollout engines: capability -> what it promises.
 ROLLOUT_CAPABILITIES: dict[str, str] = {

@@ -50,7 +50,7 @@ from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter
 from hybridrl_fsdp.offload import HostCopy, OffloadPolicy, optimizer_state_tensors, \
     step_group_by_group
 from hybridrl_fsdp.packing import PackedRows
-from hybridrl_fsdp import varlen_attention
+from hybridrl_fsdp import layer_kernels, varlen_attention
 
 #: the per-micro-batch tensors the LM head can hand to an objective.
 SUPPORTED_OUTPUTS = frozenset({LOG_PROBS, ENTROPY})
@@ -74,6 +74,9 @@ class FSDPEngine(TrainEngine):
         self.master_dtype = torch.float32
         torch.manual_seed(ctx.seed)  # before anything random (seeds CUDA too)
         self.model = _load_model(ctx, self.settings)
+        #: liger-kernel's fused RMSNorm / SwiGLU / rotary forwards in the layers (``hybridrl_fsdp.layer_kernels``)
+        self.fused_layers = (layer_kernels.install(self.model)
+                             if layer_kernels.resolve(self.settings.fused_kernels, self.device) else None)
         if not ctx.trainable and self.device.type == "cuda" and ctx.torch_dtype != torch.float32:
             # a frozen role computes in the compute dtype anyway (mixed precision casts every gather to it):
             # keeping its shards in it gives the same numbers in half the memory

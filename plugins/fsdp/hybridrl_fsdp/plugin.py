@@ -1,11 +1,18 @@
 """Registration of the FSDP2 train engine (imports nothing heavy: the engine loads on first use)."""
 
+import importlib.util
+
 from hybridrl import hookimpl
+
+#: the layers' fused kernels (``options.fused_kernels``) exist where liger-kernel is installed; the memory plan
+#: counts what they save only where the backend declares them.
+FUSED_LAYERS = ("fused_layer_kernels",) if importlib.util.find_spec("liger_kernel") is not None else ()
 
 
 @hookimpl
 def hybridrl_register_backends(registry):
     registry.add_train_engine("fsdp", "hybridrl_fsdp.engine:FSDPEngine", requires=["torch>=2.6"],
                               process_family="torch-dist",
-                              supports={"checkpoint", "greedy_margins", "value_head", "reward_head", "offload", "lora"},
+                              supports={"checkpoint", "greedy_margins", "value_head", "reward_head", "offload", "lora",
+                                        *FUSED_LAYERS},
                               check_options="hybridrl_fsdp.settings:option_problems")

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from hybridrl.roles import role_spec
 
+from hybridrl_fsdp.layer_kernels import CHOICES as FUSED_KERNEL_CHOICES
 from hybridrl_fsdp.offload import MODES as OFFLOAD_MODES
 
 #: the model heads the engine builds: LM (log-probs), per-token values (critic), one score per sequence.
@@ -31,6 +32,7 @@ class FSDPSettings:
     offload: str = "none"  # what stays in host memory between the role's phases (hybridrl_fsdp.offload)
     packing: bool = True  # padding-free micro-batches (rows end to end, varlen attention); False: padded
     packed_attention: str = "auto"  # the varlen kernel of packed rows (PACKED_ATTENTION)
+    fused_kernels: Any = "auto"  # liger-kernel's RMSNorm/SwiGLU/rotary in the layers (hybridrl_fsdp.layer_kernels)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> "FSDPSettings":
@@ -43,7 +45,8 @@ class FSDPSettings:
                    fused_lm_head=bool(options.get("fused_lm_head", cls.fused_lm_head)),
                    offload=_offload_mode(options.get("offload")),
                    packing=bool(options.get("packing", cls.packing)),
-                   packed_attention=str(options.get("packed_attention", cls.packed_attention)))
+                   packed_attention=str(options.get("packed_attention", cls.packed_attention)),
+                   fused_kernels=options.get("fused_kernels", cls.fused_kernels))
 
 
 def option_problems(role: str, options: Mapping[str, Any], training: Any = None) -> list[tuple[str, str]]:
@@ -61,6 +64,9 @@ def option_problems(role: str, options: Mapping[str, Any], training: Any = None)
     value = options.get("offload")
     if value is not None and value not in ("auto", *OFFLOAD_MODES):
         problems.append(("offload", f"must be one of {', '.join(('auto', *OFFLOAD_MODES))}, got {value!r}"))
+    value = options.get("fused_kernels", "auto")
+    if value not in FUSED_KERNEL_CHOICES or not isinstance(value, (bool, str)):
+        problems.append(("fused_kernels", f"must be auto, true or false, got {value!r}"))
     head = options.get("head")
     if head is not None and head not in HEADS:
         problems.append(("head", f"unknown head '{head}' (known: {', '.join(HEADS)})"))
