@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -156,6 +157,7 @@ def run_size(args: argparse.Namespace, size: str, timeout: float) -> dict[str, A
     write_prompts(data, args.prompts * max(args.steps, 1), args.prompt_len)
     name = f"{size}_{variant_name(args)}"
     run_dir = workdir / f"run-{name}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # the benchmark's own scratch: every call measures a fresh run
     cfg = workload_config(args, size, model_dir, data, run_dir)
     cfg_path = workdir / f"config-{name}.json"
     cfg_path.write_text(json.dumps(cfg))

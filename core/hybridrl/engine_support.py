@@ -45,7 +45,9 @@ def release_cached_device_memory(collect: bool = False) -> None:
 
         gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+        from hybridrl.observe.memory import release_cache_metered
+
+        release_cache_metered()
 
 
 def sampling_temperature(batch: Batch) -> float | None:

@@ -4,7 +4,8 @@
 ``DeviceMemoryMeter`` watches every engine call of one worker. On a GPU it records the device's memory in
 use (``cudaMemGetInfo``: every allocator, the CUDA contexts, a rollout's mapped weights and KV cache, the other
 processes on the device) at the end of the call, plus what the caching allocator reserved above that during
-the call (``max_memory_reserved``, reset at the call's start): the device peak of the phase. torch's own
+the call (``max_memory_reserved``, reset at the call's start and after each release of torch's cache inside
+it, ``release_cache_metered``): the device peak of the phase. torch's own
 ``max_memory_allocated`` is not that figure (it misses everything outside torch's allocator and still counts
 a sleeping engine's unmapped memory). An out-of-memory error inside a call becomes ``DeviceOutOfMemory``, which
 carries the role, the phase, the device and what was in use, so the driver can answer with one message
@@ -75,6 +76,30 @@ def device_memory() -> dict[str, float]:
             "allocated_mb": torch.cuda.memory_allocated() / MIB, "reserved_mb": torch.cuda.memory_reserved() / MIB}
 
 
+#: the phase's device peak up to each release of torch's cache during the current engine call
+#: (``release_cached_device_memory``): torch's peak counters restart after a release, so the cache given back
+#: is not counted again on top of what is mapped after it (a rollout's weights waking in ``reshard``).
+_peaks_before_release: list[float] = []
+
+
+def _device_peak_mb() -> float:
+    """The device peak since torch's counters last restarted: in use now outside torch's cache, plus the most
+    torch's cache held meanwhile."""
+    import torch
+
+    now = device_memory()
+    return now["used_mb"] - now["reserved_mb"] + torch.cuda.max_memory_reserved() / MIB
+
+
+def release_cache_metered() -> None:
+    """``torch.cuda.empty_cache()`` with the meter's peak kept true across it (see ``_peaks_before_release``)."""
+    import torch
+
+    _peaks_before_release.append(_device_peak_mb())
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
 class DeviceMemoryMeter:
     """The device peak of each phase this worker ran since the last ``report`` (see the module docstring)."""
 
@@ -101,6 +126,7 @@ class DeviceMemoryMeter:
             import torch
 
             torch.cuda.reset_peak_memory_stats()
+            _peaks_before_release.clear()
             before = device_memory()["used_mb"]
         try:
             yield
@@ -111,10 +137,10 @@ class DeviceMemoryMeter:
         if self.device == "cuda" and (cuda or self.cuda):
             import torch
 
-            now = device_memory()
-            peak = max(before, now["used_mb"] - now["reserved_mb"] + torch.cuda.max_memory_reserved() / MIB)
+            peak = max(before, _device_peak_mb(), *_peaks_before_release)
+            _peaks_before_release.clear()
             self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak)
-            self.last = now
+            self.last = device_memory()
 
     def oom_report(self, role: str, phase: str, exc: BaseException) -> dict[str, Any]:
         report: dict[str, Any] = {"role": role, "phase": phase, "rank": self.rank, "device": self.device,
