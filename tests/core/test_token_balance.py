@@ -62,6 +62,8 @@ def test_worker_group_scatters_by_tokens_and_gathers_in_the_callers_order():
             return Batch.from_tensors({"row": batch[RESPONSE_IDS][:, 0],
                                        "tokens": torch.full((len(batch),), tokens)}), 0.0
 
+    if ray.is_initialized():  # a run of an earlier test in this process (pytest-xdist) may have left one up
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     try:
         group = WorkerGroup(plan=None, workers=[Echo.remote(), Echo.remote()])
