@@ -286,14 +286,12 @@ def test_fused_kernels_are_on_on_gpus_where_the_backend_declares_them(tmp_path, 
     assert "liger-kernel" in next(c.reason for c in plain.choices if c.key == "roles.actor.options.fused_kernels")
     # fused layers keep less for backward: at the same micro-batch the plan's activations are smaller, so the
     # auto token budget is at least as large
-    keep = ("roles.actor.max_tokens_per_micro_batch=8192",)
-    fused_actor = next(m for m in resolve(workload("1.5b", *keep, tmp_path=tmp_path),
-                                          registry=registry_with_fused_kernels(monkeypatch, True))[0].estimate.roles
-                       if m.role == "actor")
-    plain_actor = next(m for m in resolve(workload("1.5b", *keep, tmp_path=tmp_path),
-                                          registry=registry_with_fused_kernels(monkeypatch, False))[0].estimate.roles
-                       if m.role == "actor")
-    assert fused_actor.activations < 0.85 * plain_actor.activations
+    def planned_actor(declared: bool):
+        cfg = workload("1.5b", "roles.actor.max_tokens_per_micro_batch=8192", tmp_path=tmp_path)
+        result, _ = resolve(cfg, registry=registry_with_fused_kernels(monkeypatch, declared))
+        return next(m for m in result.estimate.roles if m.role == "actor")
+
+    assert planned_actor(True).activations < 0.85 * planned_actor(False).activations
     budget = "roles.actor.max_tokens_per_micro_batch"
     assert fused_choices[budget] >= plain_choices[budget]
 

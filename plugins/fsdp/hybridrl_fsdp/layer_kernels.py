@@ -14,7 +14,6 @@ fused path for CUDA tensors and the original otherwise.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import sys
 import types
@@ -36,7 +35,9 @@ SILU_NAMES = ("silu", "swish")
 
 
 def liger_installed() -> bool:
-    return importlib.util.find_spec("liger_kernel") is not None
+    from hybridrl_fsdp.plugin import liger_installed as installed  # one lookup, shared with the registration
+
+    return installed()
 
 
 def resolve(choice: Any, device: torch.device) -> bool:

@@ -4,9 +4,15 @@ import importlib.util
 
 from hybridrl import hookimpl
 
+
+def liger_installed() -> bool:
+    """Whether liger-kernel, the fused layer kernels' library (``hybridrl_fsdp.layer_kernels``), is importable."""
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
 #: the layers' fused kernels (``options.fused_kernels``) exist where liger-kernel is installed; the memory plan
 #: counts what they save only where the backend declares them.
-FUSED_LAYERS = ("fused_layer_kernels",) if importlib.util.find_spec("liger_kernel") is not None else ()
+FUSED_LAYERS = ("fused_layer_kernels",) if liger_installed() else ()
 
 
 @hookimpl
