@@ -12,6 +12,11 @@ The train side of a GRPO step (the reference's log-probs, then one actor update)
   before binning, fewer rows where they are long).
 * ``<variant>_unfused`` (``--variants`` only): the variant without the fused RMSNorm/SwiGLU/rotary kernels
   (``options.fused_kernels: false``; the others take the default, ``auto``).
+* ``<variant>@<tokens>`` (``--variants`` only): the variant under a token budget of its own, e.g.
+  ``packed@32768,packed@65536``.
+
+``--profile``: one more reference forward and update per variant under ``torch.profiler``; the JSON keeps the
+kernels that took the most device time (name, calls, milliseconds).
 
 Workloads: ``ragged`` (the default) - response lengths drawn uniformly in ``--min-response..--max-response``
 (16..1024), each response ending in EOS (the mask stops there, as a sampled response's does); ``standard`` - every
@@ -110,13 +115,29 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def top_kernels(fn, *args: Any, limit: int = 25) -> list[dict[str, Any]]:
+    """The kernels of one ``fn(*args)`` that took the most device time (``torch.profiler``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in rows)
+    rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [{"name": e.key[:120], "calls": e.count, "ms": e.self_device_time_total / 1e3,
+             "share": e.self_device_time_total / total} for e in rows[:limit]]
+
+
 def measure(variant: str, args: argparse.Namespace, model_dir: Path, batch, objective) -> dict[str, Any]:
     """Build the variant's reference and actor, run warm-up + ``repeats`` train sides, free them."""
     from hybridrl.batch import LOG_PROBS, REF_LOG_PROBS
 
     dtype = "bfloat16" if args.device == "cuda" else "float32"
-    rows_per_micro = max(1, args.token_budget // (args.prompt_len + args.max_response))
-    options = variant_options(variant, args.token_budget, rows_per_micro)
+    variant, _, budget = variant.partition("@")
+    token_budget = int(budget) if budget else args.token_budget
+    rows_per_micro = max(1, token_budget // (args.prompt_len + args.max_response))
+    options = variant_options(variant, token_budget, rows_per_micro)
     own = {"gradient_checkpointing": args.gradient_checkpointing}
     ref = build("ref", model_dir, args.device, dtype, {k: v for k, v in options.items()})
     actor = build("actor", model_dir, args.device, dtype, {**options, **own})
@@ -143,6 +164,12 @@ def measure(variant: str, args: argparse.Namespace, model_dir: Path, batch, obje
         seconds["update_actor"].append(t2 - t1)
     if args.device == "cuda":
         peak_mb = torch.cuda.max_memory_allocated() / 2**20
+    profiled = {}
+    if args.profile and args.device == "cuda":
+        step = batch.select(*batch.tensors.keys())
+        step.set(REF_LOG_PROBS, ref_log_probs)
+        profiled = {"profile_ref": top_kernels(ref.compute_log_probs, batch),
+                    "profile_update": top_kernels(actor.update, step, objective)}
     del ref, actor
     gc.collect()
     if args.device == "cuda":
@@ -150,7 +177,7 @@ def measure(variant: str, args: argparse.Namespace, model_dir: Path, batch, obje
     return {"options": {**options, **own}, "seconds": seconds,
             "median_s": {k: statistics.median(v) for k, v in seconds.items()},
             "last_update_metrics": {k: float(v) for k, v in metrics.items()},
-            "peak_allocated_mb": peak_mb, "_ref_log_probs": ref_log_probs}
+            "peak_allocated_mb": peak_mb, "_ref_log_probs": ref_log_probs, **profiled}
 
 
 def main() -> None:
@@ -166,6 +193,7 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default="packed,padded")
+    parser.add_argument("--profile", action="store_true", help="keep each variant's top kernels (torch.profiler)")
     parser.add_argument("--workdir", default="/tmp/model-sizes", help="where the random-weight models are built")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/packing_step_<size>_<workload>.json")
     args = parser.parse_args()

@@ -14,6 +14,7 @@ from hybridrl.engines import EngineContext, SamplingParams
 from hybridrl.rollout.hf import HFRollout, filter_logits
 from hybridrl.testing.batches import prompt_batch
 from hybridrl.testing.models import set_eos
+from hybridrl_vllm.packing import sampled_logprobs
 
 pytestmark = pytest.mark.vllm
 
@@ -112,6 +113,27 @@ def test_greedy_equals_transformers_after_weight_sync(setup):
         assert got[RESPONSE_IDS][i, lengths[i] - 1] == eos
         assert (got[RESPONSE_IDS][i, lengths[i]:] == engine.pad_id).all()
     _sync([engine, reference], setup["state_b"])  # leave B in place for the other tests
+
+
+def test_direct_engine_core_generation_equals_llm_generate(setup):
+    """``generate`` steps the engine core itself (no output processor): the same seeded samples, lengths and
+    log-probs as vLLM's own ``LLM.generate`` on the same requests, stops included."""
+    from hybridrl_vllm import compat
+    from hybridrl_vllm.sampling import per_request_kwargs
+
+    engine = setup["engine"]
+    _sync([engine], setup["state_b"])
+    assert compat.can_generate_direct(engine.llm), "the in-process engine should take the direct path"
+    params = SamplingParams(temperature=1.0, max_new_tokens=WIDTH, seed=3)
+    rows = per_request_kwargs(params, [setup["eos"]], len(PROMPTS), 0, "request", engine.flat_logprobs)
+    requests = compat.tokens_prompts(PROMPTS)
+    direct = compat.generate_direct(engine.llm, requests, [compat.make_sampling_params([r]) for r in rows])
+    via_llm = compat.generate(engine.llm, requests, compat.make_sampling_params(rows))
+    assert [ids for ids, _ in direct] == [list(o.outputs[0].token_ids) for o in via_llm]
+    assert any(len(ids) < WIDTH for ids, _ in direct), "no row stopped at the EOS"
+    for (ids, logps), out in zip(direct, via_llm):
+        assert logps == pytest.approx(sampled_logprobs(ids, out.outputs[0].logprobs), abs=1e-6)
+    assert not engine.llm.llm_engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 8, 1.0), (1.3, 0, 1.0), (1.0, 0, 0.9)])

@@ -142,6 +142,52 @@ def generate(llm: Any, prompts: list[Any], params: Any, lora_request: Any = None
     return llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
 
 
+def can_generate_direct(llm: Any) -> bool:
+    """Whether ``generate_direct`` can drive this engine: an in-process engine core and the input processor."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    return (hasattr(getattr(engine, "input_processor", None), "process_inputs")
+            and hasattr(core, "engine_core") and hasattr(core, "get_output"))
+
+
+def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_request: Any = None
+                    ) -> list[tuple[list[int], list[float] | None]]:
+    """``(token_ids, sampled log-probs or None)`` per prompt, in order: the in-process engine core stepped
+    directly, without ``LLMEngine``'s output processor (no ``RequestOutput`` objects, no per-step bookkeeping of
+    each request in Python: the decode loop is CPU-bound at small models and large batches). Needs the
+    in-process client (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and no stop strings (nothing is detokenized)."""
+    import torch
+
+    engine = llm.llm_engine
+    processor, core = engine.input_processor, engine.engine_core
+    tasks = engine.get_supported_tasks()
+    index: dict[str, int] = {}
+    try:
+        for i, (prompt, sampling) in enumerate(zip(prompts, params)):
+            request = processor.process_inputs(f"hybridrl-{i}", prompt, sampling, supported_tasks=tasks,
+                                               lora_request=lora_request)
+            processor.assign_request_id(request)
+            core.add_request(request)
+            index[request.request_id] = i
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logps: list[list[float] | None] = [[] if p.logprobs is not None else None for p in params]
+        left = len(index)
+        with torch.inference_mode():
+            while left:
+                for out in core.get_output().outputs:
+                    i = index[out.request_id]
+                    tokens[i].extend(out.new_token_ids)
+                    if out.new_logprobs is not None and logps[i] is not None:
+                        logps[i].extend(float(v) for v in out.new_logprobs.logprobs[:, 0])
+                    if out.finish_reason is not None:
+                        left -= 1
+        index.clear()
+        return list(zip(tokens, logps))
+    finally:
+        if index:  # a failure midway: nothing keeps decoding for nobody
+            core.abort_requests(list(index))
+
+
 def context_length(llm: Any) -> int | None:
     cfg = getattr(getattr(llm, "llm_engine", None), "model_config", None)
     return getattr(cfg, "max_model_len", None)

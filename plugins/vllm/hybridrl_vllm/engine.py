@@ -246,18 +246,24 @@ class VLLMRollout(RolloutEngine):
                                   self.flat_logprobs)
         requests, sampling = compat.tokens_prompts(prompts), compat.make_sampling_params(rows)
         engine_start = time.perf_counter()
-        outputs = compat.generate(self.llm, requests, sampling,
-                                  lora_request=self.lora.request() if self.lora is not None else None)
+        lora = self.lora.request() if self.lora is not None else None
+        if compat.can_generate_direct(self.llm):
+            per_row = sampling if isinstance(sampling, list) else [sampling] * len(requests)
+            results = compat.generate_direct(self.llm, requests, per_row, lora_request=lora)
+            tokens = [ids for ids, _ in results]
+            logps = [lp for _, lp in results] if params.logprobs else []
+        else:
+            outputs = compat.generate(self.llm, requests, sampling, lora_request=lora)
+            if len(outputs) != len(prompts):
+                raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+            tokens, logps = [], []
+            for out in outputs:
+                completion = out.outputs[0]
+                ids = list(completion.token_ids)
+                tokens.append(ids)
+                if params.logprobs:
+                    logps.append(sampled_logprobs(ids, completion.logprobs))
         engine_end = time.perf_counter()
-        if len(outputs) != len(prompts):
-            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-        tokens, logps = [], []
-        for out in outputs:
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)
-            tokens.append(ids)
-            if params.logprobs:
-                logps.append(sampled_logprobs(ids, completion.logprobs))
         packed = pack_responses(tokens, logps if params.logprobs else None, width, self.pad_id)
         # what this wrapper adds around vLLM's own generate (the benchmark's measure of the plugin's overhead)
         self.generate_timing = {"prepare_s": engine_start - start, "engine_s": engine_end - engine_start,
