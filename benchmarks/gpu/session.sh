@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One measurement on the GPU host, after the engine's wheels were unpacked into SITE (see benchmarks/gpu/README.md).
-#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | install | megatron | grpo | model-sizes | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests
+#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | install | gen-profile | megatron | grpo | model-sizes | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests
 # Figures and logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 site=$1 step=$2; shift 2
@@ -29,6 +29,9 @@ case $step in
         else size=${1:-0.5b}; workload=${2:-ragged}; shift $(( $# < 2 ? $# : 2 )); fi
         python3 benchmarks/packing_step.py --size "$size" --workload "$workload" \
           --out "$OUT/packing_step_${size}_${workload}.json" "$@" 2>&1 | tee "$OUT/packing_step_${size}_${workload}.log" ;;
+  gen-profile)  # issues 20/23: where vLLM's generation time goes at the standard step's shape, per engine setting
+        python3 benchmarks/gen_profile.py --out "$OUT/gen_profile_${SIZE:-0.5b}.json" --size "${SIZE:-0.5b}" "$@" \
+          2>&1 | tee "$OUT/gen_profile.log" | grep -v "^(EngineCore\|^INFO\|^WARNING" ;;
   install) ;;  # only the editable installs above (do it once before running steps side by side)
   micro) python3 benchmarks/vllm_rollout.py --parts micro --out "$OUT/${TAG:-vllm}_rollout.json" --log-dir "$OUT/${TAG:-vllm}" "$@" ;;
   multi-turn) python3 benchmarks/multi_turn.py --backend "${BACKEND:-vllm}" --shape qwen0.5b \
