@@ -14,6 +14,8 @@ weights and prompts:
   waiting for the device), and the device's kernel seconds of one profiled repeat (``torch.profiler``).
 * ``inproc_async_off``: the same with ``async_scheduling: false`` (vLLM's default is on where the executor allows).
 * ``mp``: vLLM's own offline path (``LLM`` with its engine core in a process of its own), no process group.
+* ``inproc+key=value+...``: ``inproc`` with more of vLLM's engine arguments (JSON values), e.g.
+  ``inproc+enable_prefix_caching=false+block_size=64``.
 
 Writes ``gen_profile_<shape>.json``: tokens/s per repeat and their median per variant and path.
 
@@ -130,8 +132,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         os.environ.setdefault("LOCAL_RANK", "0")
         init_process_group(0, 1, "127.0.0.1", free_port(), device)
         options: dict[str, Any] = {"gpu_memory_utilization": args.gpu_memory_utilization}
-        if args.variant == "inproc_async_off":
-            options["engine_kwargs"] = {"async_scheduling": False}
+        base, *settings = args.variant.split("+")
+        engine_kwargs = {k: json.loads(v) for k, _, v in (item.partition("=") for item in settings)}
+        if base == "inproc_async_off":
+            engine_kwargs["async_scheduling"] = False
+        if engine_kwargs:
+            options["engine_kwargs"] = engine_kwargs
         ctx = EngineContext(role="rollout", backend="vllm", trainable=False, options=options, model_path=args.model,
                             rank=0, world_size=1, device=device, dtype=dtype, seed=0)
         llm = VLLMRollout(ctx).llm
