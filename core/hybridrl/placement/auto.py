@@ -39,7 +39,7 @@ MEMORY_MODELLED_BACKENDS = ("fsdp",)
 #: what the estimate misses).
 USABLE_SHARE = 0.85
 #: token budgets tried for one micro-batch: a trainable role's backward keeps activations, a forward does not.
-TRAIN_TOKEN_BUDGETS = (32768, 24576, 16384, 12288, 8192, 6144, 4096, 3072, 2048, 1536, 1024)
+TRAIN_TOKEN_BUDGETS = (65536, 49152, 32768, 24576, 16384, 12288, 8192, 6144, 4096, 3072, 2048, 1536, 1024)
 FORWARD_TOKEN_BUDGETS = (65536, 49152, 32768, 24576, 16384, 12288, 8192, 4096, 2048, 1024)
 #: the cost model (seconds per step; only the order of the candidates matters): host work per micro-batch,
 #: sustained bf16 throughput for the forward that checkpointing recomputes, host<->device copy speed.
