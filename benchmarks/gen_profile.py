@@ -208,6 +208,7 @@ def run_variant(variant: str, args: argparse.Namespace, model: Path) -> dict[str
     env = dict(os.environ)
     if variant == "mp":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # this process has touched CUDA: a forked core cannot
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, timeout=args.timeout)
