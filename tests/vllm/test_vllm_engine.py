@@ -14,7 +14,6 @@ from hybridrl.engines import EngineContext, SamplingParams
 from hybridrl.rollout.hf import HFRollout, filter_logits
 from hybridrl.testing.batches import prompt_batch
 from hybridrl.testing.models import set_eos
-from hybridrl_vllm.packing import sampled_logprobs
 
 pytestmark = pytest.mark.vllm
 
@@ -115,9 +114,10 @@ def test_greedy_equals_transformers_after_weight_sync(setup):
     _sync([engine, reference], setup["state_b"])  # leave B in place for the other tests
 
 
-def test_direct_engine_core_generation_equals_llm_generate(setup):
+def test_direct_engine_core_generation_equals_llm_generate(setup, monkeypatch):
     """``generate`` steps the engine core itself (no output processor): the same seeded samples, lengths and
-    log-probs as vLLM's own ``LLM.generate`` on the same requests, stops included."""
+    log-probs as vLLM's own ``LLM.generate`` (the fallback where the engine core is out of reach) on the same
+    requests, stops included."""
     from hybridrl_vllm import compat
     from hybridrl_vllm.sampling import per_request_kwargs
 
@@ -127,12 +127,13 @@ def test_direct_engine_core_generation_equals_llm_generate(setup):
     params = SamplingParams(temperature=1.0, max_new_tokens=WIDTH, seed=3)
     rows = per_request_kwargs(params, [setup["eos"]], len(PROMPTS), 0, "request", engine.flat_logprobs)
     requests = compat.tokens_prompts(PROMPTS)
-    direct = compat.generate_direct(engine.llm, requests, [compat.make_sampling_params([r]) for r in rows])
-    via_llm = compat.generate(engine.llm, requests, compat.make_sampling_params(rows))
-    assert [ids for ids, _ in direct] == [list(o.outputs[0].token_ids) for o in via_llm]
+    direct = compat.generate_tokens(engine.llm, requests, compat.make_sampling_params(rows))
+    monkeypatch.setattr(compat, "can_generate_direct", lambda llm: False)
+    via_llm = compat.generate_tokens(engine.llm, requests, compat.make_sampling_params(rows))
+    assert [ids for ids, _ in direct] == [ids for ids, _ in via_llm]
     assert any(len(ids) < WIDTH for ids, _ in direct), "no row stopped at the EOS"
-    for (ids, logps), out in zip(direct, via_llm):
-        assert logps == pytest.approx(sampled_logprobs(ids, out.outputs[0].logprobs), abs=1e-6)
+    for (_, got), (_, expected) in zip(direct, via_llm):
+        assert got is not None and got == pytest.approx(expected, abs=1e-6)
     assert not engine.llm.llm_engine.has_unfinished_requests()
 
 

@@ -142,6 +142,26 @@ def generate(llm: Any, prompts: list[Any], params: Any, lora_request: Any = None
     return llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
 
 
+def generate_tokens(llm: Any, prompts: list[Any], params: Any, lora_request: Any = None
+                    ) -> list[tuple[list[int], list[float] | None]]:
+    """``(token_ids, sampled log-probs or None)`` per prompt, in order: through ``generate_direct`` where the
+    engine allows it, else through ``LLM.generate``. ``params``: one ``vllm.SamplingParams`` or one per prompt."""
+    from hybridrl_vllm.packing import sampled_logprobs
+
+    per_row = params if isinstance(params, list) else [params] * len(prompts)
+    if can_generate_direct(llm):
+        return generate_direct(llm, prompts, per_row, lora_request=lora_request)
+    outputs = generate(llm, prompts, params, lora_request=lora_request)
+    if len(outputs) != len(prompts):
+        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+    results = []
+    for out, sampling in zip(outputs, per_row):
+        ids = list(out.outputs[0].token_ids)
+        results.append((ids, sampled_logprobs(ids, out.outputs[0].logprobs) if sampling.logprobs is not None
+                        else None))
+    return results
+
+
 def can_generate_direct(llm: Any) -> bool:
     """Whether ``generate_direct`` can drive this engine: an in-process engine core and the input processor."""
     engine = getattr(llm, "llm_engine", None)

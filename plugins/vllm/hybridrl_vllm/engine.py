@@ -230,7 +230,8 @@ class VLLMRollout(RolloutEngine):
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         """See ``RolloutEngine.generate``. Rows are unpadded into ``TokensPrompt``s (one request each; a GRPO
         group's shared prompt is reused through vLLM's prefix cache), sampled with the model's EOS ids as stop
-        tokens, and packed back to ``max_new_tokens`` columns. ``params.seed`` is mixed with the replica index
+        tokens (the engine core stepped directly, ``compat.generate_tokens``), and packed back to ``max_new_tokens``
+        columns. ``params.seed`` is mixed with the replica index
         and the row (``seed_mode="request"``), so rows and replicas draw distinct streams and tensor-parallel
         peers the same one."""
         if self.importing:
@@ -246,23 +247,10 @@ class VLLMRollout(RolloutEngine):
                                   self.flat_logprobs)
         requests, sampling = compat.tokens_prompts(prompts), compat.make_sampling_params(rows)
         engine_start = time.perf_counter()
-        lora = self.lora.request() if self.lora is not None else None
-        if compat.can_generate_direct(self.llm):
-            per_row = sampling if isinstance(sampling, list) else [sampling] * len(requests)
-            results = compat.generate_direct(self.llm, requests, per_row, lora_request=lora)
-            tokens = [ids for ids, _ in results]
-            logps = [lp for _, lp in results] if params.logprobs else []
-        else:
-            outputs = compat.generate(self.llm, requests, sampling, lora_request=lora)
-            if len(outputs) != len(prompts):
-                raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-            tokens, logps = [], []
-            for out in outputs:
-                completion = out.outputs[0]
-                ids = list(completion.token_ids)
-                tokens.append(ids)
-                if params.logprobs:
-                    logps.append(sampled_logprobs(ids, completion.logprobs))
+        results = compat.generate_tokens(self.llm, requests, sampling,
+                                         lora_request=self.lora.request() if self.lora is not None else None)
+        tokens = [ids for ids, _ in results]
+        logps = [lp for _, lp in results] if params.logprobs else []
         engine_end = time.perf_counter()
         packed = pack_responses(tokens, logps if params.logprobs else None, width, self.pad_id)
         # what this wrapper adds around vLLM's own generate (the benchmark's measure of the plugin's overhead)
