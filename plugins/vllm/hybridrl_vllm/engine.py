@@ -230,10 +230,10 @@ class VLLMRollout(RolloutEngine):
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         """See ``RolloutEngine.generate``. Rows are unpadded into ``TokensPrompt``s (one request each; a GRPO
         group's shared prompt is reused through vLLM's prefix cache), sampled with the model's EOS ids as stop
-        tokens (the engine core stepped directly, ``compat.generate_tokens``), and packed back to ``max_new_tokens``
-        columns. ``params.seed`` is mixed with the replica index
-        and the row (``seed_mode="request"``), so rows and replicas draw distinct streams and tensor-parallel
-        peers the same one."""
+        tokens (the engine core stepped directly, ``compat.generate_tokens``), and packed back to
+        ``max_new_tokens`` columns. ``params.seed`` is mixed with the replica index and the row
+        (``seed_mode="request"``), so rows and replicas draw distinct streams and tensor-parallel peers the same
+        one."""
         if self.importing:
             raise RuntimeError("VLLMRollout.generate called during a weight import (finish_weight_import first)")
         self.state.on_generate()
