@@ -91,8 +91,8 @@ def _engine_facts(llm: Any) -> dict[str, Any]:
             "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
             "cudagraph_mode": str(getattr(comp, "cudagraph_mode", None)),
             "max_cudagraph_capture_size": getattr(comp, "max_cudagraph_capture_size", None),
-            "executor": type(getattr(llm.llm_engine.engine_core, "engine_core", None) and
-                             llm.llm_engine.engine_core.engine_core.model_executor).__name__}
+            "executor": type(getattr(getattr(llm.llm_engine.engine_core, "engine_core", None), "model_executor",
+                                     None)).__name__}
 
 
 def _kernel_seconds(fn: Callable[[], Any]) -> float:

@@ -182,6 +182,8 @@ def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_reques
     processor, core = engine.input_processor, engine.engine_core
     tasks = engine.get_supported_tasks()
     index: dict[str, int] = {}
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logps: list[list[float] | None] = [[] if p.logprobs is not None else None for p in params]
     try:
         for i, (prompt, sampling) in enumerate(zip(prompts, params)):
             request = processor.process_inputs(f"hybridrl-{i}", prompt, sampling, supported_tasks=tasks,
@@ -189,8 +191,6 @@ def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_reques
             processor.assign_request_id(request)
             core.add_request(request)
             index[request.request_id] = i
-        tokens: list[list[int]] = [[] for _ in prompts]
-        logps: list[list[float] | None] = [[] if p.logprobs is not None else None for p in params]
         left = len(index)
         with torch.inference_mode():
             while left:
@@ -201,11 +201,10 @@ def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_reques
                         logps[i].extend(float(v) for v in out.new_logprobs.logprobs[:, 0])
                     if out.finish_reason is not None:
                         left -= 1
-        index.clear()
-        return list(zip(tokens, logps))
-    finally:
-        if index:  # a failure midway: nothing keeps decoding for nobody
-            core.abort_requests(list(index))
+    except BaseException:  # a failure midway: nothing keeps decoding for nobody
+        core.abort_requests(list(index))
+        raise
+    return list(zip(tokens, logps))
 
 
 def context_length(llm: Any) -> int | None:

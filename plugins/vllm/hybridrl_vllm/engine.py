@@ -250,9 +250,9 @@ class VLLMRollout(RolloutEngine):
         results = compat.generate_tokens(self.llm, requests, sampling,
                                          lora_request=self.lora.request() if self.lora is not None else None)
         tokens = [ids for ids, _ in results]
-        logps = [lp for _, lp in results] if params.logprobs else []
+        logps = [lp for _, lp in results] if params.logprobs else None
         engine_end = time.perf_counter()
-        packed = pack_responses(tokens, logps if params.logprobs else None, width, self.pad_id)
+        packed = pack_responses(tokens, logps, width, self.pad_id)
         # what this wrapper adds around vLLM's own generate (the benchmark's measure of the plugin's overhead)
         self.generate_timing = {"prepare_s": engine_start - start, "engine_s": engine_end - engine_start,
                                 "pack_s": time.perf_counter() - engine_end}
