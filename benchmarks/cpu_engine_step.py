@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The replacements put back what an optimisation took away, to show what it saves in the same run.
 VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Callable[..., Any]]]] = {
     "default": ({}, {}),
+    "unshared_prompts": ({"share_prompts": False}, {}),
     "padded": ({"packing": False}, {}),
     "plain_head": ({"fused_lm_head": False}, {}),
     "padded_plain_head": ({"packing": False, "fused_lm_head": False}, {}),

@@ -71,6 +71,11 @@ class FSDPEngine(TrainEngine):
         self.training = ctx.training
         self.head = self.settings.head
         self.device = engine_device(ctx)
+        #: each distinct prompt once per pack (``packing.SharedPrompts``). ``auto``: where packed attention takes
+        #: the plain sdpa path (CPU, or ``packed_attention: sdpa``); the GPU kernels' path waits for its measurement
+        self.share_prompts = self.settings.packing and (
+            self.settings.share_prompts is True or (self.settings.share_prompts == "auto" and (
+                self.device.type != "cuda" or self.settings.packed_attention == "sdpa")))
         self.master_dtype = torch.float32
         torch.manual_seed(ctx.seed)  # before anything random (seeds CUDA too)
         self.model = _load_model(ctx, self.settings)
@@ -371,7 +376,7 @@ class FSDPEngine(TrainEngine):
         budget = self.training.max_tokens_per_micro_batch
         plan = plan_micro_batches(batch, self.training.micro_batch, budget,
                                   count_for_all_ranks=lambda n: _all_reduce_max(n, self.ctx.device),
-                                  packed=self.settings.packing)
+                                  packed=self.settings.packing, share_prompts=self.share_prompts)
         if check_counts:
             check_same_count(len(plan), self.ctx.device)
         return plan

@@ -9,6 +9,10 @@ sorted by real length and binned greedily, longest first, while that cost stays 
 way each micro-batch is trimmed to its own widths (the all-padding columns at the left of the prompts and at
 the right of the responses are dropped). Results are put back in the original order.
 
+With shared prompts (``share_prompts``) a packed forward holds each distinct prompt once, so the rows of one
+prompt go into bins together: the bins take whole groups first-fit by decreasing cost (the prompt once plus the
+responses), and a group costlier than the budget is cut into runs of rows that fit.
+
 Every data-parallel rank must run the same number of forwards (FSDP's all-gathers are collectives), so a rank
 with fewer bins splits its largest ones until it has as many as the rank with the most.
 """
@@ -22,7 +26,7 @@ import torch
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, response_attention_mask
 
-from hybridrl_fsdp.packing import PackedRows, pack_rows
+from hybridrl_fsdp.packing import PackedRows, pack_rows, prompt_groups
 
 PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK)
 
@@ -65,19 +69,45 @@ def packed_cost(rows: list[int], prompt_lens: list[int], response_lens: list[int
 def pack_first_fit(prompt_lens: list[int], response_lens: list[int], budget: int) -> list[list[int]]:
     """Bins of row indices whose summed real lengths stay within ``budget``: rows longest first, each into the
     first bin it fits (first-fit decreasing), a row longer than the budget alone."""
-    order = sorted(range(len(prompt_lens)), key=lambda i: (-(prompt_lens[i] + response_lens[i]), i))
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for i in order:
-        length = prompt_lens[i] + response_lens[i]
-        for b, load in enumerate(loads):
-            if load + length <= budget:
-                bins[b].append(i)
-                loads[b] += length
+    rows = [(p + r, [i]) for i, (p, r) in enumerate(zip(prompt_lens, response_lens))]
+    return [members for _, members in _first_fit_decreasing(rows, budget)]
+
+
+def shared_cost(groups: list[int]) -> Cost:
+    """The tokens of a packed forward that holds each distinct prompt once (``groups``: each row's prompt)."""
+    def cost(rows: list[int], prompt_lens: list[int], response_lens: list[int]) -> int:
+        prompts = {groups[i]: prompt_lens[i] for i in rows}
+        return sum(prompts.values()) + sum(response_lens[i] for i in rows)
+    return cost
+
+
+def pack_groups_first_fit(groups: list[int], prompt_lens: list[int], response_lens: list[int],
+                          budget: int) -> list[list[int]]:
+    """Bins of row indices keeping the rows of one prompt together (module docstring): whole groups
+    first-fit decreasing by their shared cost; a group over the budget is first cut, first-fit decreasing
+    too, into runs of rows that each fit with the prompt once."""
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    items: list[tuple[int, list[int]]] = []
+    for rows in members.values():
+        prompt = prompt_lens[rows[0]]
+        runs = _first_fit_decreasing([(response_lens[i], [i]) for i in rows], budget - prompt)
+        items.extend((prompt + load, run) for load, run in runs)
+    return [run for _, run in _first_fit_decreasing(items, budget)]
+
+
+def _first_fit_decreasing(items: list[tuple[int, list[int]]], budget: int) -> list[tuple[int, list[int]]]:
+    """``(load, rows)`` items into ``(load, rows)`` bins of at most ``budget`` (an item over it alone): the
+    heaviest first, each into the first bin it fits; ties by first row."""
+    bins: list[tuple[int, list[int]]] = []
+    for load, rows in sorted(items, key=lambda item: (-item[0], item[1][0])):
+        for b, (used, members) in enumerate(bins):
+            if used + load <= budget:
+                bins[b] = (used + load, members + rows)
                 break
         else:
-            bins.append([i])
-            loads.append(length)
+            bins.append((load, list(rows)))
     return bins
 
 
@@ -131,17 +161,25 @@ def trim(batch: Batch) -> tuple[Batch, int]:
 
 
 def plan_micro_batches(batch: Batch, rows_per_micro: int, token_budget: int | None,
-                       count_for_all_ranks=None, packed: bool = False) -> list[MicroBatch]:
+                       count_for_all_ranks=None, packed: bool = False,
+                       share_prompts: bool = False) -> list[MicroBatch]:
     """The micro-batches of one local batch. ``count_for_all_ranks(n) -> max n over ranks`` aligns the
     number of bins across data-parallel ranks (token-budget mode only; fixed rows give equal counts).
-    ``packed``: each micro-batch also carries its rows packed end to end (``MicroBatch.packed``)."""
+    ``packed``: each micro-batch also carries its rows packed end to end (``MicroBatch.packed``), each distinct
+    prompt once with ``share_prompts``."""
     n = len(batch)
+    share_prompts = share_prompts and packed
     if token_budget is None:
         groups = [list(range(start, min(start + rows_per_micro, n))) for start in range(0, n, rows_per_micro)]
     else:
         prompt_lens, response_lens = real_lengths(batch)
-        cost = packed_cost if packed else _cost
-        groups = (pack_first_fit if packed else pack_by_tokens)(prompt_lens, response_lens, token_budget)
+        if share_prompts:
+            prompt_of = prompt_groups(batch).tolist()
+            cost = shared_cost(prompt_of)
+            groups = pack_groups_first_fit(prompt_of, prompt_lens, response_lens, token_budget)
+        else:
+            cost = packed_cost if packed else _cost
+            groups = (pack_first_fit if packed else pack_by_tokens)(prompt_lens, response_lens, token_budget)
         if count_for_all_ranks is not None:
             groups = split_to_count(groups, count_for_all_ranks(len(groups)), prompt_lens, response_lens, cost)
     out = []
@@ -151,7 +189,7 @@ def plan_micro_batches(batch: Batch, rows_per_micro: int, token_budget: int | No
             out.append(MicroBatch(batch.index(index), index, batch[RESPONSE_MASK].shape[1]))
             continue
         trimmed, width = trim(batch.index(index))
-        out.append(MicroBatch(trimmed, index, width, pack_rows(trimmed) if packed else None))
+        out.append(MicroBatch(trimmed, index, width, pack_rows(trimmed, share_prompts) if packed else None))
     return out
 
 

@@ -32,6 +32,7 @@ class FSDPSettings:
     offload: str = "none"  # what stays in host memory between the role's phases (hybridrl_fsdp.offload)
     packing: bool = True  # padding-free micro-batches (rows end to end, varlen attention); False: padded
     packed_attention: str = "auto"  # the varlen kernel of packed rows (PACKED_ATTENTION)
+    share_prompts: Any = "auto"  # a pack holds each distinct prompt once (packing.SharedPrompts); auto: see engine
     fused_kernels: Any = "auto"  # liger-kernel's RMSNorm/SwiGLU/rotary in the layers (hybridrl_fsdp.layer_kernels)
 
     @classmethod
@@ -46,6 +47,7 @@ class FSDPSettings:
                    offload=_offload_mode(options.get("offload")),
                    packing=bool(options.get("packing", cls.packing)),
                    packed_attention=str(options.get("packed_attention", cls.packed_attention)),
+                   share_prompts=options.get("share_prompts", cls.share_prompts),
                    fused_kernels=options.get("fused_kernels", cls.fused_kernels))
 
 
@@ -79,6 +81,11 @@ def option_problems(role: str, options: Mapping[str, Any], training: Any = None)
     kernel = options.get("packed_attention", "auto")
     if kernel not in PACKED_ATTENTION:
         problems.append(("packed_attention", f"unknown kernel {kernel!r} (known: {', '.join(PACKED_ATTENTION)})"))
+    share = options.get("share_prompts", "auto")
+    if share not in ("auto", True, False) or not isinstance(share, (bool, str)):
+        problems.append(("share_prompts", f"must be auto, true or false, got {share!r}"))
+    elif share is True and packing is not True:
+        problems.append(("share_prompts", "needs packing: true (shared prompts are a layout of packed rows)"))
     if packing is True and isinstance(attn, str) and not attn.startswith("flash_attention"):
         problems.append(("attn_implementation", f"'{attn}' cannot keep packed rows apart: leave it unset (the "
                          "engine's varlen attention, see packed_attention), use flash_attention_2/3, or set "
