@@ -104,6 +104,23 @@ def test_left_padding_gives_the_same_response_as_each_prompt_alone(engine, tok):
         torch.testing.assert_close(alone[ROLLOUT_LOG_PROBS][0], together[ROLLOUT_LOG_PROBS][i], atol=1e-5, rtol=0)
 
 
+def test_repeated_prompts_are_prefilled_once_and_generate_as_each_alone(engine, tok, monkeypatch):
+    """A GRPO batch repeats each prompt: the prefill runs on the distinct prompts only, every row then decodes
+    from a copy of its prompt's cache, and greedy rows equal those of a batch of the distinct prompts."""
+    prompts = [PROMPTS[i] for i in (0, 1, 0, 2, 1, 0, 3, 4, 4)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    rows_per_forward = []
+    forward = engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda ids, *rest: rows_per_forward.append(len(ids)) or forward(ids, *rest))
+    out = engine.generate(prompt_batch(tok, prompts), params)
+    assert rows_per_forward[0] == len(PROMPTS) and set(rows_per_forward[1:]) == {len(prompts)}
+    alone = engine.generate(prompt_batch(tok), params)
+    for i, prompt in enumerate(prompts):
+        j = PROMPTS.index(prompt)
+        assert torch.equal(out[RESPONSE_IDS][i], alone[RESPONSE_IDS][j]), prompt
+        torch.testing.assert_close(out[ROLLOUT_LOG_PROBS][i], alone[ROLLOUT_LOG_PROBS][j], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.8)])
 def test_sampled_log_probs_match_full_forward(engine, tok, top_k, top_p):
     temperature = 0.7

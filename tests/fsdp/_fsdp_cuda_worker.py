@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _fsdp_helpers import PolicyGradient, make_batch, save_tiny_qwen2  # noqa: E402
+from _fsdp_helpers import PolicyGradient, grouped, make_batch, save_tiny_qwen2  # noqa: E402
 from hybridrl.batch import LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK  # noqa: E402
 from hybridrl.engines import EngineContext, TrainingOptions  # noqa: E402
 
@@ -77,6 +77,38 @@ def packed_checks(model: Path, batch, ref: torch.Tensor) -> None:
     print("packed checks passed", calls, a["grad_norm"], b["grad_norm"])
 
 
+def shared_prompt_checks(model: Path) -> None:
+    """Shared prompts on the GPU's kernels: torch_flash with key segments longer than their queries equals the
+    sdpa path's explicit end-aligned mask (bf16), and an engine with ``share_prompts: true`` gives the log-probs,
+    loss and gradient norm of one that repeats the prompts."""
+    from hybridrl_fsdp import varlen_attention
+    from hybridrl_fsdp.engine import FSDPEngine
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [(3, 40), (1, 17), (64, 64), (5, 130)]
+    cu_q = torch.tensor([0, *torch.tensor([q for q, _ in lengths]).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    cu_k = torch.tensor([0, *torch.tensor([k for _, k in lengths]).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    q = torch.randn(int(cu_q[-1]), 4, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k, v = (torch.randn(int(cu_k[-1]), 2, 64, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in "kv")
+    max_q, max_k = max(x for x, _ in lengths), max(x for _, x in lengths)
+    flash = varlen_attention._varlen("torch_flash", q, k, v, cu_q, cu_k, max_q, max_k, 0.125)
+    plain = varlen_attention._padded_sdpa_end_aligned(q, k, v, cu_q, cu_k, max_q, max_k, 0.125)
+    torch.testing.assert_close(flash.float(), plain.float(), atol=2e-2, rtol=0)
+
+    batch = grouped(max_prompt=9, max_response=8)
+    mask = batch[RESPONSE_MASK].bool()
+    engines = {share: FSDPEngine(cuda_context(model, "bfloat16", lr=1e-3, micro_batch=8, share_prompts=share))
+               for share in (True, False)}
+    assert engines[True].share_prompts and not engines[False].share_prompts
+    assert not FSDPEngine(cuda_context(model, "bfloat16")).share_prompts  # auto: not on the GPU kernels yet
+    lp = {share: e.compute_log_probs(batch)[LOG_PROBS] for share, e in engines.items()}
+    torch.testing.assert_close(lp[True][mask], lp[False][mask], atol=0.05, rtol=0)
+    a, b = (engines[share].update(batch, PolicyGradient()) for share in (True, False))
+    assert abs(a["loss"] - b["loss"]) < 0.05 * abs(b["loss"]) + 1e-3, (a, b)
+    assert abs(a["grad_norm"] - b["grad_norm"]) < 0.05 * b["grad_norm"], (a, b)
+    print("shared prompt checks passed", a["grad_norm"], b["grad_norm"])
+
+
 def main(port: int, tmp: Path) -> None:
     from hybridrl.runtime.distributed import init_process_group
     from hybridrl_fsdp.engine import FSDPEngine
@@ -117,6 +149,7 @@ def main(port: int, tmp: Path) -> None:
     assert again["skipped_step"] == 0.0 and again["loss"] < metrics[-1]["loss"], again
     del engine
     packed_checks(model, batch, ref)
+    shared_prompt_checks(model)
     torch.distributed.destroy_process_group()
     print("cuda checks passed", metrics[0]["loss"], again["loss"], freed, engine_bytes)
 

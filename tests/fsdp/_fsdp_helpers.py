@@ -52,6 +52,19 @@ def make_batch(size: int, seed: int, max_prompt: int = 6, max_response: int = 5)
                                RESPONSE_MASK: response_mask, ADVANTAGES: advantages})
 
 
+def grouped(sizes: tuple[int, ...] = (4, 1, 3, 4), seed: int = 5, max_prompt: int = 7, max_response: int = 6) -> Batch:
+    """Rows in groups that share a prompt (GRPO's samples of one prompt), responses of random lengths; the
+    groups' rows interleaved, so that sharing cannot lean on their order."""
+    batch = make_batch(sum(sizes), seed=seed, max_prompt=max_prompt, max_response=max_response)
+    owner = torch.cat([torch.full((n,), g) for g, n in enumerate(sizes)])
+    first = torch.tensor([sum(sizes[:g]) for g in range(len(sizes))])
+    order = torch.randperm(len(owner), generator=torch.Generator().manual_seed(seed))
+    tensors = dict(batch.tensors)
+    tensors[PROMPT_IDS] = batch[PROMPT_IDS][first[owner]][order]
+    tensors[PROMPT_MASK] = batch[PROMPT_MASK][first[owner]][order]
+    return Batch.from_tensors(tensors)
+
+
 class PolicyGradient:
     """``-(log_probs * adv * mask).sum() / total_tokens * dp_size``: the exact share of the global
     token-mean loss that this micro-batch of this rank contributes."""

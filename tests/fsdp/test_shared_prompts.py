@@ -11,23 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _fsdp_helpers import _split, context, make_batch
+from _fsdp_helpers import _split, context, grouped, make_batch
 from hybridrl.batch import (ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_ATTENTION_MASK, RESPONSE_IDS,
-                            RESPONSE_MASK, SCORES, VALUES, Batch)
+                            RESPONSE_MASK, SCORES, VALUES)
 from test_packing import ATOL, _outputs_and_grads
-
-
-def grouped(sizes: tuple[int, ...] = (4, 1, 3, 4), seed: int = 5, max_prompt: int = 7, max_response: int = 6) -> Batch:
-    """Rows in groups that share a prompt (GRPO's samples of one prompt), responses of random lengths; the
-    groups' rows interleaved, so that sharing cannot lean on their order."""
-    batch = make_batch(sum(sizes), seed=seed, max_prompt=max_prompt, max_response=max_response)
-    owner = torch.cat([torch.full((n,), g) for g, n in enumerate(sizes)])
-    first = torch.tensor([sum(sizes[:g]) for g in range(len(sizes))])
-    order = torch.randperm(len(owner), generator=torch.Generator().manual_seed(seed))
-    tensors = dict(batch.tensors)
-    tensors[PROMPT_IDS] = batch[PROMPT_IDS][first[owner]][order]
-    tensors[PROMPT_MASK] = batch[PROMPT_MASK][first[owner]][order]
-    return Batch.from_tensors(tensors)
 
 
 def test_shared_pack_holds_each_prompt_once_and_every_row_sees_its_own_sequence():

@@ -144,7 +144,7 @@ class HFRollout(RolloutEngine):
         attn = prompt_mask
         positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
         next_pos = prompt_mask.sum(dim=1, keepdim=True)  # (B, 1): position of the first response token
-        logits = self._forward(prompt_ids, attn, positions, cache)
+        logits = self._prefill(prompt_ids, attn, positions, cache)
         finished = torch.zeros(n, dtype=torch.bool, device=dev)
 
         for t in range(width):
@@ -173,6 +173,20 @@ class HFRollout(RolloutEngine):
             next_pos = next_pos + 1
 
         return self._result(response_ids, response_mask, log_probs)
+
+    def _prefill(self, prompt_ids: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor, cache: Any
+                 ) -> torch.Tensor:
+        """The prompts' forward, once per distinct prompt: rows that repeat one (a GRPO group's samples) get a
+        copy of its KV cache and its last logits. The first response token's ``(B, V)`` logits."""
+        _, group = torch.unique(prompt_ids.masked_fill(attn == 0, -1), dim=0, return_inverse=True)
+        distinct = int(group.max()) + 1
+        if distinct == len(group):
+            return self._forward(prompt_ids, attn, positions, cache)
+        first = torch.full((distinct,), len(group), dtype=torch.long, device=group.device).scatter_reduce(
+            0, group, torch.arange(len(group), device=group.device), reduce="amin")
+        logits = self._forward(prompt_ids[first], attn[first], positions[first], cache)
+        cache.reorder_cache(group)
+        return logits[group]
 
     @staticmethod
     def _result(ids: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor) -> Batch:
