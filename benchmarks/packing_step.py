@@ -3,8 +3,11 @@
 The train side of a GRPO step (the reference's log-probs, then one actor update) on one device, in this process
 (one-rank process group, no Ray, no rollout engine), for each variant in turn on the same batch:
 
-* ``packed``: the default, rows laid end to end (``options.packing``), at most ``--token-budget`` real tokens per
-  micro-batch;
+* ``packed``: rows laid end to end (``options.packing``), each with its own copy of its prompt
+  (``share_prompts: false``, the default on CUDA), at most ``--token-budget`` real tokens per micro-batch;
+* ``shared`` (``--variants`` only): the same with each distinct prompt once per micro-batch (``share_prompts:
+  true``; ``--samples`` consecutive rows share a prompt). Tokens/s and MFU count every row's prompt, so they
+  show what the layout saves, not the device's own rate;
 * ``padded``: ``packing: false``, ``--token-budget // (prompt_len + max_response)`` rows per micro-batch (the
   same tokens per forward, padding included, so both hold about the same activations), each padded to its
   longest row;
@@ -53,14 +56,15 @@ sys.path.insert(0, str(HERE))
 
 from model_sizes import ensure_model  # noqa: E402  (benchmarks/ is not a package)
 
-VARIANTS = ("packed", "padded", "padded_sorted")
+VARIANTS = ("packed", "shared", "padded", "padded_sorted")
 
 
 def ragged_batch(rows: int, prompt_len: int, min_response: int, max_response: int, vocab: int, eos: int, pad: int,
-                 seed: int = 0, fixed: bool = False):
-    """A step's batch: ``rows`` prompts of ``prompt_len`` tokens and responses of lengths drawn uniformly in
-    ``min_response..max_response`` (``fixed``: all ``max_response``), each ending in ``eos``, right-padded with
-    ``pad`` (the response mask 0 there). Token ids avoid the special ids."""
+                 seed: int = 0, fixed: bool = False, samples: int = 1):
+    """A step's batch: ``rows`` prompts of ``prompt_len`` tokens, each repeated by ``samples`` consecutive rows
+    (a GRPO group), and responses of lengths drawn uniformly in ``min_response..max_response`` (``fixed``: all
+    ``max_response``), each ending in ``eos``, right-padded with ``pad`` (the response mask 0 there). Token ids
+    avoid the special ids."""
     from hybridrl.batch import ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
 
     if not 1 <= min_response <= max_response:
@@ -79,7 +83,8 @@ def ragged_batch(rows: int, prompt_len: int, min_response: int, max_response: in
     response_ids = tokens((rows, width)).masked_fill(response_mask == 0, pad)
     response_ids[torch.arange(rows), lengths - 1] = eos
     advantages = torch.randn(rows, 1, generator=g).expand(rows, width) * response_mask
-    return Batch.from_tensors({PROMPT_IDS: tokens((rows, prompt_len)),
+    prompts = tokens((-(-rows // samples), prompt_len)).repeat_interleave(samples, dim=0)[:rows]
+    return Batch.from_tensors({PROMPT_IDS: prompts,
                                PROMPT_MASK: torch.ones(rows, prompt_len, dtype=torch.long),
                                RESPONSE_IDS: response_ids, RESPONSE_MASK: response_mask,
                                ADVANTAGES: advantages.contiguous()})
@@ -90,8 +95,9 @@ def variant_options(variant: str, token_budget: int, rows_per_micro: int) -> dic
     fused layer kernels (``options.fused_kernels: false``)."""
     base = variant.removesuffix("_unfused")
     extra = {"fused_kernels": False} if base != variant else {}
-    if base == "packed":
-        return {"packing": True, "max_tokens_per_micro_batch": token_budget, **extra}
+    if base in ("packed", "shared"):
+        return {"packing": True, "share_prompts": base == "shared", "max_tokens_per_micro_batch": token_budget,
+                **extra}
     if base == "padded":
         return {"packing": False, "micro_batch": rows_per_micro, **extra}
     if base == "padded_sorted":
@@ -186,6 +192,7 @@ def main() -> None:
     parser.add_argument("--workload", choices=["ragged", "standard"], default="ragged")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--rows", type=int, default=512, help="sequences per step (64 prompts x 8 samples)")
+    parser.add_argument("--samples", type=int, default=8, help="consecutive rows that share a prompt")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--min-response", type=int, default=16)
     parser.add_argument("--max-response", type=int, default=None, help="default: 1024 (ragged), 256 (standard)")
@@ -217,7 +224,7 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     batch = ragged_batch(args.rows, args.prompt_len, args.min_response, args.max_response, int(hf["vocab_size"]),
-                         tok.eos_token_id, tok.pad_token_id, fixed=args.workload == "standard")
+                         tok.eos_token_id, tok.pad_token_id, fixed=args.workload == "standard", samples=args.samples)
     seq_lens = (batch[PROMPT_MASK].sum(1) + batch[RESPONSE_MASK].sum(1)).tolist()
     real_tokens = float(sum(seq_lens))
     init_process_group(0, 1, "127.0.0.1", free_port(), args.device)

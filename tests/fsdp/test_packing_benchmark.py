@@ -33,6 +33,10 @@ def test_ragged_batch_draws_lengths_in_range_and_ends_each_response_in_eos() -> 
     assert bool((ids[~mask] == pad).all()) and bool(batch[PROMPT_MASK].bool().all())
     fixed = ragged_batch(4, 8, 16, 32, vocab=500, eos=eos, pad=pad, fixed=True)
     assert fixed[RESPONSE_MASK].sum(1).tolist() == [32] * 4
+    grouped = ragged_batch(10, 8, 16, 32, vocab=500, eos=eos, pad=pad, samples=4)
+    prompts = grouped["prompt_ids"]
+    assert all(torch.equal(prompts[i], prompts[i - i % 4]) for i in range(10))
+    assert not torch.equal(prompts[0], prompts[4]) and not torch.equal(prompts[4], prompts[8])
     with pytest.raises(ValueError, match="response lengths"):
         ragged_batch(4, 8, 0, 32, vocab=500, eos=eos, pad=pad)
 
@@ -42,7 +46,7 @@ def run_benchmark(tmp_path: Path, device: str, *extra: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--size", "tiny", "--device", device, "--rows", "12",
                            "--prompt-len", "8", "--min-response", "2", "--max-response", "40", "--token-budget",
-                           "256", "--repeats", "1", "--variants", "packed,padded,padded_sorted",
+                           "256", "--repeats", "1", "--variants", "packed,shared,padded,padded_sorted",
                            "--workdir", str(tmp_path / "models"), "--out", str(out), *extra],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -51,8 +55,10 @@ def run_benchmark(tmp_path: Path, device: str, *extra: str) -> dict:
 
 def check_result(result: dict, tolerance: float) -> None:
     variants = result["variants"]
-    assert set(variants) == {"packed", "padded", "padded_sorted"}
+    assert set(variants) == {"packed", "shared", "padded", "padded_sorted"}
     assert variants["packed"]["options"]["packing"] is True and variants["padded"]["options"]["packing"] is False
+    assert variants["shared"]["options"]["share_prompts"] is True
+    assert variants["packed"]["options"]["share_prompts"] is False
     work = result["workload"]
     assert work["real_tokens"] < work["padded_tokens"], "a ragged batch has padding to save"
     for name, v in variants.items():
