@@ -11,12 +11,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _fsdp_helpers import PolicyGradient, context, make_batch  # noqa: E402
+from _fsdp_helpers import PolicyGradient, context, grouped  # noqa: E402
 from hybridrl.batch import LOG_PROBS  # noqa: E402
 
 GLOBAL_BATCH = 8
 STEPS = 3
 OPTIONS = {"micro_batch": 2, "lr": 2e-3, "grad_clip": 1.0}
+
+
+def global_batch():
+    """Rows in groups that share a prompt, so that packed micro-batches hold some prompts once."""
+    return grouped((3, 2, 3), seed=1)
 
 
 def main(rank: int, world_size: int, port: int, model_path: str, out: str) -> None:
@@ -26,7 +31,7 @@ def main(rank: int, world_size: int, port: int, model_path: str, out: str) -> No
 
     init_process_group(rank, world_size, "127.0.0.1", port, "cpu", timeout_s=120)
     engine = FSDPEngine(context(Path(model_path), rank=rank, world_size=world_size, **OPTIONS))
-    local = make_batch(GLOBAL_BATCH, seed=1).chunk(world_size)[rank]
+    local = global_batch().chunk(world_size)[rank]
     metrics = [engine.update(local, PolicyGradient()) for _ in range(STEPS)]
     log_probs = engine.compute_log_probs(local)[LOG_PROBS]
     state = engine.full_state_dict()

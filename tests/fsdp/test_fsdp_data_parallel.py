@@ -9,8 +9,7 @@ from pathlib import Path
 
 import torch
 
-from _fsdp_helpers import make_batch
-from _fsdp_worker import GLOBAL_BATCH, OPTIONS, STEPS
+from _fsdp_worker import GLOBAL_BATCH, OPTIONS, STEPS, global_batch
 from hybridrl.batch import ADVANTAGES, RESPONSE_MASK, sequence_tensors
 from hybridrl.runtime.distributed import free_port
 
@@ -44,7 +43,7 @@ def plain_reference(model_path: Path) -> tuple[dict[str, torch.Tensor], list[flo
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=OPTIONS["lr"], betas=(0.9, 0.999), weight_decay=0.0)
-    batch = make_batch(GLOBAL_BATCH, seed=1)
+    batch = global_batch()
     total_tokens = float(batch[RESPONSE_MASK].sum())
     norms = []
     for _ in range(STEPS):
@@ -65,6 +64,11 @@ def plain_reference(model_path: Path) -> tuple[dict[str, torch.Tensor], list[flo
 
 
 def test_two_ranks_match_one_process(tiny_model: Path, tmp_path: Path) -> None:
+    from hybridrl_fsdp.micro_batching import plan_micro_batches
+
+    shares = [m.packed.shared is not None for half in global_batch().chunk(2)
+              for m in plan_micro_batches(half, OPTIONS["micro_batch"], None, packed=True, share_prompts=True)]
+    assert any(shares) and not all(shares), "some micro-batches hold a prompt once, others repeat none"
     one, two = tmp_path / "world1.pt", tmp_path / "world2.pt"
     procs = launch(1, tiny_model, one) + launch(2, tiny_model, two)
     reference, ref_norms = plain_reference(tiny_model)

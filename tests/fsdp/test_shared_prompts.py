@@ -79,7 +79,8 @@ def test_end_aligned_attention_equals_attention_segment_by_segment(lengths):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("options", [{"micro_batch": 5}, {"micro_batch": 16, "max_tokens_per_micro_batch": 20}])
+@pytest.mark.parametrize("options", [{"micro_batch": 5}, {"micro_batch": 16, "max_tokens_per_micro_batch": 20},
+                                     {"micro_batch": 16, "gradient_checkpointing": True}])
 def test_shared_and_repeated_prompts_give_the_same_log_probs_loss_and_gradients(process_group, tiny_model: Path,
                                                                                 options):
     from hybridrl_fsdp.engine import FSDPEngine
