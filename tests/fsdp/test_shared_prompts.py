@@ -113,6 +113,15 @@ def test_auto_shares_prompts_on_cpu_and_the_option_is_checked(process_group, tin
         FSDPSettings.from_options({"share_prompts": "sometimes"})
     with pytest.raises(ValueError, match="needs packing"):
         FSDPSettings.from_options({"share_prompts": True, "packing": False})
+    with pytest.raises(ValueError, match="varlen attention"):
+        FSDPSettings.from_options({"share_prompts": True, "attn_implementation": "flash_attention_2"})
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert FSDPSettings().shares_prompts(cpu) and not FSDPSettings().shares_prompts(cuda)
+    assert FSDPSettings(packed_attention="sdpa").shares_prompts(cuda)  # the plain path, wherever it runs
+    assert FSDPSettings(share_prompts=True).shares_prompts(cuda)
+    assert not FSDPSettings(share_prompts=False).shares_prompts(cpu)
+    # transformers' own flash-attention path reads only the rows' boundaries: auto leaves the prompts repeated
+    assert not FSDPSettings(attn_implementation="flash_attention_2").shares_prompts(cpu)
 
 
 def test_multi_turn_rows_share_prompts_and_keep_their_observations(process_group, tiny_model: Path):

@@ -71,11 +71,8 @@ class FSDPEngine(TrainEngine):
         self.training = ctx.training
         self.head = self.settings.head
         self.device = engine_device(ctx)
-        #: each distinct prompt once per pack (``packing.SharedPrompts``). ``auto``: where packed attention takes
-        #: the plain sdpa path (CPU, or ``packed_attention: sdpa``); the GPU kernels' path waits for its measurement
-        self.share_prompts = self.settings.packing and (
-            self.settings.share_prompts is True or (self.settings.share_prompts == "auto" and (
-                self.device.type != "cuda" or self.settings.packed_attention == "sdpa")))
+        #: each distinct prompt once per pack (``packing.SharedPrompts``, ``FSDPSettings.shares_prompts``)
+        self.share_prompts = self.settings.shares_prompts(self.device)
         self.master_dtype = torch.float32
         torch.manual_seed(ctx.seed)  # before anything random (seeds CUDA too)
         self.model = _load_model(ctx, self.settings)

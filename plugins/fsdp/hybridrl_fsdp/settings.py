@@ -51,6 +51,15 @@ class FSDPSettings:
                    fused_kernels=options.get("fused_kernels", cls.fused_kernels))
 
 
+    def shares_prompts(self, device: Any) -> bool:
+        """Whether packs hold each distinct prompt once on ``device`` (a ``torch.device``). Only the engine's own
+        varlen attention reads that layout. ``auto``: where packed attention takes the plain sdpa path (CPU, or
+        ``packed_attention: sdpa``); the GPU kernels take the layout too but wait for their measurement."""
+        if not self.packing or self.attn_implementation or self.share_prompts is False:
+            return False
+        return self.share_prompts is True or device.type != "cuda" or self.packed_attention == "sdpa"
+
+
 def option_problems(role: str, options: Mapping[str, Any], training: Any = None) -> list[tuple[str, str]]:
     """``(key, reason)`` for each bad or unknown key of ``roles.<role>.options`` (the key without its prefix);
     every shared training setting (``training``) is one the engine honours."""
@@ -86,6 +95,9 @@ def option_problems(role: str, options: Mapping[str, Any], training: Any = None)
         problems.append(("share_prompts", f"must be auto, true or false, got {share!r}"))
     elif share is True and packing is not True:
         problems.append(("share_prompts", "needs packing: true (shared prompts are a layout of packed rows)"))
+    elif share is True and attn is not None:
+        problems.append(("share_prompts", f"needs the engine's varlen attention: attn_implementation '{attn}' "
+                         "would see the shared prompts' pack as one sequence (leave attn_implementation unset)"))
     if packing is True and isinstance(attn, str) and not attn.startswith("flash_attention"):
         problems.append(("attn_implementation", f"'{attn}' cannot keep packed rows apart: leave it unset (the "
                          "engine's varlen attention, see packed_attention), use flash_attention_2/3, or set "
