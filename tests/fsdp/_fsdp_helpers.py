@@ -37,6 +37,22 @@ def save_tiny_qwen2(path: Path, tie: bool = True, seed: int = 0) -> Path:
     return path
 
 
+def save_tiny_reward_model(path: Path) -> Path:
+    """A 2-layer Qwen2 sequence classifier (one label) with hidden size 32, saved with ``save_pretrained``."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    Qwen2ForSequenceClassification(config).save_pretrained(path)
+    return path
+
+
+def reward_context(model_path: Path, **options) -> EngineContext:
+    return EngineContext(role="reward", backend="fsdp", model_path=str(model_path), rank=0, world_size=1,
+                         trainable=False, **_split(options))
+
+
 def make_batch(size: int, seed: int, max_prompt: int = 6, max_response: int = 5) -> Batch:
     """Left-padded prompts and right-padded responses of random lengths (>= 1), random advantages."""
     gen = torch.Generator().manual_seed(seed)

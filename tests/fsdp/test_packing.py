@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from _fsdp_helpers import _split, context, make_batch
+from _fsdp_helpers import context, make_batch
 from hybridrl.batch import ADVANTAGES, ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
 
 ATOL = 1e-5
@@ -165,24 +165,14 @@ def test_packed_update_with_gradient_checkpointing_equals_without(process_group,
 
 
 def test_packed_reward_scores_equal_padded(process_group, tmp_path: Path):
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
+    from _fsdp_helpers import reward_context, save_tiny_reward_model
     from hybridrl.batch import SCORES
-    from hybridrl.engines import EngineContext
     from hybridrl_fsdp.engine import FSDPEngine
 
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
-    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
-
-    def scorer(packing: bool) -> FSDPEngine:
-        return FSDPEngine(EngineContext(role="reward", backend="fsdp", model_path=str(tmp_path / "rm"), rank=0,
-                                        world_size=1, trainable=False,
-                                        **_split({"micro_batch": 4, "packing": packing})))
-
+    model = save_tiny_reward_model(tmp_path / "rm")
     batch = ragged()
-    a, b = scorer(False).compute_scores(batch)[SCORES], scorer(True).compute_scores(batch)[SCORES]
+    a, b = (FSDPEngine(reward_context(model, micro_batch=4, packing=packing)).compute_scores(batch)[SCORES]
+            for packing in (False, True))
     assert float(a.abs().max()) > 0
     torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
 

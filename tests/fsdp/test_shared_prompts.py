@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _fsdp_helpers import _split, context, grouped, make_batch
+from _fsdp_helpers import context, grouped, make_batch
 from hybridrl.batch import (ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_ATTENTION_MASK, RESPONSE_IDS,
                             RESPONSE_MASK, SCORES, VALUES)
 from test_packing import ATOL, _outputs_and_grads
@@ -146,9 +146,7 @@ def test_multi_turn_rows_share_prompts_and_keep_their_observations(process_group
 
 def test_critic_values_and_reward_scores_equal_with_shared_prompts(process_group, tiny_model: Path,
                                                                    tmp_path: Path):
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    from hybridrl.engines import EngineContext
+    from _fsdp_helpers import reward_context, save_tiny_reward_model
     from hybridrl_fsdp.engine import FSDPEngine
 
     batch = grouped(seed=13)
@@ -161,17 +159,9 @@ def test_critic_values_and_reward_scores_equal_with_shared_prompts(process_group
     assert float(a.abs().max()) > 1e-4
     torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
 
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
-    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
-
-    def scorer(share: bool) -> FSDPEngine:
-        return FSDPEngine(EngineContext(role="reward", backend="fsdp", model_path=str(tmp_path / "rm"), rank=0,
-                                        world_size=1, trainable=False,
-                                        **_split({"micro_batch": 4, "share_prompts": share})))
-
-    a, b = scorer(False).compute_scores(batch)[SCORES], scorer(True).compute_scores(batch)[SCORES]
+    model = save_tiny_reward_model(tmp_path / "rm")
+    a, b = (FSDPEngine(reward_context(model, micro_batch=4, share_prompts=share)).compute_scores(batch)[SCORES]
+            for share in (False, True))
     assert float(a.abs().max()) > 0
     torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
 
