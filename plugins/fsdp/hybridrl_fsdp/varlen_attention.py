@@ -111,7 +111,8 @@ def _shared_prompt_attention(chosen: str, q: torch.Tensor, k: torch.Tensor, v: t
 def _varlen(chosen: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
             max_q: int, max_k: int, scaling: float | None) -> torch.Tensor:
     """Causal attention of query segment ``i`` (``cu_q``) over key segment ``i`` (``cu_k``), the mask aligned
-    at the segments' ends; ``(Tq, H, D)`` out."""
+    at the segments' ends; ``(Tq, H, D)`` out. ``cu_k is cu_q`` (the same tensor, a host check) is each segment
+    attending to itself, which the sdpa path runs with sdpa's own causal mask."""
     if chosen == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
