@@ -115,7 +115,7 @@ def test_auto_shares_prompts_on_cpu_and_the_option_is_checked(process_group, tin
         FSDPSettings.from_options({"share_prompts": True, "packing": False})
     with pytest.raises(ValueError, match="varlen attention"):
         FSDPSettings.from_options({"share_prompts": True, "attn_implementation": "flash_attention_2"})
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    cpu, cuda = "cpu", "cuda"
     assert FSDPSettings().shares_prompts(cpu) and not FSDPSettings().shares_prompts(cuda)
     assert FSDPSettings(packed_attention="sdpa").shares_prompts(cuda)  # the plain path, wherever it runs
     assert FSDPSettings(share_prompts=True).shares_prompts(cuda)

@@ -29,7 +29,7 @@ from hybridrl.placement.host_memory import HOST_USABLE_SHARE, host_needs, host_p
 from hybridrl.placement.memory import (DEMAND_SIZED_ROLLOUTS, GIB, OFFLOAD_MODES, MemoryEstimate, ModelShape,
                                        TrainSettings, estimate_memory, step_workload, train_settings)
 from hybridrl.placement.plan import PlacementPlan
-from hybridrl.plugins.registry import Registry, RegistryError
+from hybridrl.plugins.registry import Registry, RegistryError, load_object
 from hybridrl.roles import role_spec
 
 AUTO = "auto"
@@ -157,6 +157,28 @@ def resolve_fused_kernels(cfg: RunConfig, plan: PlacementPlan, registry: Registr
                                "less kept for backward"
         cfg = _with_role(cfg, role, {}, {FUSED_KERNELS: value})
         choices.append(AutoChoice(f"roles.{role}.options.{FUSED_KERNELS}", value, why))
+    return cfg, choices
+
+
+# --- a backend's own auto options ------------------------------------------------------------------------
+
+def resolve_backend_options(cfg: RunConfig, plan: PlacementPlan, registry: Registry, backends: dict[str, str]
+                            ) -> tuple[RunConfig, list[AutoChoice]]:
+    """Each role's backend resolves its own ``auto`` options (``BackendEntry.resolve_options``) for the
+    cluster's device; the values go into ``roles.<role>.options`` and are recorded like the core's choices."""
+    choices: list[AutoChoice] = []
+    for role in plan.role_pool:
+        backend = backends.get(role)
+        try:
+            entry = registry.backend(role_spec(role).kind, backend) if backend else None
+        except RegistryError:
+            continue
+        if entry is None or entry.resolve_options is None:
+            continue
+        resolve = load_object(entry.resolve_options)
+        for key, value, reason in resolve(role, dict(getattr(cfg.roles, role).options or {}), plan.cluster.device):
+            cfg = _with_role(cfg, role, {}, {key: value})
+            choices.append(AutoChoice(f"roles.{role}.options.{key}", value, reason))
     return cfg, choices
 
 
@@ -433,7 +455,8 @@ def resolve_auto(cfg: RunConfig, plan: PlacementPlan, registry: Registry, backen
     memory settings resolve as on a CPU (checkpointing off, nothing offloaded)."""
     cfg, choices = resolve_log_probs(cfg, registry)
     cfg, fused = resolve_fused_kernels(cfg, plan, registry, backends)
-    choices += fused
+    cfg, own = resolve_backend_options(cfg, plan, registry, backends)
+    choices += fused + own
     cfg = with_workload(cfg, backends)
     if shape is None:
         knobs = {r: _knobs(cfg, r) for r in plan.role_pool if role_spec(r).kind == "train"

@@ -94,6 +94,10 @@ class BackendEntry:
     #: ``fn(role, options, training) -> [(key, reason)]`` (or ``"module:function"``, loaded without the engine):
     #: the backend's check of its own settings, run by pre-flight (``run.checks.option_problems``).
     check_options: Any = None
+    #: ``fn(role, options, device) -> [(key, value, reason)]`` (or ``"module:function"``, loaded without the
+    #: engine): the backend's own ``auto`` options, resolved by pre-flight for ``device`` ("cpu", "cuda") and
+    #: recorded with the core's auto choices (``placement.auto.resolve_backend_options``).
+    resolve_options: Any = None
 
     def can(self, capability: str) -> bool:
         return capability in self.supports
@@ -161,7 +165,7 @@ class Registry:
     # --- backends -------------------------------------------------------------------------------
     def _add_backend(self, kind: BackendKind, name: str, target: Any, requires: str | list[str] | tuple[str, ...],
                      install_hint: str, process_family: str, devices: tuple[str, ...], supports: Iterable[str],
-                     max_ranks: int | None, check_options: Any) -> None:
+                     max_ranks: int | None, check_options: Any, resolve_options: Any = None) -> None:
         key = (kind, name)
         if key in self.backends:
             raise RegistryError(
@@ -174,25 +178,30 @@ class Registry:
             raise RegistryError(f"{kind} backend '{name}': max_ranks must be at least 1, got {max_ranks}")
         reqs = (requires,) if isinstance(requires, str) else tuple(requires)
         self.backends[key] = BackendEntry(kind, name, target, self.current_plugin, reqs, install_hint,
-                                          process_family, tuple(devices), declared, max_ranks, check_options)
+                                          process_family, tuple(devices), declared, max_ranks, check_options,
+                                          resolve_options)
 
     def add_train_engine(self, name: str, target: Any, *, requires: str | list[str] = (), install_hint: str = "",
                          process_family: str = "torch-dist", devices: tuple[str, ...] = ("cpu", "cuda"),
-                         supports: Iterable[str] = (), max_ranks: int | None = None, check_options: Any = None) -> None:
+                         supports: Iterable[str] = (), max_ranks: int | None = None, check_options: Any = None,
+                         resolve_options: Any = None) -> None:
         """Register a ``TrainEngine`` class (or ``"module:Class"``) under ``name``; ``supports`` names its
         optional capabilities (``capabilities.TRAIN_CAPABILITIES``), ``max_ranks`` the most ranks it spans,
-        ``check_options`` its pre-flight check of its own settings (see ``BackendEntry.check_options``)."""
+        ``check_options`` its pre-flight check of its own settings (see ``BackendEntry.check_options``),
+        ``resolve_options`` its own ``auto`` settings (``BackendEntry.resolve_options``)."""
         self._add_backend("train", name, target, requires, install_hint, process_family, devices, supports, max_ranks,
-                          check_options)
+                          check_options, resolve_options)
 
     def add_rollout(self, name: str, target: Any, *, requires: str | list[str] = (), install_hint: str = "",
                     process_family: str = "any", devices: tuple[str, ...] = ("cpu", "cuda"),
-                    supports: Iterable[str] = (), max_ranks: int | None = None, check_options: Any = None) -> None:
+                    supports: Iterable[str] = (), max_ranks: int | None = None, check_options: Any = None,
+                    resolve_options: Any = None) -> None:
         """Register a ``RolloutEngine`` class (or ``"module:Class"``) under ``name``; ``supports`` names its
         optional capabilities (``capabilities.ROLLOUT_CAPABILITIES``), ``max_ranks`` the most ranks it spans,
-        ``check_options`` its pre-flight check of its own settings (see ``BackendEntry.check_options``)."""
+        ``check_options`` its pre-flight check of its own settings (see ``BackendEntry.check_options``),
+        ``resolve_options`` its own ``auto`` settings (``BackendEntry.resolve_options``)."""
         self._add_backend("rollout", name, target, requires, install_hint, process_family, devices, supports,
-                          max_ranks, check_options)
+                          max_ranks, check_options, resolve_options)
 
     def add_bridge(self, trainer: str, rollout: str, transport: str, target: Any, *, scope: str = "cluster") -> None:
         """Register a reshard bridge for a backend pair; later registrations of the same key win. ``scope``

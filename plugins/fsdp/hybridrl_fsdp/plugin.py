@@ -21,4 +21,5 @@ def hybridrl_register_backends(registry):
                               process_family="torch-dist",
                               supports={"checkpoint", "greedy_margins", "value_head", "reward_head", "offload", "lora",
                                         *FUSED_LAYERS},
-                              check_options="hybridrl_fsdp.settings:option_problems")
+                              check_options="hybridrl_fsdp.settings:option_problems",
+                              resolve_options="hybridrl_fsdp.settings:auto_options")

@@ -51,13 +51,30 @@ class FSDPSettings:
                    fused_kernels=options.get("fused_kernels", cls.fused_kernels))
 
 
-    def shares_prompts(self, device: Any) -> bool:
-        """Whether packs hold each distinct prompt once on ``device`` (a ``torch.device``). Only the engine's own
-        varlen attention reads that layout. ``auto``: where packed attention takes the plain sdpa path (CPU, or
-        ``packed_attention: sdpa``); the GPU kernels take the layout too but wait for their measurement."""
+    def shares_prompts(self, device_type: str) -> bool:
+        """Whether packs hold each distinct prompt once on a ``device_type`` ("cpu", "cuda") device. Only the
+        engine's own varlen attention reads that layout. ``auto``: where packed attention takes the plain sdpa
+        path (CPU, or ``packed_attention: sdpa``); the GPU kernels take the layout too but wait for their
+        measurement."""
         if not self.packing or self.attn_implementation or self.share_prompts is False:
             return False
-        return self.share_prompts is True or device.type != "cuda" or self.packed_attention == "sdpa"
+        return self.share_prompts is True or device_type != "cuda" or self.packed_attention == "sdpa"
+
+
+def auto_options(role: str, options: Mapping[str, Any], device: str) -> list[tuple[str, Any, str]]:
+    """The backend's own ``auto`` options of a role (registered as its ``resolve_options``): ``share_prompts``."""
+    if options.get("share_prompts", "auto") != "auto" or option_problems(role, options):
+        return []
+    settings = FSDPSettings.from_options(options, role)
+    value = settings.shares_prompts(device)
+    if value:
+        why = ("each distinct prompt once per packed micro-batch (a GRPO group's samples repeat it): fewer tokens, "
+               "the same numbers")
+    elif not settings.packing or settings.attn_implementation:
+        why = "needs packing and the engine's own varlen attention"
+    else:
+        why = "not yet measured with the GPU's varlen kernels; true turns it on"
+    return [("share_prompts", value, why)]
 
 
 def option_problems(role: str, options: Mapping[str, Any], training: Any = None) -> list[tuple[str, str]]:
