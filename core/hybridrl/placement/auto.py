@@ -175,7 +175,11 @@ def resolve_backend_options(cfg: RunConfig, plan: PlacementPlan, registry: Regis
             continue
         if entry is None or entry.resolve_options is None:
             continue
-        resolve = load_object(entry.resolve_options)
+        try:
+            resolve = load_object(entry.resolve_options)
+        except (ImportError, AttributeError) as exc:
+            raise RegistryError(f"roles.{role}.backend: backend '{entry.name}' (plugin {entry.plugin}) cannot load "
+                                f"its auto options {entry.resolve_options}: {exc}") from exc
         for key, value, reason in resolve(role, dict(getattr(cfg.roles, role).options or {}), plan.cluster.device):
             cfg = _with_role(cfg, role, {}, {key: value})
             choices.append(AutoChoice(f"roles.{role}.options.{key}", value, reason))
