@@ -326,3 +326,21 @@ def test_a_backend_resolves_its_own_auto_options_and_they_are_recorded(tmp_path)
     assert "roles.actor.options.share_prompts" not in kept_choices
     assert kept.cfg.roles.actor.options["share_prompts"] is True
     assert kept_choices["roles.ref.options.share_prompts"] is False  # each role resolves its own
+
+
+class UnloadableResolverPlugin:
+    @hookimpl
+    def hybridrl_register_backends(self, registry):
+        registry.add_train_engine("unloadable", "no_such_module:Engine",
+                                  resolve_options="no_such_module.settings:auto_options")
+
+
+def test_a_resolver_that_cannot_load_names_the_role_backend_and_plugin(tmp_path):
+    from hybridrl.plugins.discovery import build_registry, plugin_manager
+    from hybridrl.plugins.registry import RegistryError
+
+    pm = plugin_manager()
+    pm.register(UnloadableResolverPlugin(), name="unloadable-plugin")
+    with pytest.raises(RegistryError, match=r"roles\.actor\.backend: backend 'unloadable' \(plugin "
+                                            r"unloadable-plugin\) cannot load its auto options"):
+        resolve(workload("0.5b", "roles.actor.backend=unloadable", tmp_path=tmp_path), registry=build_registry(pm))
