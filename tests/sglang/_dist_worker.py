@@ -49,6 +49,14 @@ def _sglang_receive(pg, names, dtypes, shapes) -> list[tuple[str, torch.Tensor]]
     return [(n, flat[s:e].view(dt).reshape(sh)) for n, sh, dt, s, e in meta]
 
 
+def _close(pg) -> None:
+    """Both sides reach the end before either exits, and the group is torn down before the interpreter is: a
+    process that leaves with gloo's threads still connected can abort at exit ("terminate called without an
+    active exception")."""
+    torch.distributed.barrier(group=pg)
+    torch.distributed.destroy_process_group(pg)
+
+
 def main() -> None:
     role, port, out, engine_dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     from hybridrl.weights.buckets import describe_bucket
@@ -60,6 +68,7 @@ def main() -> None:
         pg = open_group("127.0.0.1", port, 0, 2, "grp", "gloo", timeout_s=60)
         sent = broadcast_buckets(pg, buckets, layout, "cpu")
         json.dump({"sent": sent}, open(out, "w"))
+        _close(pg)
         return
     pg = _sglang_group("127.0.0.1", port, 1, 2, "grp")
     got = {}
@@ -71,6 +80,7 @@ def main() -> None:
             got[name] = {"dtype": str(tensor.dtype), "shape": list(tensor.shape),
                          "values": tensor.to(torch.float64).flatten().tolist()}
     json.dump(got, open(out, "w"))
+    _close(pg)
 
 
 if __name__ == "__main__":
