@@ -50,7 +50,6 @@ class FSDPSettings:
                    share_prompts=options.get("share_prompts", cls.share_prompts),
                    fused_kernels=options.get("fused_kernels", cls.fused_kernels))
 
-
     def shares_prompts(self, device_type: str) -> bool:
         """Whether packs hold each distinct prompt once on a ``device_type`` ("cpu", "cuda") device. Only the
         engine's own varlen attention reads that layout. ``auto``: where packed attention takes the plain sdpa
