@@ -234,6 +234,19 @@ def last_positions(mask: torch.Tensor) -> torch.Tensor:
     return ((mask != 0).long() * columns).amax(dim=-1).sub(1).clamp(min=0)
 
 
+def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(group, first)`` of left-padded prompts: ``group`` (B,) the same id (from 0, in no set order) for rows
+    whose prompts are the same real tokens, ``first`` (G,) the first row of each group (the one that stands for
+    it where a prompt is computed once: a GRPO group's samples repeat it)."""
+    if not len(prompt_ids):
+        return (torch.zeros(0, dtype=torch.long, device=prompt_ids.device),) * 2
+    group = torch.unique(prompt_ids.masked_fill(prompt_mask == 0, -1), dim=0, return_inverse=True)[1]
+    rows = torch.arange(len(group), device=group.device)
+    first = torch.full((int(group.max()) + 1,), len(group), dtype=torch.long, device=group.device).scatter_reduce(
+        0, group, rows, reduce="amin")
+    return group, first
+
+
 def sequence_tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask, position_ids)`` of prompt+response, positions counted over real tokens
     (the observation tokens of a multi-turn row are real: attended to, never trained).

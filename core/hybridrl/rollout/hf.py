@@ -12,7 +12,8 @@ from typing import Any, Iterator
 
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
+from hybridrl.batch import (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch,
+                            distinct_prompts)
 from hybridrl.engines import EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
 from hybridrl.lora import MergedAdapters, is_adapter_name
 from hybridrl.rollout.common import eos_and_pad
@@ -178,12 +179,9 @@ class HFRollout(RolloutEngine):
                  ) -> torch.Tensor:
         """The prompts' forward, once per distinct prompt: rows that repeat one (a GRPO group's samples) get a
         copy of its KV cache and its last logits. The first response token's ``(B, V)`` logits."""
-        _, group = torch.unique(prompt_ids.masked_fill(attn == 0, -1), dim=0, return_inverse=True)
-        distinct = int(group.max()) + 1
-        if distinct == len(group):
+        group, first = distinct_prompts(prompt_ids, attn)
+        if len(first) == len(group):
             return self._forward(prompt_ids, attn, positions, cache)
-        first = torch.full((distinct,), len(group), dtype=torch.long, device=group.device).scatter_reduce(
-            0, group, torch.arange(len(group), device=group.device), reduce="amin")
         logits = self._forward(prompt_ids[first], attn[first], positions[first], cache)
         cache.reorder_cache(group)
         return logits[group]

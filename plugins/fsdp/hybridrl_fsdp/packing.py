@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch, response_attention_mask
+from hybridrl.batch import (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch, distinct_prompts,
+                            response_attention_mask)
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,8 @@ SHARED_KWARG = "hybridrl_shared_prompts"
 
 
 def prompt_groups(batch: Batch) -> torch.Tensor:
-    """``(B,)`` the same id for rows whose prompts are the same real tokens (ids from 0, in no set order)."""
-    if not len(batch):
-        return torch.zeros(0, dtype=torch.long)
-    key = batch[PROMPT_IDS].masked_fill(~batch[PROMPT_MASK].bool(), -1)
-    return torch.unique(key, dim=0, return_inverse=True)[1]
+    """``(B,)`` the same id for rows whose prompts are the same real tokens (``hybridrl.batch.distinct_prompts``)."""
+    return distinct_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])[0]
 
 
 def pack_rows(batch: Batch, share_prompts: bool = False) -> PackedRows:
@@ -119,9 +117,9 @@ def pack_rows(batch: Batch, share_prompts: bool = False) -> PackedRows:
     if bool((trained & ~attended).any()):
         raise ValueError("response_mask marks a token that response_attention_mask leaves out")
     if share_prompts:
-        groups = prompt_groups(batch)
-        if len(batch) and int(groups.max()) + 1 < len(batch):
-            return _pack_shared(batch, groups, prompt_mask, attended, trained)
+        groups, first = distinct_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])
+        if len(first) < len(batch):
+            return _pack_shared(batch, groups, first, prompt_mask, attended, trained)
     ids = torch.cat([batch[PROMPT_IDS], batch[RESPONSE_IDS]], dim=1)
     mask = torch.cat([prompt_mask, attended], dim=1)
     lengths = mask.sum(1)
@@ -142,13 +140,11 @@ def pack_rows(batch: Batch, share_prompts: bool = False) -> PackedRows:
     )
 
 
-def _pack_shared(batch: Batch, groups: torch.Tensor, prompt_mask: torch.Tensor, attended: torch.Tensor,
-                 trained: torch.Tensor) -> PackedRows:
-    """The shared-prompt layout (module docstring): group ``g``'s prompt at ``prompt_start[g]``, then every row's
-    response in row order; positions continue from the prompt, as in the row's own sequence."""
-    n_groups = int(groups.max()) + 1
-    first = torch.full((n_groups,), len(batch), dtype=torch.long).scatter_reduce(
-        0, groups, torch.arange(len(batch)), reduce="amin")  # one row of each group stands for its prompt
+def _pack_shared(batch: Batch, groups: torch.Tensor, first: torch.Tensor, prompt_mask: torch.Tensor,
+                 attended: torch.Tensor, trained: torch.Tensor) -> PackedRows:
+    """The shared-prompt layout (module docstring): group ``g``'s prompt (that of its row ``first[g]``), then every
+    row's response in row order; positions continue from the prompt, as in the row's own sequence."""
+    n_groups = len(first)
     group_mask = prompt_mask[first]
     prompt_lens = group_mask.sum(1)
     prompt_cu = torch.zeros(n_groups + 1, dtype=torch.long)
