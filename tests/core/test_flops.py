@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hybridrl.observe.flops import PEAK_ENV, forward_flops, peak_flops, phase_perf, train_flops
+from hybridrl.observe.flops import (PEAK_ENV, forward_flops, peak_flops, phase_perf, shared_prompt_savings,
+                                    train_flops)
 from hybridrl.placement.memory import shape_from_hf_config
 
 
@@ -75,3 +76,44 @@ def test_phase_perf_arithmetic():
     assert not any(k.endswith("/adv") for k in out)  # no model work in the driver's phases
     cpu = phase_perf(shape, lengths, seconds, devices, peak=None)
     assert "perf/mfu" not in cpu and "perf/tflops_per_device/ref" in cpu
+
+
+def test_rows_sharing_a_prompt_are_credited_with_it_once():
+    _, shape = tiny_model(False)
+    prompts, groups = [5, 5, 5, 9, 4, 4], [0, 0, 0, 1, 2, 2]  # three rows of one prompt, one alone, two of another
+    assert shared_prompt_savings(shape, prompts, groups) == pytest.approx(forward_flops(shape, [5, 5, 4]))
+    assert shared_prompt_savings(shape, prompts, list(range(6))) == 0.0
+    lengths = [p + 7 for p in prompts]
+    saved = shared_prompt_savings(shape, prompts, groups)
+    seconds, devices = {"ref": 0.5, "update_actor": 1.0, "step": 2.0}, {"ref": 1, "actor": 1, "all": 1}
+    plain = phase_perf(shape, lengths, seconds, devices, peak=1e9)
+    shared = phase_perf(shape, lengths, seconds, devices, peak=1e9, saved={"actor": saved})
+    fwd = forward_flops(shape, lengths)
+    assert shared["perf/mfu/update_actor"] == pytest.approx(3 * (fwd - saved) / 1e9)
+    assert shared["perf/mfu/ref"] == plain["perf/mfu/ref"]  # the reference repeats its prompts here
+
+
+def test_step_metrics_credit_a_sharing_role_with_each_distinct_prompt_once(tmp_path):
+    """``step_perf_metrics`` finds the prompt groups in the batch itself: the sharing role's work shrinks by
+    exactly ``shared_prompt_savings``, the other role's does not."""
+    from types import SimpleNamespace
+
+    from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
+    from hybridrl.observe.flops import step_perf_metrics
+
+    model, shape = tiny_model(False)
+    model.config.save_pretrained(tmp_path)
+    prompts = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9], [0, 5, 6]])  # rows 0, 1 and 3 share a prompt
+    prompt_mask = (prompts != 0).long()
+    batch = Batch.from_tensors({PROMPT_IDS: prompts, PROMPT_MASK: prompt_mask,
+                                RESPONSE_IDS: torch.ones(4, 4, dtype=torch.long),
+                                RESPONSE_MASK: torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]])})
+    plan = SimpleNamespace(role_pool={"actor": "p", "ref": "p"}, pools={"p": [0]},
+                           cluster=SimpleNamespace(device="cpu"), group_of=lambda role: SimpleNamespace(world_size=1))
+    metrics = {"timing/update_actor": 1.0, "timing/ref": 1.0, "timing/step": 2.0}
+    out = step_perf_metrics(str(tmp_path), plan, "bfloat16", 1, batch, metrics, shared_prompt_roles={"actor"})
+    lengths = [2 + 4, 2 + 2, 3 + 1, 2 + 3]
+    assert out["perf/tflops_per_device/ref"] == pytest.approx(forward_flops(shape, lengths) / 1e12)
+    saved = forward_flops(shape, [2, 2])  # the shared prompt's second and third copies
+    expected = 3 * (forward_flops(shape, lengths) - saved) / 1e12
+    assert out["perf/tflops_per_device/update_actor"] == pytest.approx(expected)

@@ -4,6 +4,9 @@ Convention (PaLM appendix B, the one verl's counter uses, so numbers compare): a
 sequence of L tokens costs ``2 * N * L`` for the weight matmuls (N: parameters inside matmuls, the LM head
 included, the embedding lookup not) plus ``4 * layers * q_dim * L**2`` for attention scores and their
 weighted sum (counted without the causal halving); training costs three forwards (backward = 2x forward).
+A role whose engine computes each distinct prompt once (a GRPO group's samples repeat it; the FSDP backend's
+``share_prompts``) is credited with that prompt once: ``k - 1`` forwards of the prompt alone come off a group
+of ``k`` rows (``shared_prompt_savings``).
 Generation is counted as one forward over prompt + response, which is what decoding with a KV cache
 computes. Only real tokens count (padding is waste, not work), and time is the phase's wall time, so MFU
 includes every overhead of the phase.
@@ -15,7 +18,7 @@ import logging
 
 import os
 from functools import lru_cache
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable, Mapping, Sequence
 
 from hybridrl.placement.memory import ModelShape
 
@@ -47,6 +50,19 @@ def forward_flops(shape: ModelShape, seq_lens: Iterable[int], lm_head: bool = Tr
     n = matmul_params(shape, lm_head)
     attn = 4 * shape.num_layers * shape.q_dim
     return float(sum(2 * n * L + attn * L * L for L in seq_lens))
+
+
+def shared_prompt_savings(shape: ModelShape, prompt_lens: Sequence[int], groups: Sequence[int],
+                          lm_head: bool = True) -> float:
+    """Forward FLOPs that rows sharing a prompt (``groups``: each row's prompt group) do not spend when the
+    prompt is computed once: for each group of ``k`` rows, ``k - 1`` forwards of its prompt alone."""
+    seen: set[int] = set()
+    repeats = []
+    for length, group in zip(prompt_lens, groups):
+        if group in seen:
+            repeats.append(int(length))
+        seen.add(group)
+    return forward_flops(shape, repeats, lm_head)
 
 
 def train_flops(shape: ModelShape, seq_lens: Iterable[int], lm_head: bool = True) -> float:
@@ -99,15 +115,17 @@ def _shape_of(model_path: str) -> ModelShape:
 
 
 def phase_perf(shape: ModelShape, seq_lens: list[int], seconds: dict[str, float], devices: dict[str, int],
-               peak: float | None, epochs: int = 1) -> dict[str, float]:
+               peak: float | None, epochs: int = 1, saved: Mapping[str, float] | None = None) -> dict[str, float]:
     """``perf/tflops_per_device/<phase>`` for every timed phase of ``PHASE_WORK``, ``perf/mfu/<phase>`` and the
-    step's ``perf/mfu`` (all devices of the run over the whole step) when the device peak is known."""
+    step's ``perf/mfu`` (all devices of the run over the whole step) when the device peak is known. ``saved``:
+    per role, the forward FLOPs its engine skips (``shared_prompt_savings``)."""
+    saved = saved or {}
     out: dict[str, float] = {}
     total = 0.0
     for phase, (role, passes) in PHASE_WORK.items():
         if phase not in seconds or role not in devices or seconds[phase] <= 0:
             continue
-        flops = forward_flops(shape, seq_lens, lm_head=role != "critic") * passes
+        flops = (forward_flops(shape, seq_lens, lm_head=role != "critic") - saved.get(role, 0.0)) * passes
         if phase.startswith("update_"):
             flops *= epochs
         total += flops
@@ -121,11 +139,12 @@ def phase_perf(shape: ModelShape, seq_lens: list[int], seconds: dict[str, float]
 
 
 def step_perf_metrics(model_path: str, plan: Any, dtype: str, epochs: int, batch: Any,
-                      metrics: dict[str, float]) -> dict[str, float]:
+                      metrics: dict[str, float], shared_prompt_roles: Collection[str] = ()) -> dict[str, float]:
     """MFU and achieved TFLOP/s per phase for one step, from the model at ``model_path``, the placement
     ``plan`` (devices per role), the step's token counts and its ``timing/*`` metrics (called at the end of
-    ``Trainer.train_step``; never fails the step)."""
-    from hybridrl.batch import PROMPT_MASK, response_attention_mask
+    ``Trainer.train_step``; never fails the step). ``shared_prompt_roles``: roles whose engine computes each
+    distinct prompt once."""
+    from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, distinct_prompts, response_attention_mask
 
     try:
         shape = _shape_of(model_path)
@@ -134,7 +153,13 @@ def step_perf_metrics(model_path: str, plan: Any, dtype: str, epochs: int, batch
         devices["all"] = sum(len(d) for d in plan.pools.values())
         seconds = {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")}
         peak = peak_flops(detect_device_name(plan.cluster.device), dtype)
-        return phase_perf(shape, [int(n) for n in lengths], seconds, devices, peak, epochs)
+        saved: dict[str, float] = {}
+        if shared_prompt_roles:
+            groups = distinct_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])[0].tolist()
+            prompt_lens = batch[PROMPT_MASK].sum(-1).tolist()
+            saved = {role: shared_prompt_savings(shape, prompt_lens, groups, lm_head=role != "critic")
+                     for role in shared_prompt_roles}
+        return phase_perf(shape, [int(n) for n in lengths], seconds, devices, peak, epochs, saved)
     except Exception as exc:  # noqa: BLE001 - a metric must never stop training
         if not _warned:
             _warned.append(True)

@@ -130,6 +130,9 @@ class Trainer:
             "seed": cfg.trainer.seed,
             "model_signatures": setup.model_signatures, "data_rows": self.loader.num_rows})
         self.guard = StepGuard(cfg.trainer.max_bad_steps, setup.plan, self.checkpointer)
+        #: roles whose engine computes each distinct prompt once (their FLOPs count it once: observe.flops)
+        self.shared_prompt_roles = {role for role in setup.plan.role_pool
+                                    if (getattr(cfg.roles, role).options or {}).get("share_prompts") is True}
         self.validator = Validator(self, setup.val_prompts) if setup.val_prompts else None  # data.val
 
     # --- Stateful: what a checkpoint keeps of the driver ------------------------------------------------
@@ -361,7 +364,7 @@ class Trainer:
                 ((batch[ROLLOUT_LOG_PROBS] - batch[OLD_LOG_PROBS]).abs() * batch[RESPONSE_MASK]).sum()
                 / max(resp_tokens, 1.0))
         metrics.update(step_perf_metrics(self.setup.model_path, self.setup.plan, self.cfg.model.dtype,
-                                         self.cfg.algorithm.epochs, batch, metrics))
+                                         self.cfg.algorithm.epochs, batch, metrics, self.shared_prompt_roles))
         metrics.update(peak_memory_metrics(self.groups))
         return metrics
 
