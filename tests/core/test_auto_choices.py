@@ -310,8 +310,8 @@ def test_fused_kernels_stay_off_on_cpu_and_an_explicit_value_is_kept(tmp_path, m
 
 
 def test_a_backend_resolves_its_own_auto_options_and_they_are_recorded(tmp_path):
-    """The FSDP backend's ``resolve_options``: ``share_prompts`` on where packed attention runs the plain path
-    (CPU), off on the GPU's kernels until measured; an explicit value is the user's."""
+    """The FSDP backend's ``resolve_options``: ``share_prompts`` on wherever the engine's own packed attention
+    runs (CPU and GPU), off where a transformers attention reads the rows; an explicit value is the user's."""
     pytest.importorskip("hybridrl_fsdp")
     cpu, cpu_choices = resolve(workload("0.5b", "roles.rollout.backend=hf", tmp_path=tmp_path), device_bytes=None,
                                device="cpu")
@@ -320,12 +320,16 @@ def test_a_backend_resolves_its_own_auto_options_and_they_are_recorded(tmp_path)
         assert getattr(cpu.cfg.roles, role).options["share_prompts"] is True
     assert cpu.cfg.auto["choices"]["roles.actor.options.share_prompts"]["value"] is True  # recorded as the core's
     gpu, gpu_choices = resolve(workload("0.5b", tmp_path=tmp_path))
-    assert gpu_choices["roles.actor.options.share_prompts"] is False
-    assert "not yet measured" in next(c.reason for c in gpu.choices if c.key == "roles.actor.options.share_prompts")
-    kept, kept_choices = resolve(workload("0.5b", "roles.actor.options.share_prompts=true", tmp_path=tmp_path))
+    assert gpu_choices["roles.actor.options.share_prompts"] is True
+    hf_attn, hf_choices = resolve(workload("0.5b", "roles.actor.options.attn_implementation=flash_attention_2",
+                                           tmp_path=tmp_path))
+    assert hf_choices["roles.actor.options.share_prompts"] is False
+    assert "varlen attention" in next(c.reason for c in hf_attn.choices
+                                      if c.key == "roles.actor.options.share_prompts")
+    kept, kept_choices = resolve(workload("0.5b", "roles.actor.options.share_prompts=false", tmp_path=tmp_path))
     assert "roles.actor.options.share_prompts" not in kept_choices
-    assert kept.cfg.roles.actor.options["share_prompts"] is True
-    assert kept_choices["roles.ref.options.share_prompts"] is False  # each role resolves its own
+    assert kept.cfg.roles.actor.options["share_prompts"] is False
+    assert kept_choices["roles.ref.options.share_prompts"] is True  # each role resolves its own
 
 
 class UnloadableResolverPlugin:

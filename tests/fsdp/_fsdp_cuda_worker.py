@@ -100,7 +100,7 @@ def shared_prompt_checks(model: Path) -> None:
     engines = {share: FSDPEngine(cuda_context(model, "bfloat16", lr=1e-3, micro_batch=8, share_prompts=share))
                for share in (True, False)}
     assert engines[True].share_prompts and not engines[False].share_prompts
-    assert not FSDPEngine(cuda_context(model, "bfloat16")).share_prompts  # auto: not on the GPU kernels yet
+    assert FSDPEngine(cuda_context(model, "bfloat16")).share_prompts  # auto: on with the GPU's kernels too
     lp = {share: e.compute_log_probs(batch)[LOG_PROBS] for share, e in engines.items()}
     torch.testing.assert_close(lp[True][mask], lp[False][mask], atol=0.05, rtol=0)
     a, b = (engines[share].update(batch, PolicyGradient()) for share in (True, False))

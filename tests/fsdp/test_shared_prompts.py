@@ -104,7 +104,7 @@ def test_shared_and_repeated_prompts_give_the_same_log_probs_loss_and_gradients(
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_auto_shares_prompts_on_cpu_and_the_option_is_checked(process_group, tiny_model: Path):
+def test_auto_shares_prompts_and_the_option_is_checked(process_group, tiny_model: Path):
     from hybridrl_fsdp.engine import FSDPEngine, FSDPSettings
 
     assert FSDPEngine(context(tiny_model, trainable=False)).share_prompts
@@ -115,13 +115,10 @@ def test_auto_shares_prompts_on_cpu_and_the_option_is_checked(process_group, tin
         FSDPSettings.from_options({"share_prompts": True, "packing": False})
     with pytest.raises(ValueError, match="varlen attention"):
         FSDPSettings.from_options({"share_prompts": True, "attn_implementation": "flash_attention_2"})
-    cpu, cuda = "cpu", "cuda"
-    assert FSDPSettings().shares_prompts(cpu) and not FSDPSettings().shares_prompts(cuda)
-    assert FSDPSettings(packed_attention="sdpa").shares_prompts(cuda)  # the plain path, wherever it runs
-    assert FSDPSettings(share_prompts=True).shares_prompts(cuda)
-    assert not FSDPSettings(share_prompts=False).shares_prompts(cpu)
+    assert FSDPSettings().shares_prompts() and FSDPSettings(share_prompts=True).shares_prompts()
+    assert not FSDPSettings(share_prompts=False).shares_prompts()
     # transformers' own flash-attention path reads only the rows' boundaries: auto leaves the prompts repeated
-    assert not FSDPSettings(attn_implementation="flash_attention_2").shares_prompts(cpu)
+    assert not FSDPSettings(attn_implementation="flash_attention_2").shares_prompts()
 
 
 def test_multi_turn_rows_share_prompts_and_keep_their_observations(process_group, tiny_model: Path):

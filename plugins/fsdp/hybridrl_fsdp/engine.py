@@ -72,7 +72,7 @@ class FSDPEngine(TrainEngine):
         self.head = self.settings.head
         self.device = engine_device(ctx)
         #: each distinct prompt once per pack (``packing.SharedPrompts``, ``FSDPSettings.shares_prompts``)
-        self.share_prompts = self.settings.shares_prompts(self.device.type)
+        self.share_prompts = self.settings.shares_prompts()
         self.master_dtype = torch.float32
         torch.manual_seed(ctx.seed)  # before anything random (seeds CUDA too)
         self.model = _load_model(ctx, self.settings)

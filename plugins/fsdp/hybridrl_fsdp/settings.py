@@ -50,14 +50,10 @@ class FSDPSettings:
                    share_prompts=options.get("share_prompts", cls.share_prompts),
                    fused_kernels=options.get("fused_kernels", cls.fused_kernels))
 
-    def shares_prompts(self, device_type: str) -> bool:
-        """Whether packs hold each distinct prompt once on a ``device_type`` ("cpu", "cuda") device. Only the
-        engine's own varlen attention reads that layout. ``auto``: where packed attention takes the plain sdpa
-        path (CPU, or ``packed_attention: sdpa``); the GPU kernels take the layout too but wait for their
-        measurement."""
-        if not self.packing or self.attn_implementation or self.share_prompts is False:
-            return False
-        return self.share_prompts is True or device_type != "cuda" or self.packed_attention == "sdpa"
+    def shares_prompts(self) -> bool:
+        """Whether packs hold each distinct prompt once. Only the engine's own varlen attention reads that
+        layout, so ``auto`` is on wherever it runs (packing, no ``attn_implementation``), on every device."""
+        return self.packing and not self.attn_implementation and self.share_prompts is not False
 
 
 def auto_options(role: str, options: Mapping[str, Any], device: str) -> list[tuple[str, Any, str]]:
@@ -65,14 +61,12 @@ def auto_options(role: str, options: Mapping[str, Any], device: str) -> list[tup
     if options.get("share_prompts", "auto") != "auto" or option_problems(role, options):
         return []
     settings = FSDPSettings.from_options(options, role)
-    value = settings.shares_prompts(device)
+    value = settings.shares_prompts()
     if value:
         why = ("each distinct prompt once per packed micro-batch (a GRPO group's samples repeat it): fewer tokens, "
                "the same numbers")
-    elif not settings.packing or settings.attn_implementation:
-        why = "needs packing and the engine's own varlen attention"
     else:
-        why = "not yet measured with the GPU's varlen kernels; true turns it on"
+        why = "needs packing and the engine's own varlen attention"
     return [("share_prompts", value, why)]
 
 
