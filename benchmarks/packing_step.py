@@ -3,11 +3,11 @@
 The train side of a GRPO step (the reference's log-probs, then one actor update) on one device, in this process
 (one-rank process group, no Ray, no rollout engine), for each variant in turn on the same batch:
 
-* ``packed``: rows laid end to end (``options.packing``), each with its own copy of its prompt
-  (``share_prompts: false``, the default on CUDA), at most ``--token-budget`` real tokens per micro-batch;
-* ``shared`` (``--variants`` only): the same with each distinct prompt once per micro-batch (``share_prompts:
-  true``; ``--samples`` consecutive rows share a prompt). Tokens/s and MFU count every row's prompt, so they
-  show what the layout saves, not the device's own rate;
+* ``shared``: rows laid end to end (``options.packing``) with each distinct prompt once per micro-batch
+  (``share_prompts: true``, what ``auto`` picks; ``--samples`` consecutive rows share a prompt), at most
+  ``--token-budget`` real tokens per micro-batch. Its tokens/s count every row's prompt (the batch's tokens, as
+  for the others: what a user's step gets through); its MFU counts each distinct prompt once (the work done);
+* ``packed``: the same with each row's own copy of its prompt (``share_prompts: false``);
 * ``padded``: ``packing: false``, ``--token-budget // (prompt_len + max_response)`` rows per micro-batch (the
   same tokens per forward, padding included, so both hold about the same activations), each padded to its
   longest row;
@@ -199,16 +199,16 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=16384, help="tokens per micro-batch (see the variants)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variants", default="packed,padded")
+    parser.add_argument("--variants", default="shared,packed,padded")
     parser.add_argument("--profile", action="store_true", help="keep each variant's top kernels (torch.profiler)")
     parser.add_argument("--workdir", default="/tmp/model-sizes", help="where the random-weight models are built")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/packing_step_<size>_<workload>.json")
     args = parser.parse_args()
 
     from hybridrl.algorithms.objective import PolicyObjective
-    from hybridrl.batch import PROMPT_MASK, RESPONSE_MASK
+    from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, distinct_prompts
     from hybridrl.config.schema import AlgorithmConfig
-    from hybridrl.observe.flops import detect_device_name, forward_flops, peak_flops
+    from hybridrl.observe.flops import detect_device_name, forward_flops, peak_flops, shared_prompt_savings
     from hybridrl.placement.memory import read_hf_config, shape_from_hf_config
     from hybridrl.plugins.discovery import get_registry
     from hybridrl.runtime.distributed import free_port, init_process_group
@@ -232,7 +232,9 @@ def main() -> None:
         {"name": "grpo", "kl": {"coef": 0.001, "estimator": "k3", "as": "loss"}}), get_registry())
     device_name = detect_device_name(args.device)
     peak = peak_flops(device_name, dtype)
-    flops = {"ref": forward_flops(shape, seq_lens), "update_actor": 3 * forward_flops(shape, seq_lens)}
+    forward = forward_flops(shape, seq_lens)
+    groups = distinct_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])[0].tolist()
+    shared_forward = forward - shared_prompt_savings(shape, batch[PROMPT_MASK].sum(1).tolist(), groups)
 
     results: dict[str, Any] = {}
     reference = None
@@ -244,6 +246,8 @@ def main() -> None:
         mask = batch[RESPONSE_MASK].bool()
         got["ref_log_probs_max_abs_diff_vs_first_variant"] = float((log_probs - reference).abs()[mask].max())
         med = got["median_s"]
+        work = shared_forward if variant_options(variant.partition("@")[0], 1, 1).get("share_prompts") else forward
+        flops = {"ref": work, "update_actor": 3 * work}
         got["train_tokens_per_s"] = real_tokens / med["update_actor"]
         got["perf"] = {f"perf/tflops_per_device/{p}": flops[p] / med[p] / 1e12 for p in med}
         if peak:
