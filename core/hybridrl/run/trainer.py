@@ -132,7 +132,8 @@ class Trainer:
         self.guard = StepGuard(cfg.trainer.max_bad_steps, setup.plan, self.checkpointer)
         #: roles whose engine computes each distinct prompt once (their FLOPs count it once: observe.flops)
         self.shared_prompt_roles = {role for role in setup.plan.role_pool
-                                    if (getattr(cfg.roles, role).options or {}).get("share_prompts") is True}
+                                    if (getattr(getattr(cfg.roles, role, None), "options", None) or {})
+                                    .get("share_prompts") is True}
         self.validator = Validator(self, setup.val_prompts) if setup.val_prompts else None  # data.val
 
     # --- Stateful: what a checkpoint keeps of the driver ------------------------------------------------
