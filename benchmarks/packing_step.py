@@ -206,9 +206,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from hybridrl.algorithms.objective import PolicyObjective
-    from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, distinct_prompts
+    from hybridrl.batch import PROMPT_MASK, RESPONSE_MASK
     from hybridrl.config.schema import AlgorithmConfig
-    from hybridrl.observe.flops import detect_device_name, forward_flops, peak_flops, shared_prompt_savings
+    from hybridrl.observe.flops import batch_prompt_savings, detect_device_name, forward_flops, peak_flops
     from hybridrl.placement.memory import read_hf_config, shape_from_hf_config
     from hybridrl.plugins.discovery import get_registry
     from hybridrl.runtime.distributed import free_port, init_process_group
@@ -233,8 +233,7 @@ def main() -> None:
     device_name = detect_device_name(args.device)
     peak = peak_flops(device_name, dtype)
     forward = forward_flops(shape, seq_lens)
-    groups = distinct_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])[0].tolist()
-    shared_forward = forward - shared_prompt_savings(shape, batch[PROMPT_MASK].sum(1).tolist(), groups)
+    shared_forward = forward - batch_prompt_savings(shape, batch)
 
     results: dict[str, Any] = {}
     reference = None
@@ -246,7 +245,7 @@ def main() -> None:
         mask = batch[RESPONSE_MASK].bool()
         got["ref_log_probs_max_abs_diff_vs_first_variant"] = float((log_probs - reference).abs()[mask].max())
         med = got["median_s"]
-        work = shared_forward if variant_options(variant.partition("@")[0], 1, 1).get("share_prompts") else forward
+        work = shared_forward if got["options"].get("share_prompts") else forward
         flops = {"ref": work, "update_actor": 3 * work}
         got["train_tokens_per_s"] = real_tokens / med["update_actor"]
         got["perf"] = {f"perf/tflops_per_device/{p}": flops[p] / med[p] / 1e12 for p in med}

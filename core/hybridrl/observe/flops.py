@@ -65,6 +65,14 @@ def shared_prompt_savings(shape: ModelShape, prompt_lens: Sequence[int], groups:
     return forward_flops(shape, repeats, lm_head)
 
 
+def batch_prompt_savings(shape: ModelShape, batch: Any, lm_head: bool = True) -> float:
+    """``shared_prompt_savings`` of a ``Batch``: its rows grouped by their prompts' real tokens."""
+    from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, distinct_prompts
+
+    groups = distinct_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])[0].tolist()
+    return shared_prompt_savings(shape, batch[PROMPT_MASK].sum(-1).tolist(), groups, lm_head)
+
+
 def train_flops(shape: ModelShape, seq_lens: Iterable[int], lm_head: bool = True) -> float:
     """Forward + backward (the backward costs two forwards)."""
     return 3.0 * forward_flops(shape, seq_lens, lm_head)
@@ -144,7 +152,7 @@ def step_perf_metrics(model_path: str, plan: Any, dtype: str, epochs: int, batch
     ``plan`` (devices per role), the step's token counts and its ``timing/*`` metrics (called at the end of
     ``Trainer.train_step``; never fails the step). ``shared_prompt_roles``: roles whose engine computes each
     distinct prompt once."""
-    from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, distinct_prompts, response_attention_mask
+    from hybridrl.batch import PROMPT_MASK, response_attention_mask
 
     try:
         shape = _shape_of(model_path)
@@ -153,12 +161,7 @@ def step_perf_metrics(model_path: str, plan: Any, dtype: str, epochs: int, batch
         devices["all"] = sum(len(d) for d in plan.pools.values())
         seconds = {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")}
         peak = peak_flops(detect_device_name(plan.cluster.device), dtype)
-        saved: dict[str, float] = {}
-        if shared_prompt_roles:
-            groups = distinct_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])[0].tolist()
-            prompt_lens = batch[PROMPT_MASK].sum(-1).tolist()
-            saved = {role: shared_prompt_savings(shape, prompt_lens, groups, lm_head=role != "critic")
-                     for role in shared_prompt_roles}
+        saved = {role: batch_prompt_savings(shape, batch, lm_head=role != "critic") for role in shared_prompt_roles}
         return phase_perf(shape, [int(n) for n in lengths], seconds, devices, peak, epochs, saved)
     except Exception as exc:  # noqa: BLE001 - a metric must never stop training
         if not _warned:
