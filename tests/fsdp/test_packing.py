@@ -104,6 +104,22 @@ def test_kernel_choice_on_cpu_and_refusals(process_group, tiny_model: Path):
     assert engine.model.config._attn_implementation == "hybridrl_varlen"
 
 
+@pytest.mark.parametrize("kernel", ["auto", "flash_attn", "torch_flash", "sdpa"])
+def test_every_kernel_name_loads_a_model(kernel: str):
+    """transformers takes an attn_implementation holding "flash" for a package or hub kernel to import, so
+    ``packed_attention: torch_flash`` failed at load before the registered names left the word out."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from hybridrl_fsdp import varlen_attention
+
+    varlen_attention.register()
+    name = varlen_attention.implementation_name(kernel)
+    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=name)
+    assert model.config._attn_implementation == name
+
+
 # --- packed == padded -------------------------------------------------------------------------------------
 def _outputs_and_grads(engine, batch: Batch, temperature: float | None):
     """Per-micro-batch forward + backward of a loss of the log-probs and entropies, as ``update`` runs them;

@@ -39,10 +39,11 @@ PREFIX = "hybridrl_varlen"
 
 
 def implementation_name(kernel: str) -> str:
-    """The ``attn_implementation`` under which ``kernel`` is registered (see ``register``)."""
+    """The ``attn_implementation`` under which ``kernel`` is registered (see ``register``). The name never holds
+    "flash": transformers takes any such name for a flash-attention package or hub kernel to import, and fails."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown packed attention kernel '{kernel}' (known: {', '.join(KERNELS)})")
-    return PREFIX if kernel == "auto" else f"{PREFIX}_{kernel}"
+    return PREFIX if kernel == "auto" else f"{PREFIX}_{kernel.replace('flash', 'fa')}"
 
 
 @lru_cache(maxsize=None)
