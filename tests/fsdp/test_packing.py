@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from _fsdp_helpers import context, make_batch
+from hybridrl_fsdp.settings import PACKED_ATTENTION
 from hybridrl.batch import ADVANTAGES, ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
 
 ATOL = 1e-5
@@ -104,7 +105,7 @@ def test_kernel_choice_on_cpu_and_refusals(process_group, tiny_model: Path):
     assert engine.model.config._attn_implementation == "hybridrl_varlen"
 
 
-@pytest.mark.parametrize("kernel", ["auto", "flash_attn", "torch_flash", "sdpa"])
+@pytest.mark.parametrize("kernel", PACKED_ATTENTION)
 def test_every_kernel_name_loads_a_model(kernel: str):
     """transformers takes an attn_implementation holding "flash" for a package or hub kernel to import, so
     ``packed_attention: torch_flash`` failed at load before the registered names left the word out."""
