@@ -15,6 +15,8 @@ The train side of a GRPO step (the reference's log-probs, then one actor update)
   before binning, fewer rows where they are long).
 * ``<variant>_unfused`` (``--variants`` only): the variant without the fused RMSNorm/SwiGLU/rotary kernels
   (``options.fused_kernels: false``; the others take the default, ``auto``).
+* ``<variant>_foreach`` (``--variants`` only): the variant with AdamW's foreach ops instead of its fused kernel
+  (``options.optimizer_implementation: foreach``; the others take the default, ``auto``).
 * ``<variant>@<tokens>`` (``--variants`` only): the variant under a token budget of its own, e.g.
   ``packed@32768,packed@65536``.
 
@@ -91,10 +93,13 @@ def ragged_batch(rows: int, prompt_len: int, min_response: int, max_response: in
 
 
 def variant_options(variant: str, token_budget: int, rows_per_micro: int) -> dict[str, Any]:
-    """The engine options of a variant (see the module docstring); ``<variant>_unfused`` is the same without the
-    fused layer kernels (``options.fused_kernels: false``)."""
-    base = variant.removesuffix("_unfused")
-    extra = {"fused_kernels": False} if base != variant else {}
+    """The engine options of a variant (see the module docstring): ``<variant>_unfused`` is the same without the
+    fused layer kernels (``options.fused_kernels: false``), ``<variant>_foreach`` with AdamW's foreach ops."""
+    base, extra = variant, {}
+    for suffix, option in (("_unfused", {"fused_kernels": False}),
+                           ("_foreach", {"optimizer_implementation": "foreach"})):
+        if base.endswith(suffix):
+            base, extra = base.removesuffix(suffix), {**extra, **option}
     if base in ("packed", "shared"):
         return {"packing": True, "share_prompts": base == "shared", "max_tokens_per_micro_batch": token_budget,
                 **extra}
@@ -102,7 +107,8 @@ def variant_options(variant: str, token_budget: int, rows_per_micro: int) -> dic
         return {"packing": False, "micro_batch": rows_per_micro, **extra}
     if base == "padded_sorted":
         return {"packing": False, "max_tokens_per_micro_batch": token_budget, **extra}
-    raise ValueError(f"unknown variant '{variant}' (known: {', '.join(VARIANTS)}, each also as <name>_unfused)")
+    raise ValueError(f"unknown variant '{variant}' (known: {', '.join(VARIANTS)}, each also as <name>_unfused or "
+                     "<name>_foreach)")
 
 
 def build(role: str, model_dir: Path, device: str, dtype: str, options: dict[str, Any], seed: int = 0):

@@ -141,3 +141,30 @@ def test_one_cpu_rank_keeps_a_plain_module_with_fused_adamw(process_group, tiny_
     for _ in range(3):
         engine.update(batch, PolicyGradient())
     assert objective_value(engine, batch) < before
+
+
+def test_fused_and_foreach_adamw_take_the_same_steps(process_group, tiny_model: Path) -> None:
+    """``optimizer_implementation`` picks how AdamW runs, never what it computes: three updates under the fused
+    kernel (auto's choice on one device) and under foreach leave the same weights (fp32, CPU)."""
+    fused = FSDPEngine(context(tiny_model, lr=1e-3))
+    foreach = FSDPEngine(context(tiny_model, lr=1e-3, optimizer_implementation="foreach"))
+    assert all(g["fused"] for g in fused.optimizer.param_groups)
+    assert not any(g["fused"] for g in foreach.optimizer.param_groups)
+    assert all(g["foreach"] for g in foreach.optimizer.param_groups)
+    batch = make_batch(6, seed=5)
+    for _ in range(3):
+        fused.update(batch, PolicyGradient())
+        foreach.update(batch, PolicyGradient())
+    a, b = fused.full_state_dict(), foreach.full_state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_optimizer_implementation_is_checked_before_start() -> None:
+    from hybridrl_fsdp.settings import option_problems
+
+    (problem,) = option_problems("actor", {"optimizer_implementation": "apex"})
+    assert problem[0] == "optimizer_implementation" and "auto, fused, foreach" in problem[1]
+    with pytest.raises(ValueError, match="needs every parameter on one CPU or CUDA device"):
+        engine_module.fused_adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))], "fused")
+    assert engine_module.fused_adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))]) is None

@@ -106,7 +106,7 @@ class FSDPEngine(TrainEngine):
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         offload = self.settings.offload
         if ctx.trainable:
-            self.optimizer = _build_optimizer(self.model, self.training)
+            self.optimizer = _build_optimizer(self.model, self.training, self.settings.optimizer_implementation)
             self.scheduler = _build_scheduler(self.optimizer, self.training.warmup_steps)
             # the moments exist from the start, so what a colocated rollout finds free when it sizes its KV
             # cache is what the trainer leaves it for the whole run (lazily they would appear at step 1)
@@ -639,7 +639,8 @@ def _shard_model(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPo
     fully_shard(model, **kwargs)
 
 
-def _build_optimizer(model: nn.Module, training: TrainingOptions) -> torch.optim.Optimizer:
+def _build_optimizer(model: nn.Module, training: TrainingOptions, implementation: str = "auto"
+                     ) -> torch.optim.Optimizer:
     """AdamW over param groups of at most ``OPTIMIZER_GROUP_BYTES`` of fp32 parameters each (one group for a
     model under that size): foreach's temporaries (a copy of a group's second moments) stay within a group,
     and an offloaded optimizer streams through the device a group at a time. The update of a parameter
@@ -655,13 +656,22 @@ def _build_optimizer(model: nn.Module, training: TrainingOptions) -> torch.optim
         groups[-1].append(p)
         size += nbytes
     return torch.optim.AdamW([{"params": g} for g in groups if g], lr=training.lr, betas=training.betas,
-                             weight_decay=training.weight_decay, fused=fused_adamw(params))
+                             weight_decay=training.weight_decay, fused=fused_adamw(params, implementation),
+                             foreach=True if implementation == "foreach" else None)
 
 
-def fused_adamw(params: list[nn.Parameter]) -> bool | None:
-    """AdamW's fused kernel for parameters on the CPU (one pass over each tensor instead of a dozen ops per
-    parameter, each dispatched from Python); elsewhere torch's default (foreach on CUDA)."""
-    return True if params and all(p.device.type == "cpu" for p in params) else None
+def fused_adamw(params: list[nn.Parameter], implementation: str = "auto") -> bool | None:
+    """Whether AdamW runs its fused kernel: one pass over each tensor instead of a dozen ops per parameter
+    (``foreach`` on CUDA, dispatched from Python on the CPU). ``auto``: where every parameter lives on one CPU or
+    CUDA device, torch's default (None) elsewhere; ``foreach``: never."""
+    if implementation == "foreach" or not params:
+        return False if implementation == "foreach" else None
+    devices = {p.device for p in params}
+    on_one = len(devices) == 1 and next(iter(devices)).type in ("cpu", "cuda")
+    if implementation == "fused" and not on_one:
+        raise ValueError(f"optimizer_implementation: fused needs every parameter on one CPU or CUDA device, "
+                         f"they are on {sorted(str(d) for d in devices)}")
+    return True if on_one else None
 
 
 def _local_numel(param: torch.Tensor) -> int:
@@ -670,9 +680,10 @@ def _local_numel(param: torch.Tensor) -> int:
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer, offload_groups: bool) -> list[HostCopy] | None:
-    """AdamW's per-parameter state as its first step would create it (a CPU ``step`` of 0, zero moments shaped
-    like the parameter), created now; with ``offload_groups`` each group's moments go to the host as soon as
-    they exist, so the device never holds more than one group's."""
+    """AdamW's per-parameter state as its first step would create it (a ``step`` of 0, on the parameter's device
+    for the fused kernel and on the CPU otherwise, zero moments shaped like the parameter), created now; with
+    ``offload_groups`` each group's moments go to the host as soon as they exist, so the device never holds more
+    than one group's."""
     from torch.optim.optimizer import _get_scalar_dtype
 
     copies: list[HostCopy] = []
@@ -681,7 +692,9 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer, offload_groups: bool
             state = optimizer.state[p]
             if state:
                 continue
-            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(is_fused=bool(group.get("fused"))))
+            fused = bool(group.get("fused"))
+            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(is_fused=fused),
+                                         device=p.device if fused else "cpu")
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group.get("amsgrad"):

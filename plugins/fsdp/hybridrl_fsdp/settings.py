@@ -21,6 +21,9 @@ HEADS = ("lm", "value", "reward")
 #: the varlen attention kernels of packed micro-batches (``hybridrl_fsdp.varlen_attention``; auto: the first
 #: of flash_attn, torch_flash, sdpa that can run).
 PACKED_ATTENTION = ("auto", "flash_attn", "torch_flash", "sdpa")
+#: how AdamW steps (torch's ``fused`` kernel or its ``foreach`` ops; auto: fused where every parameter is on
+#: one CPU or CUDA device, as torchtitan's ``optimizer.implementation`` does).
+OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class FSDPSettings:
     packed_attention: str = "auto"  # the varlen kernel of packed rows (PACKED_ATTENTION)
     share_prompts: Any = "auto"  # a pack holds each distinct prompt once (packing.SharedPrompts); auto: see engine
     fused_kernels: Any = "auto"  # liger-kernel's RMSNorm/SwiGLU/rotary in the layers (hybridrl_fsdp.layer_kernels)
+    optimizer_implementation: str = "auto"  # AdamW's fused kernel or foreach ops (OPTIMIZER_IMPLEMENTATIONS)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> "FSDPSettings":
@@ -48,7 +52,9 @@ class FSDPSettings:
                    packing=bool(options.get("packing", cls.packing)),
                    packed_attention=str(options.get("packed_attention", cls.packed_attention)),
                    share_prompts=options.get("share_prompts", cls.share_prompts),
-                   fused_kernels=options.get("fused_kernels", cls.fused_kernels))
+                   fused_kernels=options.get("fused_kernels", cls.fused_kernels),
+                   optimizer_implementation=str(options.get("optimizer_implementation",
+                                                            cls.optimizer_implementation)))
 
     def shares_prompts(self) -> bool:
         """Whether packs hold each distinct prompt once. Only the engine's own varlen attention reads that
@@ -88,6 +94,10 @@ def option_problems(role: str, options: Mapping[str, Any], training: Any = None)
     value = options.get("fused_kernels", "auto")
     if value not in FUSED_KERNEL_CHOICES or not isinstance(value, (bool, str)):
         problems.append(("fused_kernels", f"must be auto, true or false, got {value!r}"))
+    value = options.get("optimizer_implementation", "auto")
+    if value not in OPTIMIZER_IMPLEMENTATIONS:
+        problems.append(("optimizer_implementation",
+                         f"must be one of {', '.join(OPTIMIZER_IMPLEMENTATIONS)}, got {value!r}"))
     head = options.get("head")
     if head is not None and head not in HEADS:
         problems.append(("head", f"unknown head '{head}' (known: {', '.join(HEADS)})"))
