@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# stage_site.sh LIST OUTDIR TARGET [WHEEL...] : the wheel set installed here into one site folder for the host's
+# Python 3.12, trimmed of what an H200 run never loads, and sent as three xz parts instead of seven wheel parts.
+# Fewer parts, fewer calls to lose when a host goes back between two of them.
+set -euo pipefail
+list=$1 out=$2 target=$3; shift 3
+name=$(basename "$out") work=$(mktemp -d)
+plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_35_x86_64
+      --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64
+      --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
+      --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any)
+python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/wheels" -r "$list"
+python3 -m pip install -q --no-index --no-deps --no-compile "${plat[@]}" --target "$work/site" "$work"/wheels/*.whl "$@"
+# Never loaded on an H200 running bf16 models: FlashAttention-2 (vLLM takes FA3 on Hopper), the Blackwell-only
+# fmha kernels, the vendored DeepGEMM (fp8), and Ray's Java jars.
+rm -rf "$work/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$work/site/vllm/third_party/fmha_sm100" \
+       "$work/site/vllm/third_party/deep_gemm" "$work/site/ray/jars"
+tar cf - -C "$work" site | xz -T0 -6 > "$work/site.tar.xz"
+rm -rf "$out" && mkdir -p "$out"
+split -b 60m -d "$work/site.tar.xz" "$work/part"
+n=$(ls "$work"/part* | wc -l)
+for p in "$work"/part*; do
+  d="$out/$(basename "$p").d"; mkdir -p "$d" && mv "$p" "$d/"
+  cat > "$d/install.sh" <<INS
+#!/usr/bin/env bash
+set -euo pipefail
+mkdir -p /root/stage_$name
+cp "\$(dirname "\$0")"/part* /root/stage_$name/
+have=\$(ls /root/stage_$name/part* | wc -l)
+if [ "\$have" -lt $n ]; then echo "staged \$have of $n parts ($name)"; exit 0; fi
+rm -rf $target && mkdir -p $target
+cat /root/stage_$name/part* | xz -d -T0 | tar xf - -C $target --strip-components=1
+echo "unpacked \$(ls $target | wc -l) entries into $target"
+INS
+done
+rm -rf "$work"
+echo "$n parts in $out: $(du -sh "$out" | cut -f1)"
