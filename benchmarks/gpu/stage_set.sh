@@ -9,22 +9,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
   --platform manylinux1_x86_64 --platform any -d "$work/wheels" -r "$list"
 tar cf "$work/wheels.tar" -C "$work" wheels
-rm -rf "$out" && mkdir -p "$out"
-split -b 60m -d "$work/wheels.tar" "$work/part"
-n=$(ls "$work"/part* | wc -l)
-for p in "$work"/part*; do
-  d="$out/$(basename "$p").d"; mkdir -p "$d" && mv "$p" "$d/"
-  cat > "$d/install.sh" <<INS
-#!/usr/bin/env bash
-set -euo pipefail
-mkdir -p /root/stage_$name
-cp "\$(dirname "\$0")"/part* /root/stage_$name/
-have=\$(ls /root/stage_$name/part* | wc -l)
-if [ "\$have" -lt $n ]; then echo "staged \$have of $n parts ($name)"; exit 0; fi
-cd /root/stage_$name && cat part* > wheels.tar && tar xf wheels.tar
+here=$(dirname "$0")
+bash "$here/split_parts.sh" "$work/wheels.tar" "$out" "cat part* > wheels.tar && tar xf wheels.tar
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $target wheels/*.whl
-echo "installed \$(ls wheels | wc -l) wheels into $target"
-INS
-done
+echo \"installed \$(ls wheels | wc -l) wheels into $target\""
 rm -rf "$work"
-echo "$n parts in $out: $(du -sh "$out" | cut -f1)"

@@ -16,22 +16,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile "${plat[@]}" --targe
 rm -rf "$work/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$work/site/vllm/third_party/fmha_sm100" \
        "$work/site/vllm/third_party/deep_gemm" "$work/site/ray/jars"
 tar cf - -C "$work" site | xz -T0 -6 > "$work/site.tar.xz"
-rm -rf "$out" && mkdir -p "$out"
-split -b 60m -d "$work/site.tar.xz" "$work/part"
-n=$(ls "$work"/part* | wc -l)
-for p in "$work"/part*; do
-  d="$out/$(basename "$p").d"; mkdir -p "$d" && mv "$p" "$d/"
-  cat > "$d/install.sh" <<INS
-#!/usr/bin/env bash
-set -euo pipefail
-mkdir -p /root/stage_$name
-cp "\$(dirname "\$0")"/part* /root/stage_$name/
-have=\$(ls /root/stage_$name/part* | wc -l)
-if [ "\$have" -lt $n ]; then echo "staged \$have of $n parts ($name)"; exit 0; fi
-rm -rf $target && mkdir -p $target
-cat /root/stage_$name/part* | xz -d -T0 | tar xf - -C $target --strip-components=1
-echo "unpacked \$(ls $target | wc -l) entries into $target"
-INS
-done
+bash "$(dirname "$0")/split_parts.sh" "$work/site.tar.xz" "$out" "rm -rf $target && mkdir -p $target
+cat part* | xz -d -T0 | tar xf - -C $target --strip-components=1
+echo \"unpacked \$(ls $target | wc -l) entries into $target\""
 rm -rf "$work"
-echo "$n parts in $out: $(du -sh "$out" | cut -f1)"
