@@ -664,8 +664,10 @@ def fused_adamw(params: list[nn.Parameter], implementation: str = "auto") -> boo
     """Whether AdamW runs its fused kernel: one pass over each tensor instead of a dozen ops per parameter
     (``foreach`` on CUDA, dispatched from Python on the CPU). ``auto``: where every parameter lives on one CPU or
     CUDA device, torch's default (None) elsewhere; ``foreach``: never."""
-    if implementation == "foreach" or not params:
-        return False if implementation == "foreach" else None
+    if implementation == "foreach":
+        return False
+    if not params:
+        return None
     devices = {p.device for p in params}
     on_one = len(devices) == 1 and next(iter(devices)).type in ("cpu", "cuda")
     if implementation == "fused" and not on_one:
