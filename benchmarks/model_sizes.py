@@ -174,7 +174,12 @@ def run_size(args: argparse.Namespace, size: str, timeout: float) -> dict[str, A
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.log_dir) / f"model_sizes_{name}.log").write_text(log[-400_000:])
-    return result_of(args, size, overrides, run_dir, code, log, wall, build_s)
+    result = result_of(args, size, overrides, run_dir, code, log, wall, build_s)
+    # trainer.profile_step=N among the overrides: the workers' kernel profiles of that step travel in the JSON
+    profiles = {p.stem: json.loads(p.read_text()) for p in sorted((run_dir / "profile").glob("*.json"))}
+    if profiles:
+        result["profiles"] = profiles
+    return result
 
 
 def _text(value: Any) -> str:

@@ -57,6 +57,7 @@ RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 
 from model_sizes import ensure_model  # noqa: E402  (benchmarks/ is not a package)
+from hybridrl.observe.profile import profile_call  # noqa: E402
 
 VARIANTS = ("packed", "shared", "padded", "padded_sorted")
 
@@ -127,20 +128,6 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def top_kernels(fn, *args: Any, limit: int = 25) -> list[dict[str, Any]]:
-    """The kernels of one ``fn(*args)`` that took the most device time (``torch.profiler``)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn(*args)
-        torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    total = sum(e.self_device_time_total for e in rows)
-    rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    return [{"name": e.key[:120], "calls": e.count, "ms": e.self_device_time_total / 1e3,
-             "share": e.self_device_time_total / total} for e in rows[:limit]]
-
-
 def measure(variant: str, args: argparse.Namespace, model_dir: Path, batch, objective) -> dict[str, Any]:
     """Build the variant's reference and actor, run warm-up + ``repeats`` train sides, free them."""
     from hybridrl.batch import LOG_PROBS, REF_LOG_PROBS
@@ -180,8 +167,8 @@ def measure(variant: str, args: argparse.Namespace, model_dir: Path, batch, obje
     if args.profile and args.device == "cuda":
         step = batch.select(*batch.tensors.keys())
         step.set(REF_LOG_PROBS, ref_log_probs)
-        profiled = {"profile_ref": top_kernels(ref.compute_log_probs, batch),
-                    "profile_update": top_kernels(actor.update, step, objective)}
+        profiled = {"profile_ref": profile_call(ref.compute_log_probs, batch)[1]["top"],
+                    "profile_update": profile_call(actor.update, step, objective)[1]["top"]}
     del ref, actor
     gc.collect()
     if args.device == "cuda":

@@ -335,6 +335,10 @@ class TrainerConfig(Strict):
     trackers: list[str] = Field(default_factory=lambda: ["console", "jsonl"])
     log_every: int = Field(1, gt=0)
     log_samples: int = Field(4, ge=0, description="sample responses written to <out>/samples.jsonl per logged step")
+    profile_step: int = Field(0, ge=0, description="profile the engine calls of profile_calls in this step (0: none): "
+                                                   "their top kernels in <out>/profile/")
+    profile_calls: list[str] = Field(default_factory=lambda: ["actor.update"],
+                                     description="role.method names of the engine calls to profile")
     progress: bool = True
     save_every: int = Field(0, ge=0, description="checkpoint every N steps and at the last step (0: never; Ctrl-C "
                                                  "still saves one)")
@@ -366,6 +370,18 @@ class TrainerConfig(Strict):
     @classmethod
     def _jsonl_always(cls, value: list[str]) -> list[str]:
         return value if "jsonl" in value else [*value, "jsonl"]
+
+    @field_validator("profile_calls")
+    @classmethod
+    def _calls_name_a_role(cls, calls: list[str]) -> list[str]:
+        from hybridrl.roles import ROLES
+
+        for name in calls:
+            role, _, method = name.partition(".")
+            if role not in ROLES or not method.isidentifier():
+                raise ValueError(f"'{name}' is not role.method with a role of {', '.join(ROLES)} "
+                                 "(e.g. actor.update, ref.compute_log_probs)")
+        return calls
 
 
 class EnvironmentConfig(Strict):

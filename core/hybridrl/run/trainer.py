@@ -483,6 +483,12 @@ class Trainer:
         return out
 
     # --- loop -----------------------------------------------------------------------------------------
+    def arm_profile(self) -> None:
+        """Every worker profiles its next call of each ``trainer.profile_calls`` (``hybridrl.observe.profile``)."""
+        out = str(Path(self.cfg.trainer.out) / "profile")
+        for group in unique_groups(self.groups):
+            group.call_all("arm_profile", list(self.cfg.trainer.profile_calls), out, self.step + 1)
+
     def fit(self) -> list[dict[str, float]]:
         """Train to ``trainer.steps``: log each step, save when due, stop cleanly on Ctrl-C (after saving) or
         after ``trainer.max_bad_steps`` bad steps in a row."""
@@ -499,6 +505,8 @@ class Trainer:
                     for tracker in self.trackers:
                         tracker.log(before, 0)
                 while self.step < tcfg.steps:
+                    if self.step + 1 == tcfg.profile_step:
+                        self.arm_profile()
                     metrics = self.train_step()
                     if self.validator is not None and self.validator.due(self.step):
                         metrics.update(self.validator.run(self))

@@ -20,6 +20,7 @@ from hybridrl.runtime.device_map import WorkerLocation, this_worker_location
 from hybridrl.runtime.distributed import init_process_group, node_ip, reserve_port
 from hybridrl.engines import DataParallelInfo, EngineContext, RolloutEngine, TrainEngine
 from hybridrl.observe.memory import DeviceMemoryMeter
+from hybridrl.observe.profile import CallProfiler
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.roles import role_spec
 
@@ -35,6 +36,7 @@ class RoleWorker:
             torch.set_num_threads(threads)
         self.engines: dict[str, TrainEngine | RolloutEngine] = {}
         self.memory = DeviceMemoryMeter(device, rank)  # device peak per phase; OOM -> DeviceOutOfMemory
+        self.profiler = CallProfiler(rank)  # trainer.profile_step: kernel profiles of named calls
 
     # --- set-up ---------------------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -75,9 +77,13 @@ class RoleWorker:
         """``(engine.method(*args, **kwargs), seconds it took)`` in one round trip: the seconds are the model
         compute the driver sets against the phase's wall time (dispatch, serialisation, data handling)."""
         start = time.perf_counter()
-        with self.memory.watch(role, method):
+        with self.memory.watch(role, method), self.profiler.around(role, method):
             result = getattr(self.engines[role], method)(*args, **kwargs)
         return result, time.perf_counter() - start
+
+    def arm_profile(self, calls: list[str], out_dir: str, step: int) -> None:
+        """Profile the next call of each ``role.method`` in ``calls`` (``hybridrl.observe.profile``)."""
+        self.profiler.arm(calls, out_dir, step)
 
     # --- weights --------------------------------------------------------------------------------------
     def sync_in_process(self, trainer_role: str, rollout_role: str, bucket_bytes: int) -> dict[str, float]:
