@@ -8,6 +8,7 @@ kernels (or, on a CPU, the operators) that took the most time, so both runs can 
 from __future__ import annotations
 
 import json
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -28,21 +29,28 @@ def top_kernels(prof: Any, device: bool, limit: int = 25) -> list[dict[str, Any]
             for e in rows[:limit]]
 
 
-def profile_call(fn: Callable[..., Any], *args: Any, limit: int = 25, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-    """``fn(*args, **kwargs)`` under ``torch.profiler``: its result, and the top events with the call's seconds."""
-    import time
-
+@contextmanager
+def profiled(limit: int = 25) -> Iterator[dict[str, Any]]:
+    """The block under ``torch.profiler``; the dict it yields holds, once the block is done, its seconds (the
+    device synchronised), the device and the top events (``top_kernels``)."""
     from torch.profiler import profile
 
     cuda = _cuda_in_use()
+    report: dict[str, Any] = {}
     with profile(activities=_activities(cuda)) as prof:
         start = time.perf_counter()
-        result = fn(*args, **kwargs)
+        yield report
         if cuda:
             torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    return result, {"seconds": seconds, "device": "cuda" if cuda else "cpu",
-                    "top": top_kernels(prof, device=cuda, limit=limit)}
+        report["seconds"] = time.perf_counter() - start
+    report.update(device="cuda" if cuda else "cpu", top=top_kernels(prof, device=cuda, limit=limit))
+
+
+def profile_call(fn: Callable[..., Any], *args: Any, limit: int = 25, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """``fn(*args, **kwargs)`` under ``torch.profiler``: its result, and the top events with the call's seconds."""
+    with profiled(limit) as report:
+        result = fn(*args, **kwargs)
+    return result, report
 
 
 class CallProfiler:
@@ -66,22 +74,11 @@ class CallProfiler:
             yield
             return
         self.armed.discard(name)
-        from torch.profiler import profile
-
-        import time
-
-        cuda = _cuda_in_use()
-        with profile(activities=_activities(cuda)) as prof:
-            start = time.perf_counter()
+        with profiled() as report:
             yield
-            if cuda:
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"step{self.step}_{name}_rank{self.rank}.json"
-        report = {"step": self.step, "call": name, "rank": self.rank, "seconds": seconds,
-                  "device": "cuda" if cuda else "cpu", "top": top_kernels(prof, device=cuda)}
-        path.write_text(json.dumps(report, indent=1))
+        path.write_text(json.dumps({"step": self.step, "call": name, "rank": self.rank, **report}, indent=1))
 
 
 def _cuda_in_use() -> bool:
