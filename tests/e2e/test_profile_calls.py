@@ -36,6 +36,9 @@ def test_the_named_calls_of_the_chosen_step_are_profiled(tmp_path, ray_local):
     names = [row["name"] for row in report["top"]]
     assert any("mm" in name or "linear" in name for name in names)  # the update's matmuls are in it
     assert sum(row["share"] for row in report["top"]) <= 1.0 + 1e-9
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:  # every step carries the collector's pauses of each engine call (hybridrl.observe.gc_pauses)
+        assert row["gc/actor.update_s"] >= 0 and row["gc/rollout.generate_full"] >= 0
 
 
 def test_profile_calls_must_name_a_role_and_method():

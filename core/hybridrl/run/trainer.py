@@ -29,6 +29,7 @@ from hybridrl.batch import (ADVANTAGES, BASELINE_SCORES, GROUP_INDEX, LOG_PROBS,
 from hybridrl.engines import SamplingParams
 from hybridrl.environments.driver import Episodes
 from hybridrl.observe.flops import step_perf_metrics
+from hybridrl.observe.gc_pauses import gc_pause_metrics
 from hybridrl.observe.memory import peak_memory_metrics
 from hybridrl.observe.timing import PhaseTimer
 from hybridrl.observe.tracking import build_trackers
@@ -367,6 +368,7 @@ class Trainer:
         metrics.update(step_perf_metrics(self.setup.model_path, self.setup.plan, self.cfg.model.dtype,
                                          self.cfg.algorithm.epochs, batch, metrics, self.shared_prompt_roles))
         metrics.update(peak_memory_metrics(self.groups))
+        metrics.update(gc_pause_metrics(self.groups))
         return metrics
 
     def _mini_batch_updates(self, role: str, batch: Batch, mini_batch: int | None, log: StepLog,

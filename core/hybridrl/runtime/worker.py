@@ -19,6 +19,7 @@ from hybridrl.weights.channel import WeightChannel, bucket_specs
 from hybridrl.runtime.device_map import WorkerLocation, this_worker_location
 from hybridrl.runtime.distributed import init_process_group, node_ip, reserve_port
 from hybridrl.engines import DataParallelInfo, EngineContext, RolloutEngine, TrainEngine
+from hybridrl.observe.gc_pauses import GcPauseMeter
 from hybridrl.observe.memory import DeviceMemoryMeter
 from hybridrl.observe.profile import CallProfiler
 from hybridrl.plugins.discovery import get_registry
@@ -37,6 +38,7 @@ class RoleWorker:
         self.engines: dict[str, TrainEngine | RolloutEngine] = {}
         self.memory = DeviceMemoryMeter(device, rank)  # device peak per phase; OOM -> DeviceOutOfMemory
         self.profiler = CallProfiler(rank)  # trainer.profile_step: kernel profiles of named calls
+        self.gc_pauses = GcPauseMeter()  # gc/<role>.<method>_s: the collector's pauses inside each call
 
     # --- set-up ---------------------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -77,7 +79,7 @@ class RoleWorker:
         """``(engine.method(*args, **kwargs), seconds it took)`` in one round trip: the seconds are the model
         compute the driver sets against the phase's wall time (dispatch, serialisation, data handling)."""
         start = time.perf_counter()
-        with self.memory.watch(role, method), self.profiler.around(role, method):
+        with self.memory.watch(role, method), self.gc_pauses.watch(role, method), self.profiler.around(role, method):
             result = getattr(self.engines[role], method)(*args, **kwargs)
         return result, time.perf_counter() - start
 
@@ -143,6 +145,10 @@ class RoleWorker:
         if isinstance(engine, TrainEngine):
             return {n: t.detach().cpu().clone() for b in engine.export_weights(1 << 30) for n, t in b}
         return {n: t.detach().cpu().clone() for n, t in engine.named_weights()}
+
+    def gc_report(self) -> dict[str, float]:
+        """The collector's pauses per call since the last report (``GcPauseMeter.report``)."""
+        return self.gc_pauses.report()
 
     def memory_report(self) -> dict[str, float]:
         """The device peak (MiB) of each phase this worker ran since the last report (GPU only)."""
