@@ -42,7 +42,7 @@ RUN = [f"trainer.steps={STEPS}", "data.prompts_per_step=4", "algorithm.n_samples
        "roles.critic.lr=1e-3", "algorithm.kl.as=reward", "algorithm.kl.estimator=k1",
        "algorithm.kl.controller=adaptive", "algorithm.kl.target=0.5", "algorithm.kl.horizon=100"]
 #: metrics that measure the machine (time, memory, bytes moved), not the computation.
-MACHINE = ("timing/", "compute/", "perf/", "memory/", "reshard/")
+MACHINE = ("timing/", "compute/", "perf/", "memory/", "reshard/", "gc/")
 
 
 def make_trainer(out: Path, *overrides: str) -> Trainer:

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN = ["roles.actor.backend=megatron", "roles.ref.backend=megatron", "roles.actor.options.tensor_parallel=2",
        "pools.main.devices_per_node=2", "trainer.steps=3", "trainer.progress=false", "trainer.trackers=[jsonl]",
        "data.prompts_per_step=4", "algorithm.n_samples=4"]
-MACHINE = ("timing/", "compute/", "perf/", "memory/", "reshard/")
+MACHINE = ("timing/", "compute/", "perf/", "memory/", "reshard/", "gc/")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
