@@ -189,7 +189,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--min-response", type=int, default=16)
     parser.add_argument("--max-response", type=int, default=None, help="default: 1024 (ragged), 256 (standard)")
-    parser.add_argument("--token-budget", type=int, default=16384, help="tokens per micro-batch (see the variants)")
+    parser.add_argument("--token-budget", type=int, default=65536,
+                        help="tokens per micro-batch (see the variants); the default is the budget the plan picks "
+                             "for the 0.5B shape on an H200 (roles.actor.max_tokens_per_micro_batch in model_sizes)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default="shared,packed,padded")
