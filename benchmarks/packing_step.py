@@ -58,6 +58,7 @@ sys.path.insert(0, str(HERE))
 
 from model_sizes import ensure_model  # noqa: E402  (benchmarks/ is not a package)
 from hybridrl.observe.profile import profile_call  # noqa: E402
+from hybridrl.placement.auto import TRAIN_TOKEN_BUDGETS  # noqa: E402
 
 VARIANTS = ("packed", "shared", "padded", "padded_sorted")
 
@@ -189,9 +190,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--min-response", type=int, default=16)
     parser.add_argument("--max-response", type=int, default=None, help="default: 1024 (ragged), 256 (standard)")
-    parser.add_argument("--token-budget", type=int, default=65536,
-                        help="tokens per micro-batch (see the variants); the default is the budget the plan picks "
-                             "for the 0.5B shape on an H200 (roles.actor.max_tokens_per_micro_batch in model_sizes)")
+    parser.add_argument("--token-budget", type=int, default=TRAIN_TOKEN_BUDGETS[0],
+                        help="tokens per micro-batch (see the variants); the default is the plan's largest, what it "
+                             "picks for the 0.5B shape on an H200 (roles.actor.max_tokens_per_micro_batch)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default="shared,packed,padded")
