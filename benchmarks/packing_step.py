@@ -17,6 +17,9 @@ The train side of a GRPO step (the reference's log-probs, then one actor update)
   (``options.fused_kernels: false``; the others take the default, ``auto``).
 * ``<variant>_foreach`` (``--variants`` only): the variant with AdamW's foreach ops instead of its fused kernel
   (``options.optimizer_implementation: foreach``; the others take the default, ``auto``).
+* ``<variant>_recompute`` (``--variants`` only): the variant with the fused head making its logits again in the
+  backward (``options.head_logits: recompute``); the others keep them from the forward (``keep``, what the plan
+  picks for these shapes on an H200).
 * ``<variant>@<tokens>`` (``--variants`` only): the variant under a token budget of its own, e.g.
   ``packed@32768,packed@65536``.
 
@@ -96,10 +99,12 @@ def ragged_batch(rows: int, prompt_len: int, min_response: int, max_response: in
 
 def variant_options(variant: str, token_budget: int, rows_per_micro: int) -> dict[str, Any]:
     """The engine options of a variant (see the module docstring): ``<variant>_unfused`` is the same without the
-    fused layer kernels (``options.fused_kernels: false``), ``<variant>_foreach`` with AdamW's foreach ops."""
-    base, extra = variant, {}
+    fused layer kernels (``options.fused_kernels: false``), ``<variant>_foreach`` with AdamW's foreach ops,
+    ``<variant>_recompute`` with the head's logits made again in the backward."""
+    base, extra = variant, {"head_logits": "keep"}
     for suffix, option in (("_unfused", {"fused_kernels": False}),
-                           ("_foreach", {"optimizer_implementation": "foreach"})):
+                           ("_foreach", {"optimizer_implementation": "foreach"}),
+                           ("_recompute", {"head_logits": "recompute"})):
         if base.endswith(suffix):
             base, extra = base.removesuffix(suffix), {**extra, **option}
     if base in ("packed", "shared"):
@@ -109,8 +114,8 @@ def variant_options(variant: str, token_budget: int, rows_per_micro: int) -> dic
         return {"packing": False, "micro_batch": rows_per_micro, **extra}
     if base == "padded_sorted":
         return {"packing": False, "max_tokens_per_micro_batch": token_budget, **extra}
-    raise ValueError(f"unknown variant '{variant}' (known: {', '.join(VARIANTS)}, each also as <name>_unfused or "
-                     "<name>_foreach)")
+    raise ValueError(f"unknown variant '{variant}' (known: {', '.join(VARIANTS)}, each also as <name>_unfused, "
+                     "<name>_foreach or <name>_recompute)")
 
 
 def build(role: str, model_dir: Path, device: str, dtype: str, options: dict[str, Any], seed: int = 0):

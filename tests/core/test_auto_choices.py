@@ -122,6 +122,34 @@ def test_offload_or_checkpointing_on_a_smaller_device(tmp_path):
     assert result.estimate.pools[0].peak <= USABLE_SHARE * 38 * GIB
 
 
+def test_the_head_keeps_its_logits_where_they_fit_and_makes_them_again_where_not(tmp_path):
+    """``head_logits: auto``: kept (one GEMM less per micro-batch) at the same token budget on an H200; on a device
+    where keeping them would cost a smaller micro-batch than the GEMM saves, made again; the plan counts them."""
+    result, choices = resolve(workload("0.5b", tmp_path=tmp_path))
+    assert choices["roles.actor.options.head_logits"] == "keep"
+    assert "roles.ref.options.head_logits" not in choices  # a frozen role has no backward
+    assert result.estimate.pools[0].peak <= USABLE_SHARE * H200
+    budget = 16384
+    kept, _ = resolve(workload("0.5b", f"roles.actor.max_tokens_per_micro_batch={budget}", tmp_path=tmp_path))
+    actor = next(m for m in kept.estimate.roles if m.role == "actor")
+    again, again_choices = resolve(workload("0.5b", "roles.actor.options.head_logits=recompute",
+                                            f"roles.actor.max_tokens_per_micro_batch={budget}", tmp_path=tmp_path))
+    assert "roles.actor.options.head_logits" not in again_choices  # an explicit value is kept
+    assert again.cfg.roles.actor.options["head_logits"] == "recompute"
+    recomputing = next(m for m in again.estimate.roles if m.role == "actor")
+    vocab = 151936
+    assert actor.activations - recomputing.activations >= budget * vocab * 2  # bf16 logits of every token kept
+    small, small_choices = resolve(workload("1.5b", tmp_path=tmp_path), device_bytes=30 * GIB)
+    assert small_choices["roles.actor.options.head_logits"] == "recompute"
+    assert "would not fit" in next(c.reason for c in small.choices if c.key == "roles.actor.options.head_logits")
+    assert small.estimate.pools[0].peak <= USABLE_SHARE * 30 * GIB
+    cpu, cpu_choices = resolve(workload("0.5b", "roles.rollout.backend=hf", tmp_path=tmp_path), device_bytes=None,
+                               device="cpu")
+    assert cpu_choices["roles.actor.options.head_logits"] == "recompute"
+    off, off_choices = resolve(workload("0.5b", "roles.actor.options.fused_lm_head=false", tmp_path=tmp_path))
+    assert "roles.actor.options.head_logits" not in off_choices  # no fused head: nothing to keep
+
+
 def test_explicit_settings_are_kept(tmp_path):
     cfg = workload("1.5b", "roles.actor.micro_batch=8", "roles.actor.options.gradient_checkpointing=true",
                    "roles.ref.options.offload=all", tmp_path=tmp_path)

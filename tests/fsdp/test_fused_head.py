@@ -35,12 +35,26 @@ def leaves(n: int, hidden: int, vocab: int, with_bias: bool, seed: int = 0):
     return h, w, b, labels, weights
 
 
-def check_against_log_softmax(temperature, with_entropy, with_bias, triton, chunk_rows, n=23, hidden=16, vocab=37):
+def head_node(log_probs: torch.Tensor):
+    """The fused head's autograd node behind ``log_probs`` (under the view that gives them their shape)."""
+    node = log_probs.grad_fn
+    while not hasattr(node, "kept"):
+        node = node.next_functions[0][0]
+    return node
+
+
+def check_against_log_softmax(temperature, with_entropy, with_bias, triton, chunk_rows, n=23, hidden=16, vocab=37,
+                              keep_logits=False):
     h, w, b, labels, (w_lp, w_ent) = leaves(n, hidden, vocab, with_bias)
-    lp, ent = linear_log_probs(h, w, b, labels, temperature, with_entropy, triton=triton, chunk_rows=chunk_rows)
+    lp, ent = linear_log_probs(h, w, b, labels, temperature, with_entropy, triton=triton, chunk_rows=chunk_rows,
+                               keep_logits=keep_logits)
+    node = head_node(lp)
+    kept = node.kept
+    assert (kept is not None) == keep_logits and (kept is None or tuple(kept.shape) == (n, vocab))
     loss = (lp * w_lp).sum() + ((ent * w_ent).sum() if with_entropy else 0.0)
     params = [h, w] + ([b] if b is not None else [])
     grads = torch.autograd.grad(loss, params)
+    assert node.kept is None  # the backward consumed what the forward kept
 
     ref_lp, ref_ent = reference(h, w, b, labels, temperature)
     ref_loss = (ref_lp * w_lp).sum() + ((ref_ent * w_ent).sum() if with_entropy else 0.0)
@@ -59,8 +73,22 @@ def check_against_log_softmax(temperature, with_entropy, with_bias, triton, chun
 @pytest.mark.parametrize("temperature,with_entropy,with_bias", [(None, True, False), (0.7, True, True),
                                                                   (1.3, False, False), (None, False, True)])
 @pytest.mark.parametrize("chunk_rows", [5, 1000])  # 23 tokens: 5 uneven chunks, or one
-def test_eager_head_matches_log_softmax_values_and_gradients(temperature, with_entropy, with_bias, chunk_rows):
-    check_against_log_softmax(temperature, with_entropy, with_bias, triton=False, chunk_rows=chunk_rows)
+@pytest.mark.parametrize("keep_logits", [False, True])  # recomputed in the backward, or kept from the forward
+def test_eager_head_matches_log_softmax_values_and_gradients(temperature, with_entropy, with_bias, chunk_rows,
+                                                             keep_logits):
+    check_against_log_softmax(temperature, with_entropy, with_bias, triton=False, chunk_rows=chunk_rows,
+                              keep_logits=keep_logits)
+
+
+def test_kept_logits_only_where_a_backward_follows():
+    """Under no_grad, or with nothing to differentiate, ``keep_logits`` keeps nothing (a reference's forward)."""
+    h, w, _, labels, _ = leaves(7, 8, 11, with_bias=False)
+    with torch.no_grad():
+        lp, _ = linear_log_probs(h, w, None, labels, None, True, triton=False, keep_logits=True)
+    assert lp.grad_fn is None
+    frozen_lp, _ = linear_log_probs(h.detach(), w.detach(), None, labels, None, True, triton=False, keep_logits=True)
+    assert frozen_lp.grad_fn is None
+    torch.testing.assert_close(lp, frozen_lp, atol=0, rtol=0)
 
 
 INTERPRETER_CASES = [(None, True, False), (0.7, True, True), (1.3, False, False)]
@@ -138,8 +166,8 @@ def test_log_prob_head_inside_the_model_matches_full_logits(tmp_path: Path, tie:
 
 if __name__ == "__main__":  # the interpreter run of test_triton_kernels_match_log_softmax_under_the_interpreter
     head_kernels.BLOCK = 16
-    for case in INTERPRETER_CASES:
-        check_against_log_softmax(*case, triton=True, chunk_rows=7)
+    for i, case in enumerate(INTERPRETER_CASES):
+        check_against_log_softmax(*case, triton=True, chunk_rows=7, keep_logits=i % 2 == 1)
         print("ok", case)
 
 
@@ -154,7 +182,8 @@ def test_cuda_kernels_match_log_softmax_in_fp32(temperature, with_entropy, with_
     b = b.detach().cuda().requires_grad_(True) if b is not None else None
     labels, w_lp, w_ent = labels.cuda(), w_lp.cuda(), w_ent.cuda()
     params = [h, w] + ([b] if b is not None else [])
-    lp, ent = linear_log_probs(h, w, b, labels, temperature, with_entropy, triton=True, chunk_rows=128)
+    lp, ent = linear_log_probs(h, w, b, labels, temperature, with_entropy, triton=True, chunk_rows=128,
+                               keep_logits=with_bias)  # two cases recompute the logits, one keeps them
     grads = torch.autograd.grad((lp * w_lp).sum() + ((ent * w_ent).sum() if with_entropy else 0.0), params)
     ref_lp, ref_ent = reference(h, w, b, labels, temperature)
     ref_grads = torch.autograd.grad((ref_lp * w_lp).sum() + ((ref_ent * w_ent).sum() if with_entropy else 0.0),

@@ -6,9 +6,11 @@
   estimator). Off, vLLM skips a log-softmax over the vocabulary for every sampled token.
 * For train roles on an FSDP backend on GPUs, from the memory plan (``hybridrl.placement.memory``):
   the token budget of a micro-batch (``max_tokens_per_micro_batch``, when neither it nor ``micro_batch`` is
-  set), ``options.gradient_checkpointing: auto`` and ``options.offload: auto``. Every combination is
-  costed (micro-batches launched, the forward that checkpointing recomputes, the bytes that offloading moves
-  over PCIe each step) and the cheapest one whose every phase fits the device is chosen.
+  set), ``options.gradient_checkpointing: auto``, ``options.offload: auto`` and ``options.head_logits: auto``
+  (the fused LM head keeps its logits for the backward, or makes them again there). Every combination is
+  costed (micro-batches launched, the forward that checkpointing recomputes, the head's GEMM that recomputing
+  the logits repeats, the bytes that offloading moves over PCIe each step) and the cheapest one whose every
+  phase fits the device is chosen.
 * ``roles.rollout.options.workload``: the step's sequences and their length, from which a preallocating
   engine sizes its KV cache (``hybridrl.rollout.kv_budget``).
 
@@ -196,6 +198,7 @@ class Knobs:
     checkpointing: bool
     offload: bool
     trainable: bool
+    head_logits: bool = False
 
 
 def option_problems(cfg: RunConfig) -> list[tuple[str, str]]:
@@ -231,7 +234,14 @@ def _knobs(cfg: RunConfig, role: str) -> Knobs:
                   and getattr(rcfg, "max_tokens_per_micro_batch", None) is None and actor_budget_auto)
     trainable = role_spec(role).trainable
     return Knobs(budget=budget, checkpointing=trainable and options.get("gradient_checkpointing", AUTO) == AUTO,
-                 offload=options.get("offload", AUTO) == AUTO, trainable=trainable)
+                 offload=options.get("offload", AUTO) == AUTO, trainable=trainable,
+                 head_logits=trainable and _fused_vocab_head(cfg, role) and options.get("head_logits", AUTO) == AUTO)
+
+
+def _fused_vocab_head(cfg: RunConfig, role: str) -> bool:
+    """Whether the role's log-probs come from the FSDP engine's fused head (a vocabulary head, not turned off)."""
+    return bool(role_spec(role).vocab_head) and (getattr(cfg.roles, role).options or {}).get("fused_lm_head",
+                                                                                             True) is not False
 
 
 def _candidates(cfg: RunConfig, role: str, knobs: Knobs) -> list[TrainSettings]:
@@ -246,8 +256,9 @@ def _candidates(cfg: RunConfig, role: str, knobs: Knobs) -> list[TrainSettings]:
         tokens = [(base.tokens, base.response_tokens)]
     checkpointing = [False, True] if knobs.checkpointing else [base.checkpointing]
     offloads = (list(OFFLOAD_MODES) if knobs.trainable else ["none", "all"]) if knobs.offload else [base.offload]
-    return [TrainSettings(t, r, c, o, base.fused_layers)
-            for (t, r), c, o in itertools.product(tokens, checkpointing, offloads)]
+    keeps = [True, False] if knobs.head_logits else [base.keep_logits]
+    return [TrainSettings(t, r, c, o, base.fused_layers, k)
+            for (t, r), c, o, k in itertools.product(tokens, checkpointing, offloads, keeps)]
 
 
 def _cost(cfg: RunConfig, shape: ModelShape, role: str, s: TrainSettings, dp: int) -> float:
@@ -260,6 +271,9 @@ def _cost(cfg: RunConfig, shape: ModelShape, role: str, s: TrainSettings, dp: in
     n = shape.param_count() / dp
     if s.checkpointing:
         cost += 2 * n * tokens_per_rank / SUSTAINED_FLOPS  # one more forward of every micro-batch
+    if trainable and not s.keep_logits and _fused_vocab_head(cfg, role):  # the head's logits made again
+        cost += 2 * shape.hidden_size * shape.vocab_size * rows * cfg.roles.rollout.max_new_tokens / dp \
+            / SUSTAINED_FLOPS
     weights = (4 if trainable else 2) * n
     moved = {"none": 0.0, "optimizer": 8 * n, "all": 8 * n + weights}[s.offload] if trainable else \
         {"none": 0.0, "all": weights}[s.offload]
@@ -287,7 +301,7 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
     modelled = [r for r in plan.role_pool
                 if role_spec(r).kind == "train" and backends.get(r) in MEMORY_MODELLED_BACKENDS]
     knobs = {r: _knobs(cfg, r) for r in modelled}
-    auto_roles = [r for r, k in knobs.items() if k.budget or k.checkpointing or k.offload]
+    auto_roles = [r for r, k in knobs.items() if k.budget or k.checkpointing or k.offload or k.head_logits]
     if plan.cluster.device != "cuda" or device_bytes is None or not auto_roles:
         cfg = _resolve_off(cfg, knobs, result.choices, "CPU" if plan.cluster.device != "cuda" else
                            "no device memory known")
@@ -339,9 +353,10 @@ def _kv_floor_missed(est: MemoryEstimate) -> bool:
     return any(w.startswith("roles.rollout: KV floor") for w in est.warnings)
 
 
-def _own_memory(s: TrainSettings) -> tuple[int, int, float]:
-    """Order a role's candidates by how little memory they take: offload, then checkpointing, then tokens."""
-    return (-OFFLOAD_MODES.index(s.offload), -int(s.checkpointing), s.tokens)
+def _own_memory(s: TrainSettings) -> tuple[int, int, int, float]:
+    """Order a role's candidates by how little memory they take: offload, then checkpointing, then the head's
+    recomputed logits, then tokens."""
+    return (-OFFLOAD_MODES.index(s.offload), -int(s.checkpointing), int(s.keep_logits), s.tokens)
 
 
 #: candidate combinations evaluated at most before giving up on finding one that fits.
@@ -395,11 +410,18 @@ def _apply(cfg: RunConfig, role: str, knobs: Knobs, s: TrainSettings, choices: l
         choices.append(AutoChoice(f"roles.{role}.options.offload", s.offload,
                                   "the resident state and the engine fit on the device" if s.offload == "none" else
                                   f"kept on the host outside its phases so that every phase fits ({where})"))
+    if knobs.head_logits:
+        options["head_logits"] = "keep" if s.keep_logits else "recompute"
+        choices.append(AutoChoice(f"roles.{role}.options.head_logits", options["head_logits"],
+                                  "the fused head keeps its logits for the backward: one GEMM less" if s.keep_logits
+                                  else "the fused head's logits, kept for the backward, would not fit beside these "
+                                  "settings: made again there"))
     return _with_role(cfg, role, update, options) if (update or options) else cfg
 
 
 def _resolve_off(cfg: RunConfig, knobs: dict[str, Knobs], choices: list[AutoChoice], why: str) -> RunConfig:
-    """Without a device to plan for: checkpointing off, nothing offloaded, the backend's micro-batch."""
+    """Without a device to plan for: checkpointing off, nothing offloaded, the head's logits made again (the
+    least memory), the backend's micro-batch."""
     for role, k in knobs.items():
         options: dict[str, Any] = {}
         if k.checkpointing:
@@ -408,6 +430,9 @@ def _resolve_off(cfg: RunConfig, knobs: dict[str, Knobs], choices: list[AutoChoi
         if k.offload:
             options["offload"] = "none"
             choices.append(AutoChoice(f"roles.{role}.options.offload", "none", why))
+        if k.head_logits:
+            options["head_logits"] = "recompute"
+            choices.append(AutoChoice(f"roles.{role}.options.head_logits", "recompute", why))
         if options:
             cfg = _with_role(cfg, role, {}, options)
     return cfg

@@ -267,6 +267,7 @@ class TrainSettings:
     checkpointing: bool = False
     offload: str = "none"
     fused_layers: bool = False  # options.fused_kernels resolved on: fused RMSNorm / SwiGLU keep less for backward
+    keep_logits: bool = False  # options.head_logits: keep: the fused head keeps its logits for the backward
 
 
 def _tokens(cfg: RunConfig, micro_batch: int | None, max_tokens: int | None) -> tuple[float, float]:
@@ -298,7 +299,7 @@ def train_settings(cfg: RunConfig, role: str) -> TrainSettings:
     checkpointing = options.get("gradient_checkpointing")
     offload = options.get("offload") or "none"
     return TrainSettings(tokens, resp, checkpointing is True, offload if offload in OFFLOAD_MODES else "none",
-                         options.get("fused_kernels") is True)
+                         options.get("fused_kernels") is True, options.get("head_logits") == "keep")
 
 
 @dataclass
@@ -413,6 +414,8 @@ def train_role_memory(cfg: RunConfig, role: str, pool: str, shape: ModelShape, d
             layers = tokens * shape.num_layers * per_layer
         if fused:  # backward: a chunk, the head's fp32 weight gradient and a chunk's product, the hidden's gradient
             logits = fused_chunk + vocab * shape.hidden_size * (4 + cb) + resp_tokens * shape.hidden_size * cb
+            if settings.keep_logits:  # the micro-batch's logits, kept from the forward: at most one per token
+                logits += tokens * vocab * cb  # (a pack with shared prompts is nearly all response tokens)
         else:
             logits = resp_tokens * vocab * cb * TRAIN_LOGITS_COPIES + (min(LOG_PROB_CHUNKS_BACKWARD, chunk_cap)
                                                                        if vocab > 1 else 0)

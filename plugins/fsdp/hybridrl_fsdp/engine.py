@@ -89,6 +89,8 @@ class FSDPEngine(TrainEngine):
         # The fused head needs the model to select the positions it runs on (``logits_to_keep`` as indices).
         self._log_prob_head = (install_log_prob_head(self.model) if self._supports_logits_to_keep
                                and self.settings.fused_lm_head else None)
+        if self._log_prob_head is not None:
+            self._log_prob_head.keep_logits = ctx.trainable and self.settings.keeps_head_logits()
         #: LoRA (``hybridrl_fsdp.lora``): the model becomes the peft model, frozen but for its adapters
         self.lora = _wrap_lora(self.model, ctx, self.device) if ctx.lora is not None else None
         if self.lora is not None:

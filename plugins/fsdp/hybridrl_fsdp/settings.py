@@ -24,6 +24,9 @@ PACKED_ATTENTION = ("auto", "flash_attn", "torch_flash", "sdpa")
 #: how AdamW steps (torch's ``fused`` kernel or its ``foreach`` ops; auto: fused where every parameter is on
 #: one CPU or CUDA device, as torchtitan's ``optimizer.implementation`` does).
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach")
+#: what the fused head does with its logits between forward and backward (``hybridrl_fsdp.fused_head``): keep
+#: them (memory for one GEMM less) or make them again; auto: the memory plan's choice (unresolved: recompute).
+HEAD_LOGITS = ("auto", "keep", "recompute")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class FSDPSettings:
     share_prompts: Any = "auto"  # a pack holds each distinct prompt once (packing.SharedPrompts); auto: see engine
     fused_kernels: Any = "auto"  # liger-kernel's RMSNorm/SwiGLU/rotary in the layers (hybridrl_fsdp.layer_kernels)
     optimizer_implementation: str = "auto"  # AdamW's fused kernel or foreach ops (OPTIMIZER_IMPLEMENTATIONS)
+    head_logits: str = "auto"  # the fused head keeps its logits for the backward or recomputes them (HEAD_LOGITS)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> "FSDPSettings":
@@ -54,7 +58,13 @@ class FSDPSettings:
                    share_prompts=options.get("share_prompts", cls.share_prompts),
                    fused_kernels=options.get("fused_kernels", cls.fused_kernels),
                    optimizer_implementation=str(options.get("optimizer_implementation",
-                                                            cls.optimizer_implementation)))
+                                                            cls.optimizer_implementation)),
+                   head_logits=str(options.get("head_logits", cls.head_logits)))
+
+    def keeps_head_logits(self) -> bool:
+        """Whether the fused head keeps its logits for the backward: ``keep`` only (``auto`` is the memory plan's
+        to resolve; where it did not, e.g. without a device to plan for, recomputing needs the least memory)."""
+        return self.fused_lm_head and self.head_logits == "keep"
 
     def shares_prompts(self) -> bool:
         """Whether packs hold each distinct prompt once. Only the engine's own varlen attention reads that
@@ -98,6 +108,9 @@ def option_problems(role: str, options: Mapping[str, Any], training: Any = None)
     if value not in OPTIMIZER_IMPLEMENTATIONS:
         problems.append(("optimizer_implementation",
                          f"must be one of {', '.join(OPTIMIZER_IMPLEMENTATIONS)}, got {value!r}"))
+    value = options.get("head_logits", "auto")
+    if value not in HEAD_LOGITS:
+        problems.append(("head_logits", f"must be one of {', '.join(HEAD_LOGITS)}, got {value!r}"))
     head = options.get("head")
     if head is not None and head not in HEADS:
         problems.append(("head", f"unknown head '{head}' (known: {', '.join(HEADS)})"))
