@@ -165,19 +165,20 @@ def test_kept_head_logits_take_the_same_steps(process_group, tiny_model: Path) -
     updates with them kept and made again leave the same weights (fp32, CPU, packed micro-batches)."""
     kept = FSDPEngine(context(tiny_model, lr=1e-3, head_logits="keep", max_tokens_per_micro_batch=48))
     again = FSDPEngine(context(tiny_model, lr=1e-3, head_logits="recompute", max_tokens_per_micro_batch=48))
-    assert kept._log_prob_head.keep_logits and not again._log_prob_head.keep_logits
+    assert kept._log_prob_head.kept_logits is not None and again._log_prob_head.kept_logits is None
     batch = make_batch(6, seed=5)
     for _ in range(3):
         a_metrics = kept.update(batch, PolicyGradient())
         b_metrics = again.update(batch, PolicyGradient())
     assert a_metrics["loss"] == pytest.approx(b_metrics["loss"], abs=1e-6)
+    assert kept._log_prob_head.kept_logits.bytes == 0  # freed when the update ends, for the other roles
     a, b = kept.full_state_dict(), again.full_state_dict()
     changed = FSDPEngine(context(tiny_model)).full_state_dict()
     assert any(not torch.equal(a[n], changed[n]) for n in a), "the updates moved nothing: the test checks nothing"
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5, msg=name)
     # a frozen role never keeps them (its forwards have no backward)
-    assert not FSDPEngine(context(tiny_model, trainable=False, head_logits="keep"))._log_prob_head.keep_logits
+    assert FSDPEngine(context(tiny_model, trainable=False, head_logits="keep"))._log_prob_head.kept_logits is None
 
 
 def test_head_logits_is_checked_before_start() -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hybridrl_fsdp import head_kernels
-from hybridrl_fsdp.fused_head import LogProbHead, install_log_prob_head, linear_log_probs
+from hybridrl_fsdp.fused_head import KeptLogits, LogProbHead, install_log_prob_head, linear_log_probs
 
 ATOL = 1e-5
 
@@ -78,6 +78,30 @@ def test_eager_head_matches_log_softmax_values_and_gradients(temperature, with_e
                                                              keep_logits):
     check_against_log_softmax(temperature, with_entropy, with_bias, triton=False, chunk_rows=chunk_rows,
                               keep_logits=keep_logits)
+
+
+def test_micro_batches_keep_their_logits_in_one_buffer():
+    """Forward/backward pairs reuse one buffer (no fresh multi-GiB block per micro-batch); a second forward before
+    the first one's backward gets logits of its own, so both gradients stay right; ``release`` frees it."""
+    buffer = KeptLogits(rows=30)
+    h, w, _, labels, (w_lp, _) = leaves(23, 16, 37, with_bias=False)
+    ref_lp, _ = reference(h, w, None, labels, None)
+    (ref_g,) = torch.autograd.grad((ref_lp * w_lp).sum(), [w])
+    pointers = []
+    for _ in range(2):
+        lp, _ = linear_log_probs(h, w, None, labels, None, False, triton=False, keep_logits=buffer)
+        pointers.append(head_node(lp).kept.data_ptr())
+        (g,) = torch.autograd.grad((lp * w_lp).sum(), [w])
+        torch.testing.assert_close(g, ref_g, atol=ATOL, rtol=0)
+    assert pointers[0] == pointers[1] and buffer.bytes == 30 * 37 * 4  # sized for the budget's rows
+    first, _ = linear_log_probs(h, w, None, labels, None, False, triton=False, keep_logits=buffer)
+    second, _ = linear_log_probs(h, w, None, labels, None, False, triton=False, keep_logits=buffer)
+    assert head_node(first).kept.data_ptr() != head_node(second).kept.data_ptr()
+    for lp in (second, first):
+        (g,) = torch.autograd.grad((lp * w_lp).sum(), [w])
+        torch.testing.assert_close(g, ref_g, atol=ATOL, rtol=0)
+    buffer.release()
+    assert buffer.bytes == 0
 
 
 def test_kept_logits_only_where_a_backward_follows():

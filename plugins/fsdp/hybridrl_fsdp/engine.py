@@ -89,8 +89,8 @@ class FSDPEngine(TrainEngine):
         # The fused head needs the model to select the positions it runs on (``logits_to_keep`` as indices).
         self._log_prob_head = (install_log_prob_head(self.model) if self._supports_logits_to_keep
                                and self.settings.fused_lm_head else None)
-        if self._log_prob_head is not None:
-            self._log_prob_head.keep_logits = ctx.trainable and self.settings.keeps_head_logits()
+        if self._log_prob_head is not None and ctx.trainable and self.settings.keeps_head_logits():
+            self._log_prob_head.keep_logits(ctx.training.max_tokens_per_micro_batch)
         #: LoRA (``hybridrl_fsdp.lora``): the model becomes the peft model, frozen but for its adapters
         self.lora = _wrap_lora(self.model, ctx, self.device) if ctx.lora is not None else None
         if self.lora is not None:
@@ -334,6 +334,8 @@ class FSDPEngine(TrainEngine):
             local_loss += loss.detach().float()
             metrics.add(micro_metrics, len(micro.batch))
 
+        if self._log_prob_head is not None:
+            self._log_prob_head.release_kept_logits()
         grad_norm = self._clip_gradients()
         skipped = not math.isfinite(grad_norm)
         if not skipped:
