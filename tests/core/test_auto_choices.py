@@ -122,15 +122,25 @@ def test_offload_or_checkpointing_on_a_smaller_device(tmp_path):
     assert result.estimate.pools[0].peak <= USABLE_SHARE * 38 * GIB
 
 
-def test_the_head_keeps_its_logits_where_they_fit_and_makes_them_again_where_not(tmp_path):
-    """``head_logits: auto``: kept (one GEMM less per micro-batch) at the same token budget on an H200; on a device
-    where keeping them would cost a smaller micro-batch than the GEMM saves, made again; the plan counts them."""
-    result, choices = resolve(workload("0.5b", tmp_path=tmp_path))
+def test_the_head_keeps_its_logits_where_they_fit_and_makes_them_again_where_not(tmp_path, monkeypatch):
+    """``head_logits: auto``: kept (one GEMM less per micro-batch) where they fit beside the settings chosen without
+    them, which they never change; made again where they do not, on CPU and without a fused head; the plan counts
+    them."""
+    gpu_registry = registry_with_fused_kernels(monkeypatch, True)  # liger-kernel installed, as on the H200 runs
+    result, choices = resolve(workload("0.5b", tmp_path=tmp_path), registry=gpu_registry)
+    again, again_choices = resolve(workload("0.5b", "roles.actor.options.head_logits=recompute", tmp_path=tmp_path),
+                                   registry=gpu_registry)
     assert choices["roles.actor.options.head_logits"] == "keep"
+    for key in ("max_tokens_per_micro_batch", "options.gradient_checkpointing", "options.offload"):
+        assert choices[f"roles.actor.{key}"] == again_choices[f"roles.actor.{key}"], key
+    plain, plain_choices = resolve(workload("0.5b", tmp_path=tmp_path))  # unfused layers: 65536 tokens leave no room
+    assert plain_choices["roles.actor.options.head_logits"] == "recompute"
+    assert plain_choices["roles.actor.max_tokens_per_micro_batch"] == choices["roles.actor.max_tokens_per_micro_batch"]
     assert "roles.ref.options.head_logits" not in choices  # a frozen role has no backward
     assert result.estimate.pools[0].peak <= USABLE_SHARE * H200
     budget = 16384
-    kept, _ = resolve(workload("0.5b", f"roles.actor.max_tokens_per_micro_batch={budget}", tmp_path=tmp_path))
+    kept, _ = resolve(workload("0.5b", "roles.actor.options.head_logits=keep",
+                               f"roles.actor.max_tokens_per_micro_batch={budget}", tmp_path=tmp_path))
     actor = next(m for m in kept.estimate.roles if m.role == "actor")
     again, again_choices = resolve(workload("0.5b", "roles.actor.options.head_logits=recompute",
                                             f"roles.actor.max_tokens_per_micro_batch={budget}", tmp_path=tmp_path))

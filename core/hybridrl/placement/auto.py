@@ -6,11 +6,12 @@
   estimator). Off, vLLM skips a log-softmax over the vocabulary for every sampled token.
 * For train roles on an FSDP backend on GPUs, from the memory plan (``hybridrl.placement.memory``):
   the token budget of a micro-batch (``max_tokens_per_micro_batch``, when neither it nor ``micro_batch`` is
-  set), ``options.gradient_checkpointing: auto``, ``options.offload: auto`` and ``options.head_logits: auto``
-  (the fused LM head keeps its logits for the backward, or makes them again there). Every combination is
-  costed (micro-batches launched, the forward that checkpointing recomputes, the head's GEMM that recomputing
-  the logits repeats, the bytes that offloading moves over PCIe each step) and the cheapest one whose every
-  phase fits the device is chosen.
+  set), ``options.gradient_checkpointing: auto`` and ``options.offload: auto``. Every combination is
+  costed (micro-batches launched, the forward that checkpointing recomputes, the bytes that offloading moves
+  over PCIe each step) and the cheapest one whose every phase fits the device is chosen. Then
+  ``options.head_logits: auto``: the fused LM head keeps its logits for the backward (one GEMM less) where they
+  fit beside those settings, and makes them again otherwise; they never cost a smaller micro-batch, and the
+  search stays as large as it was.
 * ``roles.rollout.options.workload``: the step's sequences and their length, from which a preallocating
   engine sizes its KV cache (``hybridrl.rollout.kv_budget``).
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybridrl.batch import ROLLOUT_LOG_PROBS
@@ -256,9 +257,8 @@ def _candidates(cfg: RunConfig, role: str, knobs: Knobs) -> list[TrainSettings]:
         tokens = [(base.tokens, base.response_tokens)]
     checkpointing = [False, True] if knobs.checkpointing else [base.checkpointing]
     offloads = (list(OFFLOAD_MODES) if knobs.trainable else ["none", "all"]) if knobs.offload else [base.offload]
-    keeps = [True, False] if knobs.head_logits else [base.keep_logits]
-    return [TrainSettings(t, r, c, o, base.fused_layers, k)
-            for (t, r), c, o, k in itertools.product(tokens, checkpointing, offloads, keeps)]
+    return [TrainSettings(t, r, c, o, base.fused_layers, base.keep_logits)
+            for (t, r), c, o in itertools.product(tokens, checkpointing, offloads)]
 
 
 def _cost(cfg: RunConfig, shape: ModelShape, role: str, s: TrainSettings, dp: int) -> float:
@@ -271,9 +271,6 @@ def _cost(cfg: RunConfig, shape: ModelShape, role: str, s: TrainSettings, dp: in
     n = shape.param_count() / dp
     if s.checkpointing:
         cost += 2 * n * tokens_per_rank / SUSTAINED_FLOPS  # one more forward of every micro-batch
-    if trainable and not s.keep_logits and _fused_vocab_head(cfg, role):  # the head's logits made again
-        cost += 2 * shape.hidden_size * shape.vocab_size * rows * cfg.roles.rollout.max_new_tokens / dp \
-            / SUSTAINED_FLOPS
     weights = (4 if trainable else 2) * n
     moved = {"none": 0.0, "optimizer": 8 * n, "all": 8 * n + weights}[s.offload] if trainable else \
         {"none": 0.0, "all": weights}[s.offload]
@@ -320,7 +317,10 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
 
     def evaluate(index: tuple[int, ...], check_host: bool = True
                  ) -> tuple[bool, float, dict[str, TrainSettings], MemoryEstimate]:
-        settings = {**fixed, **{r: per_role[r][i] for r, i in zip(auto_roles, index)}}
+        return evaluate_settings({**fixed, **{r: per_role[r][i] for r, i in zip(auto_roles, index)}}, check_host)
+
+    def evaluate_settings(settings: dict[str, TrainSettings], check_host: bool = True
+                          ) -> tuple[bool, float, dict[str, TrainSettings], MemoryEstimate]:
         est = _with_host(cfg, plan, estimate_memory(cfg, plan, shape, device_bytes, source, shapes, settings),
                          host_bytes, backends)
         peak = max((p.peak for p in est.pools), default=0.0)
@@ -328,12 +328,17 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
         return peak <= usable and host_fits and not _kv_floor_missed(est), peak, settings, est
 
     found = _cheapest_fitting(per_role, auto_roles, cost_of, evaluate)
-    why = "the cheapest settings whose every phase fits"
+    why = CHEAPEST_FITTING
     if found is None and host_bytes is not None:  # the host is what no setting fits: fit the device, and warn
         found = _cheapest_fitting(per_role, auto_roles, cost_of, lambda index: evaluate(index, check_host=False))
         why = "the cheapest settings whose every phase fits the device (the host memory does not fit: see below)"
     if found is not None:
         chosen, est = found[2], found[3]
+        for role in (r for r in auto_roles if knobs[r].head_logits):  # kept logits: where they fit beside these
+            keeping = evaluate_settings({**chosen, role: replace(chosen[role], keep_logits=True)},
+                                        check_host=why == CHEAPEST_FITTING)
+            if keeping[0]:
+                chosen, est = keeping[2], keeping[3]
     else:  # nothing fits: the settings that need the least memory, and the plan's warning says so
         least = tuple(min(range(len(per_role[r])), key=lambda i, r=r: _own_memory(per_role[r][i])) for r in auto_roles)
         _, peak, chosen, est = evaluate(least)
@@ -349,14 +354,16 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
     return result
 
 
+CHEAPEST_FITTING = "the cheapest settings whose every phase fits"
+
+
 def _kv_floor_missed(est: MemoryEstimate) -> bool:
     return any(w.startswith("roles.rollout: KV floor") for w in est.warnings)
 
 
-def _own_memory(s: TrainSettings) -> tuple[int, int, int, float]:
-    """Order a role's candidates by how little memory they take: offload, then checkpointing, then the head's
-    recomputed logits, then tokens."""
-    return (-OFFLOAD_MODES.index(s.offload), -int(s.checkpointing), int(s.keep_logits), s.tokens)
+def _own_memory(s: TrainSettings) -> tuple[int, int, float]:
+    """Order a role's candidates by how little memory they take: offload, then checkpointing, then tokens."""
+    return (-OFFLOAD_MODES.index(s.offload), -int(s.checkpointing), s.tokens)
 
 
 #: candidate combinations evaluated at most before giving up on finding one that fits.
