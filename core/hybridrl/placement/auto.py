@@ -30,7 +30,8 @@ from hybridrl.batch import ROLLOUT_LOG_PROBS
 from hybridrl.config import RunConfig
 from hybridrl.placement.host_memory import HOST_USABLE_SHARE, host_needs, host_problems
 from hybridrl.placement.memory import (DEMAND_SIZED_ROLLOUTS, GIB, OFFLOAD_MODES, MemoryEstimate, ModelShape,
-                                       TrainSettings, estimate_memory, step_workload, train_settings)
+                                       TrainSettings, estimate_memory, step_workload, train_settings,
+                                       uses_fused_head)
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.plugins.registry import Registry, RegistryError, load_object
 from hybridrl.roles import role_spec
@@ -236,13 +237,7 @@ def _knobs(cfg: RunConfig, role: str) -> Knobs:
     trainable = role_spec(role).trainable
     return Knobs(budget=budget, checkpointing=trainable and options.get("gradient_checkpointing", AUTO) == AUTO,
                  offload=options.get("offload", AUTO) == AUTO, trainable=trainable,
-                 head_logits=trainable and _fused_vocab_head(cfg, role) and options.get("head_logits", AUTO) == AUTO)
-
-
-def _fused_vocab_head(cfg: RunConfig, role: str) -> bool:
-    """Whether the role's log-probs come from the FSDP engine's fused head (a vocabulary head, not turned off)."""
-    return bool(role_spec(role).vocab_head) and (getattr(cfg.roles, role).options or {}).get("fused_lm_head",
-                                                                                             True) is not False
+                 head_logits=trainable and uses_fused_head(cfg, role) and options.get("head_logits", AUTO) == AUTO)
 
 
 def _candidates(cfg: RunConfig, role: str, knobs: Knobs) -> list[TrainSettings]:
@@ -328,15 +323,16 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
         return peak <= usable and host_fits and not _kv_floor_missed(est), peak, settings, est
 
     found = _cheapest_fitting(per_role, auto_roles, cost_of, evaluate)
-    why = CHEAPEST_FITTING
+    why, check_host = "the cheapest settings whose every phase fits", True
     if found is None and host_bytes is not None:  # the host is what no setting fits: fit the device, and warn
         found = _cheapest_fitting(per_role, auto_roles, cost_of, lambda index: evaluate(index, check_host=False))
-        why = "the cheapest settings whose every phase fits the device (the host memory does not fit: see below)"
+        why, check_host = ("the cheapest settings whose every phase fits the device (the host memory does not fit: "
+                           "see below)"), False
     if found is not None:
         chosen, est = found[2], found[3]
         for role in (r for r in auto_roles if knobs[r].head_logits):  # kept logits: where they fit beside these
             keeping = evaluate_settings({**chosen, role: replace(chosen[role], keep_logits=True)},
-                                        check_host=why == CHEAPEST_FITTING)
+                                        check_host)
             if keeping[0]:
                 chosen, est = keeping[2], keeping[3]
     else:  # nothing fits: the settings that need the least memory, and the plan's warning says so
@@ -352,9 +348,6 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
     result.estimate = _with_host(cfg, plan, estimate_memory(cfg, plan, shape, device_bytes, source, shapes),
                                  host_bytes, backends)
     return result
-
-
-CHEAPEST_FITTING = "the cheapest settings whose every phase fits"
 
 
 def _kv_floor_missed(est: MemoryEstimate) -> bool:

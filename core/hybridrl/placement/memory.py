@@ -291,6 +291,12 @@ def role_options(cfg: RunConfig, role: str) -> dict[str, Any]:
     return dict(getattr(getattr(cfg.roles, role, None), "options", {}) or {})
 
 
+def uses_fused_head(cfg: RunConfig, role: str) -> bool:
+    """Whether the role's log-probs come from the FSDP engine's fused head: a vocabulary head, not turned off
+    (``options.fused_lm_head: false``)."""
+    return bool(role_spec(role).vocab_head) and role_options(cfg, role).get("fused_lm_head", True) is not False
+
+
 def train_settings(cfg: RunConfig, role: str) -> TrainSettings:
     """The role's settings as the config gives them (an ``auto`` not resolved yet counts as off / none)."""
     tokens, resp = _tokens(cfg, _role_setting(cfg, role, "micro_batch"),
@@ -390,7 +396,7 @@ def train_role_memory(cfg: RunConfig, role: str, pool: str, shape: ModelShape, d
     vocab = shape.vocab_size if role_spec(role).vocab_head else 1  # critic and reward model: a scalar head
     layer_forward = tokens * shape.forward_bytes_per_token_layer(cb)
     chunk_cap = 4 * resp_tokens * vocab * 4  # the fp32 chunks never exceed the logits themselves
-    fused = vocab > 1 and role_options(cfg, role).get("fused_lm_head", True) is not False
+    fused = uses_fused_head(cfg, role)
     fused_chunk = min(FUSED_HEAD_CHUNK_BYTES["cuda" if device == "cuda" else "cpu"], chunk_cap)
     if fused:  # the head's logits a chunk at a time, never all at once
         forward_logits = fused_chunk
