@@ -47,7 +47,7 @@ def check_against_log_softmax(temperature, with_entropy, with_bias, triton, chun
                               keep_logits=False):
     h, w, b, labels, (w_lp, w_ent) = leaves(n, hidden, vocab, with_bias)
     lp, ent = linear_log_probs(h, w, b, labels, temperature, with_entropy, triton=triton, chunk_rows=chunk_rows,
-                               keep_logits=keep_logits)
+                               kept_logits=KeptLogits() if keep_logits else None)
     node = head_node(lp)
     kept = node.kept
     assert (kept is not None) == keep_logits and (kept is None or tuple(kept.shape) == (n, vocab))
@@ -89,13 +89,13 @@ def test_micro_batches_keep_their_logits_in_one_buffer():
     (ref_g,) = torch.autograd.grad((ref_lp * w_lp).sum(), [w])
     pointers = []
     for _ in range(2):
-        lp, _ = linear_log_probs(h, w, None, labels, None, False, triton=False, keep_logits=buffer)
+        lp, _ = linear_log_probs(h, w, None, labels, None, False, triton=False, kept_logits=buffer)
         pointers.append(head_node(lp).kept.data_ptr())
         (g,) = torch.autograd.grad((lp * w_lp).sum(), [w])
         torch.testing.assert_close(g, ref_g, atol=ATOL, rtol=0)
     assert pointers[0] == pointers[1] and buffer.bytes == 30 * 37 * 4  # sized for the budget's rows
-    first, _ = linear_log_probs(h, w, None, labels, None, False, triton=False, keep_logits=buffer)
-    second, _ = linear_log_probs(h, w, None, labels, None, False, triton=False, keep_logits=buffer)
+    first, _ = linear_log_probs(h, w, None, labels, None, False, triton=False, kept_logits=buffer)
+    second, _ = linear_log_probs(h, w, None, labels, None, False, triton=False, kept_logits=buffer)
     assert head_node(first).kept.data_ptr() != head_node(second).kept.data_ptr()
     for lp in (second, first):
         (g,) = torch.autograd.grad((lp * w_lp).sum(), [w])
@@ -105,12 +105,13 @@ def test_micro_batches_keep_their_logits_in_one_buffer():
 
 
 def test_kept_logits_only_where_a_backward_follows():
-    """Under no_grad, or with nothing to differentiate, ``keep_logits`` keeps nothing (a reference's forward)."""
+    """Under no_grad, or with nothing to differentiate, ``kept_logits`` keeps nothing (a reference's forward)."""
     h, w, _, labels, _ = leaves(7, 8, 11, with_bias=False)
     with torch.no_grad():
-        lp, _ = linear_log_probs(h, w, None, labels, None, True, triton=False, keep_logits=True)
+        lp, _ = linear_log_probs(h, w, None, labels, None, True, triton=False, kept_logits=KeptLogits())
     assert lp.grad_fn is None
-    frozen_lp, _ = linear_log_probs(h.detach(), w.detach(), None, labels, None, True, triton=False, keep_logits=True)
+    frozen_lp, _ = linear_log_probs(h.detach(), w.detach(), None, labels, None, True, triton=False,
+                                    kept_logits=KeptLogits())
     assert frozen_lp.grad_fn is None
     torch.testing.assert_close(lp, frozen_lp, atol=0, rtol=0)
 
@@ -207,7 +208,7 @@ def test_cuda_kernels_match_log_softmax_in_fp32(temperature, with_entropy, with_
     labels, w_lp, w_ent = labels.cuda(), w_lp.cuda(), w_ent.cuda()
     params = [h, w] + ([b] if b is not None else [])
     lp, ent = linear_log_probs(h, w, b, labels, temperature, with_entropy, triton=True, chunk_rows=128,
-                               keep_logits=with_bias)  # two cases recompute the logits, one keeps them
+                               kept_logits=KeptLogits() if with_bias else None)  # one of the three keeps them
     grads = torch.autograd.grad((lp * w_lp).sum() + ((ent * w_ent).sum() if with_entropy else 0.0), params)
     ref_lp, ref_ent = reference(h, w, b, labels, temperature)
     ref_grads = torch.autograd.grad((ref_lp * w_lp).sum() + ((ref_ent * w_ent).sum() if with_entropy else 0.0),

@@ -6,7 +6,7 @@ reduced to three numbers per token, and dropped. The backward makes them again, 
 ``d loss / d logits`` in place and feeds the two matmuls of the gradients. Only the hidden states and three fp32
 numbers per token are kept between forward and backward.
 
-``keep_logits`` (``options.head_logits: keep``, which the memory plan picks where they fit) trades that memory for
+``kept_logits`` (``options.head_logits: keep``, which the memory plan picks where they fit) trades that memory for
 the recomputing matmul: the forward keeps the micro-batch's logits (tokens x vocab, compute dtype) and the
 backward turns them into their gradient in place. At 0.5B-3B that matmul is 3-9% of an update's FLOPs. The
 micro-batches of one update write their logits into one buffer (``KeptLogits``): a fresh multi-GiB tensor per
@@ -210,22 +210,15 @@ def _logits_into(out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, 
     return torch.mm(hidden, weight.t(), out=out)
 
 
-def _keep_in(keep_logits: bool | KeptLogits) -> KeptLogits | None:
-    if isinstance(keep_logits, KeptLogits):
-        return keep_logits
-    return KeptLogits() if keep_logits else None
-
-
 def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                      temperature: float | None = None, with_entropy: bool = False, triton: bool | None = None,
-                     chunk_rows: int | None = None, keep_logits: bool | KeptLogits = False
+                     chunk_rows: int | None = None, kept_logits: KeptLogits | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(log_probs, entropy or None)`` of ``labels`` under ``softmax(hidden @ weight.T (+ bias)) / temperature``,
     fp32, shaped like ``labels``; differentiable in ``hidden``, ``weight`` and ``bias``. ``hidden`` is
     ``(..., H)`` and ``labels`` ``(...)``; the logits are made ``chunk_rows`` tokens at a time (default: about
-    ``CHUNK_BYTES_*`` of them). ``keep_logits``: where a backward will follow, keep them for it instead of
-    making them again there (see the module docstring); a ``KeptLogits`` to keep them in, or True for a tensor
-    of their own."""
+    ``CHUNK_BYTES_*`` of them). ``kept_logits``: where a backward will follow, keep them there for it instead
+    of making them again (see the module docstring)."""
     lead = labels.shape
     flat = hidden.reshape(-1, hidden.shape[-1])
     if not flat.is_contiguous():
@@ -240,7 +233,7 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     differentiable = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (flat, weight, bias))
     log_probs, entropy = _LinearLogProbs.apply(flat, weight, bias, labels.reshape(-1).long().contiguous(),
                                                inv_temp, with_entropy, bool(triton), int(chunk_rows),
-                                               _keep_in(keep_logits) if differentiable else None)
+                                               kept_logits if differentiable else None)
     return log_probs.view(lead), (entropy.view(lead) if with_entropy else None)
 
 
@@ -281,7 +274,7 @@ class LogProbHead(nn.Linear):
             raise ValueError(f"the head got hidden states {tuple(hidden.shape)} for labels "
                              f"{tuple(request.labels.shape)}")
         log_probs, entropy = linear_log_probs(hidden, self.weight, self.bias, request.labels, request.temperature,
-                                              request.with_entropy, keep_logits=self.kept_logits or False)
+                                              request.with_entropy, kept_logits=self.kept_logits)
         if entropy is None:
             entropy = torch.zeros_like(log_probs)
         return torch.stack([log_probs, entropy], dim=-1)
