@@ -103,9 +103,10 @@ class Batch:
     def __reduce__(self) -> tuple:
         """Pickle CPU tensors as numpy arrays: Ray ships those as zero-copy buffers, which makes a
         driver <-> worker round trip several times cheaper than pickling the TensorDict."""
-        arrays = {}
+        arrays: dict[str, Any] = {}
         for key, value in self.tensors.items():
-            if value.device.type == "cpu" and value.dtype not in _NUMPY_INCOMPATIBLE:
+            on_cpu = isinstance(value, torch.Tensor) and value.device.type == "cpu"
+            if on_cpu and value.dtype not in _NUMPY_INCOMPATIBLE:
                 arrays[key] = value.numpy()
             else:
                 arrays[key] = value
@@ -195,7 +196,7 @@ class Batch:
         batches = list(batches)
         if not batches:
             raise ValueError("cannot concatenate zero batches")
-        tensors = torch.cat([b.tensors for b in batches], dim=0)
+        tensors: TensorDict = torch.cat([b.tensors for b in batches], dim=0)  # type: ignore[assignment]
         keys = batches[0].non_tensors.keys()
         non_tensors = {k: [x for b in batches for x in b.non_tensors[k]] for k in keys}
         info: dict[str, Any] = {}
