@@ -11,9 +11,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from hybridrl.errors import HybridRLError
 
-class ConfigError(ValueError):
+
+class ConfigError(HybridRLError, ValueError):
     """One or more config problems; ``problems`` holds ``(key path, reason)`` pairs."""
+
+    exit_status = 2  # refused before any work
 
     def __init__(self, problems: list[tuple[str, str]]):
         self.problems = problems

@@ -29,6 +29,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Any, Callable, Sequence
 
+from hybridrl.errors import HybridRLError
 from hybridrl.batch import (MESSAGES, META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RESPONSE_IDS, RESPONSE_MASK,
                             ROLLOUT_LOG_PROBS, Batch, left_pad)
 from hybridrl.engines import RolloutEngine, SamplingParams
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 EnvironmentFactory = Callable[..., Environment]
 
 
-class EpisodeError(RuntimeError):
+class EpisodeError(HybridRLError, RuntimeError):
     """An environment raised; the message names it, the row and the turn. ``phase``: ``build``, ``reset`` or
     ``step``."""
 

@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from hybridrl.errors import HybridRLError
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 DRIVER_STATE = "driver.pt"
@@ -40,7 +42,7 @@ FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(HybridRLError, RuntimeError):
     """No usable checkpoint where one was asked for, or one that does not fit this run."""
 
 

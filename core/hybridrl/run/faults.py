@@ -15,13 +15,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from hybridrl.errors import HybridRLError
+
 log = logging.getLogger(__name__)
 
 #: metric keys whose non-finite value makes a step bad (besides any ``<role>/skipped_step`` > 0).
 FINITE_KEYS = ("reward/mean", "actor/loss", "critic/vf_loss")
 
 
-class RunFailure(RuntimeError):
+class RunFailure(HybridRLError, RuntimeError):
     """A run stopped by a fault it names (the CLI prints the message and exits with status 1)."""
 
 
