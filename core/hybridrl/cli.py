@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run training from a YAML config")
     train.add_argument("config")
-    train.add_argument("overrides", nargs="*", help="dotted overrides: roles.actor.lr=1e-5")
+    train.add_argument("overrides", nargs="*", help="dotted overrides: roles.actor.lr=1e-5 (key=null unsets a key)")
     train.add_argument("--overwrite", action="store_true",
                        help="start a new run even if trainer.out holds one: the old run is moved to <out>.old-<time>")
     train.set_defaults(func=cmd_train)
