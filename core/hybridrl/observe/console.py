@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any, TextIO
 
 
 class _CurrentStdout(logging.StreamHandler):
@@ -39,3 +40,21 @@ def enable_console(level: int = logging.INFO) -> None:
         handler.setFormatter(_Plain())
         logger.addHandler(handler)
     logger.setLevel(level)
+
+
+def is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is an interactive terminal (a file, a pipe, a closed stream: no)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def progress_bar(total: int, initial: int, wanted: bool = True, stream: TextIO | None = None) -> Any:
+    """The training loop's bar (tqdm, on ``stream``, default standard error), drawn on a terminal only: in a
+    file or a pipe its redrawn frames (``\\r``) would interleave with the step lines, which say the same."""
+    from tqdm import tqdm
+
+    stream = sys.stderr if stream is None else stream
+    return tqdm(total=total, initial=initial, desc="train", unit="step", file=stream, dynamic_ncols=True,
+                disable=not (wanted and is_terminal(stream)))

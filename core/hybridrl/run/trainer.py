@@ -494,12 +494,11 @@ class Trainer:
     def fit(self) -> list[dict[str, float]]:
         """Train to ``trainer.steps``: log each step, save when due, stop cleanly on Ctrl-C (after saving) or
         after ``trainer.max_bad_steps`` bad steps in a row."""
-        from tqdm import tqdm
+        from hybridrl.observe.console import progress_bar
 
         tcfg = self.cfg.trainer
         history, finished = [], False
-        bar = tqdm(total=tcfg.steps, initial=self.step, desc="train", unit="step", disable=not tcfg.progress,
-                   dynamic_ncols=True)
+        bar = progress_bar(tcfg.steps, self.step, wanted=tcfg.progress)  # on a terminal only
         try:
             with self.guard.guarding(self.groups, lambda: self.step + 1):
                 if self.validator is not None and self.step == 0 and self.validator.due(0):
