@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -52,3 +55,16 @@ def test_is_terminal_is_false_for_closed_and_odd_streams() -> None:
     closed = io.StringIO()
     closed.close()
     assert not is_terminal(closed) and not is_terminal(object()) and is_terminal(Terminal())
+
+
+def test_a_worker_draws_no_library_bars() -> None:
+    """Ray forwards a worker's output through a pipe: the Hugging Face bars (``Loading weights``) are off there."""
+    code = ("from transformers.utils import logging\n"
+            "assert logging.is_progress_bar_enabled()\n"
+            "from hybridrl.runtime.worker import RoleWorker\n"
+            "RoleWorker(0, 1, 'cpu')\n"
+            "assert not logging.is_progress_bar_enabled()\n"
+            "from huggingface_hub.utils import are_progress_bars_disabled\n"
+            "assert are_progress_bars_disabled()\n")
+    env = {key: value for key, value in os.environ.items() if key != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)

@@ -5,6 +5,7 @@ while a program embedding hybridrl keeps control of its own logging."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any, TextIO
 
@@ -58,3 +59,15 @@ def progress_bar(total: int, initial: int, wanted: bool = True, stream: TextIO |
     stream = sys.stderr if stream is None else stream
     return tqdm(total=total, initial=initial, desc="train", unit="step", file=stream, dynamic_ncols=True,
                 disable=not (wanted and is_terminal(stream)))
+
+
+def quiet_library_bars() -> None:
+    """No progress bars from the Hugging Face libraries in this process. For a worker: its output reaches the
+    user through Ray's log forwarding, a pipe, where a bar (``Loading weights``) is only a run of ``\\r``
+    frames between the step lines."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # for a library not imported yet
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    disable_progress_bars()
+    hf_logging.disable_progress_bar()
