@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from hybridrl.errors import HybridRLError
+from hybridrl.run.faults import disk_problem
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -193,7 +194,7 @@ def save_checkpoint(out: str | Path, step: int, write: Callable[[Path], dict[str
         else:
             os.replace(tmp, final)
     except BaseException as exc:
-        why = _disk_problem(root, exc) if isinstance(exc, Exception) else None  # before the cleanup frees space
+        why = disk_problem(root, exc) if isinstance(exc, Exception) else None  # before the cleanup frees space
         shutil.rmtree(tmp, ignore_errors=True)
         if why is None:
             raise
@@ -205,12 +206,6 @@ def save_checkpoint(out: str | Path, step: int, write: Callable[[Path], dict[str
     _write_atomic(root / LATEST, name)
     prune(out, keep)
     return final
-
-
-def _disk_problem(root: Path, exc: BaseException) -> str | None:
-    from hybridrl.run.faults import disk_problem
-
-    return disk_problem(root, exc)
 
 
 def prune(out: str | Path, keep: int) -> list[Path]:
