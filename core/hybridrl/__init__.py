@@ -4,7 +4,8 @@ The core defines roles, placement and the resharding interfaces; training and in
 pluggy plugins found through the ``hybridrl`` entry-point group.
 """
 
+from hybridrl.errors import HybridRLError
 from hybridrl.plugins.hookspecs import hookimpl
 
-__all__ = ["hookimpl", "__version__"]
+__all__ = ["HybridRLError", "hookimpl", "__version__"]
 __version__ = "0.1.0"

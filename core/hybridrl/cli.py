@@ -6,12 +6,18 @@ import argparse
 import re
 import signal
 import sys
+import traceback
 from typing import Any
 
 from hybridrl.config import ConfigError, RunConfig, load_config
+from hybridrl.errors import HybridRLError
 from hybridrl.run.faults import Terminated
 from hybridrl.placement.plan import ClusterSpec
-from hybridrl.plugins.registry import RegistryError
+
+
+#: what the CLI says before the traceback of an exception that is not a ``HybridRLError``.
+BUG_LINE = ("hybridrl: internal error: this is a bug in hybridrl or in a plugin, not a problem with your config or "
+            "data; please report it with the traceback below")
 
 
 def _registry(cfg: RunConfig | None = None):
@@ -94,13 +100,9 @@ def _reshard_lines(cfg: RunConfig, plan, shape) -> list[str]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from hybridrl.observe.report import ReportError, write_report
+    from hybridrl.observe.report import write_report
 
-    try:
-        written = write_report(args.run, args.out)
-    except ReportError as exc:
-        print(f"hybridrl: {exc}", file=sys.stderr)
-        return 2
+    written = write_report(args.run, args.out)  # a ReportError: exit 2 (``main``)
     for path in written:
         print(path)
     return 0
@@ -152,7 +154,7 @@ def _train(cfg: RunConfig, overwrite: bool) -> int:
         if stop is None and isinstance(exc, EngineStartError):  # an engine refused to start: its own one line
             stop = exc
         if stop is None:
-            raise
+            raise  # ``main``: a HybridRLError's sentences, anything else as a bug with its traceback
         print(f"hybridrl: {stop}", file=sys.stderr)
         return 1
     finally:
@@ -169,14 +171,10 @@ def _train(cfg: RunConfig, overwrite: bool) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from hybridrl.run.export import ExportError, export_checkpoint
+    from hybridrl.run.export import export_checkpoint
 
-    try:
-        out = export_checkpoint(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force,
-                                adapter=args.adapter)
-    except ExportError as exc:
-        print(f"hybridrl: {exc}", file=sys.stderr)
-        return 2
+    out = export_checkpoint(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force,
+                            adapter=args.adapter)  # an ExportError: exit 2 (``main``)
     print(f"exported to {out}")
     return 0
 
@@ -233,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run training from a YAML config")
     train.add_argument("config")
-    train.add_argument("overrides", nargs="*", help="dotted overrides: roles.actor.lr=1e-5")
+    train.add_argument("overrides", nargs="*", help="dotted overrides: roles.actor.lr=1e-5 (key=null unsets a key)")
     train.add_argument("--overwrite", action="store_true",
                        help="start a new run even if trainer.out holds one: the old run is moved to <out>.old-<time>")
     train.set_defaults(func=cmd_train)
@@ -317,15 +315,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     try:
         return args.func(args)
-    except (ConfigError, RegistryError) as exc:
+    except HybridRLError as exc:  # the user's to fix: its sentences, no traceback
         print(f"hybridrl: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_status
     except KeyboardInterrupt:
         print("hybridrl: interrupted", file=sys.stderr)
         return 130
     except Terminated:
         print("hybridrl: terminated (SIGTERM)", file=sys.stderr)
         return 143
+    except Exception:  # anything else is not the user's doing: say so, with the traceback to report
+        print(BUG_LINE, file=sys.stderr)
+        traceback.print_exc()
+        return 1
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
 import torch
 
 from hybridrl.batch import Batch
+from hybridrl.data_parallel import DataParallelInfo
 from hybridrl.lora import LoraSpec
 
 if TYPE_CHECKING:
@@ -87,16 +88,6 @@ class EngineContext:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
-
-
-@dataclass(frozen=True)
-class DataParallelInfo:
-    """How a rank takes part in scatter/gather: ranks with the same ``dp_rank`` get the same chunk
-    (tensor/pipeline parallel peers); only ranks with ``returns_output`` send results back."""
-
-    dp_rank: int
-    dp_size: int
-    returns_output: bool = True
 
 
 @dataclass(frozen=True)

@@ -170,3 +170,15 @@ def test_bad_steps_are_marked_and_stop_the_run_in_a_row() -> None:
     with pytest.raises(BadStepsError, match="2 bad steps in a row"):
         guard.check(4, guard.observe(dict(bad)))
     BadStepGuard(max_bad=0).check(9, ["x"])  # 0: never stops
+
+
+def test_the_checkpointer_decides_when_a_save_is_due(tmp_path, monkeypatch):
+    from hybridrl.run.state import Checkpointer
+
+    saved = []
+    monkeypatch.setattr(ckpt, "save_checkpoint", lambda out, step, write, keep: saved.append(step) or Path(out))
+    every = Checkpointer(tmp_path, 2, {}, every=3, last=7)
+    done = [step for step in range(1, 8) if every.maybe_save(step, driver=None, groups={}) is not None]
+    assert done == saved == [3, 6, 7]  # every 3 steps and the last one
+    never = Checkpointer(tmp_path, 2, {}, last=7)  # trainer.save_every=0
+    assert [never.maybe_save(step, None, {}) for step in range(1, 8)] == [None] * 7 and saved == [3, 6, 7]

@@ -72,3 +72,22 @@ def test_a_duplicated_key_is_refused_with_its_path_and_lines(tmp_path: Path) -> 
     merged = tmp_path / "merge.yaml"  # a merge may still be overridden
     merged.write_text("base: &b {steps: 3}\nmodel: {tiny: {}}\ndata: {train: x.jsonl}\ntrainer: {<<: *b, steps: 4}\n")
     assert "trainer" not in problems_of([], merged)
+
+
+def test_null_on_the_command_line_unsets_a_key() -> None:
+    assert load_config(QUICKSTART, []).roles.actor.micro_batch == 256  # the quick start's own value
+    cfg = load_config(QUICKSTART, ["roles.actor.micro_batch=null", "trainer.steps=~", "roles.actor.betas="])
+    assert cfg.roles.actor.micro_batch == 16  # not None-able: back to its default
+    assert cfg.trainer.steps == 100 and cfg.roles.actor.betas == (0.9, 0.999)
+    assert load_config(QUICKSTART, ["roles.rollout.log_probs=null"]).roles.rollout.log_probs == "auto"  # a union
+    cfg = load_config(QUICKSTART, ["roles.ref=null", "roles.reward.fn=null", "roles.reward.url=http://localhost:1"])
+    assert cfg.roles.ref is None and cfg.roles.reward.fn is None  # None-able keys: None, as before
+    assert load_config(QUICKSTART, ["roles.actor.micro_batch=8", "roles.actor.micro_batch=null"]) \
+        .roles.actor.micro_batch == 16  # the last override wins
+
+
+def test_null_for_a_required_key_is_refused_by_name() -> None:
+    assert problems_of(["model=null"]) == {"model": "is required: null cannot unset it; give a value"}
+    found = problems_of(["data=null", "trainer.stepz=1", "roles.actor.micro_batch=null"])
+    assert found == {"data": "is required: null cannot unset it; give a value", "trainer.stepz": "unknown key"}
+    assert problems_of(["roles.actor.microbatch=null"]) == {"roles.actor.microbatch": "unknown key"}

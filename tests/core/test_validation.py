@@ -4,12 +4,16 @@ source), the pre-flight checks of its keys, and ``hybridrl report``'s validation
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from hybridrl.config import ConfigError, load_config
 from hybridrl.data.loading import PromptRow
+from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, Batch
+from hybridrl.engines import SamplingParams
 from hybridrl.placement.plan import ClusterSpec
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.run.preflight import prepare_run
@@ -21,10 +25,8 @@ from test_data_formats import QUICKSTART
 def _validator(tmp_path, k=1, **trainer):
     cfg = load_config(QUICKSTART, [f"trainer.out={tmp_path}", f"trainer.val_n={k}",
                                    *(f"trainer.{key}={value}" for key, value in trainer.items())])
-    fake = SimpleNamespace(cfg=cfg, sampling=SimpleNamespace(top_p=1.0, top_k=0, max_new_tokens=3, min_new_tokens=0,
-                                                            ignore_eos=False), pad_id=0)
     prompts = [PromptRow(f"p{i}", [1, 2], {"data_source": "a" if i < 2 else "b"}) for i in range(3)]
-    return Validator(fake, prompts)
+    return Validator(cfg, prompts, pad_id=0, sampling=SamplingParams(max_new_tokens=3))
 
 
 def test_schedule(tmp_path):
@@ -60,6 +62,56 @@ def test_a_resumed_run_keeps_its_best_value(tmp_path):
     (tmp_path / "best" / "best.json").write_text(json.dumps({"metric": "val/reward/mean", "value": 0.7, "step": 40}))
     v = _validator(tmp_path, keep_best="val/reward/mean")
     assert (v.best_value, v.best_step) == (0.7, 40)
+
+
+
+class _Rollout:
+    """The rollout group's one call validation makes, answered in the driver: a response of 2 tokens per row."""
+
+    def __init__(self) -> None:
+        self.calls: list[int | None] = []
+
+    def call(self, role: str, method: str, batch: Batch, params: SamplingParams) -> SimpleNamespace:
+        assert (role, method) == ("rollout", "generate")
+        self.calls.append(params.seed)
+        rows = len(batch)
+        return SimpleNamespace(value=Batch.from_tensors({RESPONSE_IDS: torch.ones(rows, 2, dtype=torch.long),
+                                                         RESPONSE_MASK: torch.ones(rows, 2, dtype=torch.long)}))
+
+
+def _scorer(*scores: float):
+    """Scores the i-th call's rows with ``scores[i]``."""
+    left = list(scores)
+
+    def score(batch: Batch) -> SimpleNamespace:
+        value = left.pop(0)
+        return SimpleNamespace(scores=torch.full((len(batch),), value), texts=["r"] * len(batch))
+
+    return score
+
+
+def test_validation_runs_when_due_and_keeps_the_best_through_values(tmp_path):
+    rollout, saved = _Rollout(), []
+
+    def save_copy(folder: Path, extra: dict) -> Path:
+        saved.append((folder, extra))
+        folder.mkdir(exist_ok=True)  # as a checkpoint's save makes it
+        return folder / "checkpoints" / "step_x"
+
+    v = Validator(load_config(QUICKSTART, [f"trainer.out={tmp_path}", "trainer.val_every=2", "trainer.steps=4",
+                                           "trainer.keep_best=val/reward/mean", "trainer.seed=1"]),
+                  [PromptRow("p", [1, 2], {})], 0, SamplingParams(), rollout, _scorer(0.2, 0.5, 0.1), None, False,
+                  save_copy)
+    assert v.maybe_run(1) == {}  # not due: nothing generated
+    first = v.maybe_run(2)
+    assert first["val/reward/mean"] == pytest.approx(0.2) and rollout.calls == [7_777]
+    assert v.maybe_run(2) == {}  # never twice for one step
+    assert saved == [(tmp_path / "best", {"best": {"metric": "val/reward/mean", "value": pytest.approx(0.2)}})]
+    assert json.loads((tmp_path / "best" / "best.json").read_text())["step"] == 2
+    assert v.maybe_run(4)["val/reward/mean"] == pytest.approx(0.5) and len(saved) == 2  # better: kept
+    v.last_step = None
+    assert v.maybe_run(4)["val/reward/mean"] == pytest.approx(0.1) and len(saved) == 2  # worse: not kept
+    assert (v.best_value, v.best_step) == (pytest.approx(0.5), 4)
 
 
 def _problems(tmp_path, overrides):

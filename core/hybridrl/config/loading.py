@@ -109,7 +109,8 @@ def _format_errors(err: ValidationError) -> list[tuple[str, str]]:
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None,
                 base: dict[str, Any] | None = None) -> RunConfig:
-    """Read YAML (or start from ``base``), apply dotted overrides, validate. Raises ``ConfigError``."""
+    """Read YAML (or start from ``base``), apply dotted overrides, validate. Raises ``ConfigError``.
+    ``key=null`` on the command line sets an optional key to None and unsets any other (see ``_validate``)."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:
         p = Path(path)
@@ -125,8 +126,54 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None,
         if not isinstance(loaded, dict):
             raise ConfigError([("<file>", f"{p} must hold a mapping at the top level")])
         data.update(loaded)
-    data = apply_overrides(data, list(overrides or []))
+    overrides = list(overrides or [])
+    data = apply_overrides(data, overrides)
+    return _validate(data, _null_overrides(data, overrides))
+
+
+def _null_overrides(data: dict[str, Any], overrides: list[str]) -> set[str]:
+    """The dotted keys the overrides left null (``key=null``, ``key=~`` or ``key=``)."""
+    nulls = set()
+    for text in overrides:
+        path = text.partition("=")[0].strip().split(".")
+        node: Any = data
+        for part in path[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and path[-1] in node and node[path[-1]] is None:
+            nulls.add(".".join(path))
+    return nulls
+
+
+def _validate(data: dict[str, Any], nulls: set[str]) -> RunConfig:
+    """``RunConfig`` of ``data``. A key set to null on the command line is None where the key accepts None;
+    where it does not, null unsets it (its default applies), and a required key given null is refused by name."""
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err)) from None
+        unset = _refused_nulls(err, nulls)
+        if not unset:
+            raise ConfigError(_format_errors(err)) from None
+    for key in unset:
+        *parents, last = key.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        del node[last]
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        problems = [(path, "is required: null cannot unset it; give a value" if path in unset
+                     and reason == "required key missing" else reason) for path, reason in _format_errors(err)]
+        raise ConfigError(problems) from None
+
+
+def _refused_nulls(err: ValidationError, nulls: set[str]) -> set[str]:
+    """The null keys whose field does not accept None (their error is at the key, or at a member of its union
+    type, and its input is the None given)."""
+    refused = set()
+    for e in err.errors():
+        if e["type"] == "extra_forbidden" or e.get("input", ...) is not None:
+            continue
+        where = ".".join(str(p) for p in e["loc"])
+        refused |= {key for key in nulls if where == key or where.startswith(key + ".")}
+    return refused

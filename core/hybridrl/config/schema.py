@@ -11,9 +11,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from hybridrl.errors import HybridRLError
 
-class ConfigError(ValueError):
+
+class ConfigError(HybridRLError, ValueError):
     """One or more config problems; ``problems`` holds ``(key path, reason)`` pairs."""
+
+    exit_status = 2  # refused before any work
 
     def __init__(self, problems: list[tuple[str, str]]):
         self.problems = problems
@@ -339,7 +343,7 @@ class TrainerConfig(Strict):
                                                    "their top kernels in <out>/profile/")
     profile_calls: list[str] = Field(default_factory=lambda: ["actor.update"],
                                      description="role.method names of the engine calls to profile")
-    progress: bool = True
+    progress: bool = Field(True, description="a progress bar, drawn only when standard error is a terminal")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps and at the last step (0: never; Ctrl-C "
                                                  "still saves one)")
     keep_checkpoints: int = Field(2, ge=0, description="complete checkpoints kept, newest first (0: all)")

@@ -23,12 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridrl.errors import HybridRLError
+
 Message = dict[str, str]
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class PromptFormatError(ValueError):
+class PromptFormatError(HybridRLError, ValueError):
     """A prompt that is neither text nor a valid message list, or a template that cannot be applied."""
+
+    exit_status = 2  # refused before any work
 
 
 def prompt_problem(prompt: Any) -> str | None:

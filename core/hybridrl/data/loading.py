@@ -14,6 +14,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from hybridrl.errors import HybridRLError
 from hybridrl.config import DataConfig
 from hybridrl.data import fields
 from hybridrl.data.chat import PromptFormatError, PromptFormatter, prompt_problem
@@ -21,9 +22,11 @@ from hybridrl.data.chat import PromptFormatError, PromptFormatter, prompt_proble
 log = logging.getLogger(__name__)
 
 
-class DataError(ValueError):
+class DataError(HybridRLError, ValueError):
     """The prompt data cannot be used (missing file, bad line, missing prompt field, empty, too long ...).
     ``key``: the config key the problem is reported under, when it is not the data file's."""
+
+    exit_status = 2  # refused before any work
 
     def __init__(self, message: str, key: str | None = None) -> None:
         super().__init__(message)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from hybridrl.errors import HybridRLError
 from hybridrl.environments.base import Context
 
 #: the conversation whose rendering is cut off every observation's (see the module docstring).
 BASE_CONVERSATION = ({"role": "user", "content": "1"}, {"role": "assistant", "content": "1"})
 
 
-class ChatFormatError(ValueError):
+class ChatFormatError(HybridRLError, ValueError):
     """The chat template cannot render observations by prefix (it rewrites earlier turns)."""
 
 

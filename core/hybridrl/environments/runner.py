@@ -27,23 +27,26 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import lru_cache
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from hybridrl.errors import HybridRLError
 from hybridrl.batch import (MESSAGES, META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RESPONSE_IDS, RESPONSE_MASK,
                             ROLLOUT_LOG_PROBS, Batch, left_pad)
-from hybridrl.engines import RolloutEngine, SamplingParams
 from hybridrl.environments.base import Environment, EnvironmentContext, EpisodeLimits, EpisodeRow, ModelTurn, StepResult
 from hybridrl.environments.chat import ChatFormat
 from hybridrl.environments.spec import EnvironmentSpec
 from hybridrl.environments.trajectory import Trajectory, pack_trajectories
-from hybridrl.rollout.common import mix_seed, unpad_prompts
+from hybridrl.rollout.common import mix_seed, special_ids, unpad_prompts
+
+if TYPE_CHECKING:  # types only: the engine contract runs this module (RolloutEngine.generate_episodes)
+    from hybridrl.engines import RolloutEngine, SamplingParams
 
 log = logging.getLogger(__name__)
 
 EnvironmentFactory = Callable[..., Environment]
 
 
-class EpisodeError(RuntimeError):
+class EpisodeError(HybridRLError, RuntimeError):
     """An environment raised; the message names it, the row and the turn. ``phase``: ``build``, ``reset`` or
     ``step``."""
 
@@ -61,8 +64,6 @@ def _tokenizer(model_path: str) -> Any:
 
 @lru_cache(maxsize=4)
 def _special_ids(model_path: str) -> tuple[tuple[int, ...], int]:
-    from hybridrl.rollout.common import special_ids
-
     eos, pad = special_ids(model_path)
     return tuple(eos), pad
 

@@ -5,7 +5,9 @@ while a program embedding hybridrl keeps control of its own logging."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from typing import Any, TextIO
 
 
 class _CurrentStdout(logging.StreamHandler):
@@ -39,3 +41,33 @@ def enable_console(level: int = logging.INFO) -> None:
         handler.setFormatter(_Plain())
         logger.addHandler(handler)
     logger.setLevel(level)
+
+
+def is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is an interactive terminal (a file, a pipe, a closed stream: no)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def progress_bar(total: int, initial: int, wanted: bool = True, stream: TextIO | None = None) -> Any:
+    """The training loop's bar (tqdm, on ``stream``, default standard error), drawn on a terminal only: in a
+    file or a pipe its redrawn frames (``\\r``) would interleave with the step lines, which say the same."""
+    from tqdm import tqdm
+
+    stream = sys.stderr if stream is None else stream
+    return tqdm(total=total, initial=initial, desc="train", unit="step", file=stream, dynamic_ncols=True,
+                disable=not (wanted and is_terminal(stream)))
+
+
+def quiet_library_bars() -> None:
+    """No progress bars from the Hugging Face libraries in this process. For a worker: its output reaches the
+    user through Ray's log forwarding, a pipe, where a bar (``Loading weights``) is only a run of ``\\r``
+    frames between the step lines."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # for a library not imported yet
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    disable_progress_bars()
+    hf_logging.disable_progress_bar()

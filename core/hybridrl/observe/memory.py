@@ -18,6 +18,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from hybridrl.errors import HybridRLError
+
 MIB = float(2**20)
 #: the engine method each phase of a role's ``roles.RoleSpec.phases`` runs, by mode.
 METHOD_MODES = {"compute_log_probs": "forward", "compute_values": "forward", "compute_scores": "forward",
@@ -54,7 +56,7 @@ def is_out_of_memory(exc: BaseException | None) -> bool:
     return False
 
 
-class DeviceOutOfMemory(RuntimeError):
+class DeviceOutOfMemory(HybridRLError, RuntimeError):
     """An engine call ran out of device memory; ``report`` says which role, phase, rank, device, and what the
     device held (MiB), and ``reason`` the original error's first line."""
 

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridrl.errors import HybridRLError
+
 #: the pooled roles whose devices each timed phase keeps busy; phases not listed run in the driver.
 PHASE_ROLES: dict[str, tuple[str, ...]] = {
     "wake": ("rollout",), "gen": ("rollout",), "sleep": ("rollout",), "ref": ("ref",), "values": ("critic",),
@@ -22,8 +24,10 @@ DRIVER = "driver"
 IDLE = "idle"
 
 
-class ReportError(ValueError):
+class ReportError(HybridRLError, ValueError):
     """The run folder has no metrics to report."""
+
+    exit_status = 2  # refused before any work
 
 
 # --- reading ---------------------------------------------------------------------------------------

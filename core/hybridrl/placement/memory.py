@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from hybridrl.errors import HybridRLError
 from hybridrl.config import RunConfig
 from hybridrl.placement.lora_memory import apply_lora, apply_lora_rollout
 from hybridrl.placement.plan import PlacementPlan
@@ -43,7 +44,7 @@ DEMAND_SIZED_ROLLOUTS = ("hf",)
 SHARE_OF_FREE_ROLLOUTS = ("sglang",)
 
 
-class MemoryEstimateError(ValueError):
+class MemoryEstimateError(HybridRLError, ValueError):
     """The model config cannot be read or describes an architecture the estimate does not cover."""
 
 

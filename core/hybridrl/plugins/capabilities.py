@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from hybridrl.errors import HybridRLError
+
 #: train engines: capability -> what it promises (and who relies on it).
 TRAIN_CAPABILITIES: dict[str, str] = {
     "checkpoint": "save_checkpoint / load_checkpoint (trainer.save_every, resume, export)",
@@ -34,8 +36,10 @@ KNOWN = {"train": TRAIN_CAPABILITIES, "rollout": ROLLOUT_CAPABILITIES}
 HEAD_CAPABILITY = {"value": "value_head", "reward": "reward_head"}
 
 
-class CapabilityError(ValueError):
+class CapabilityError(HybridRLError, ValueError):
     """A registration declares a capability the core does not know (a typo, most likely)."""
+
+    exit_status = 2  # refused before any work
 
 
 def check_declared(kind: str, name: str, supports: Iterable[str]) -> frozenset[str]:

@@ -17,14 +17,17 @@ from typing import Any, Callable, Iterable, Literal
 
 from packaging.requirements import Requirement
 
+from hybridrl.errors import HybridRLError
 from hybridrl.plugins.capabilities import CapabilityError, check_declared
 
 BackendKind = Literal["train", "rollout"]
 ANY = "*"
 
 
-class RegistryError(ValueError):
+class RegistryError(HybridRLError, ValueError):
     """A name is unknown, registered twice, or its engine cannot be loaded."""
+
+    exit_status = 2  # refused before any work
 
 
 @lru_cache(maxsize=1)

@@ -19,12 +19,14 @@ import math
 import numbers
 from typing import Any, Callable
 
+from hybridrl.errors import HybridRLError
+
 
 class RewardFailure(Exception):
     """One reward call failed: it raised, or returned something that is not a finite number."""
 
 
-class RewardError(RuntimeError):
+class RewardError(HybridRLError, RuntimeError):
     """The run cannot go on scoring: most of a batch's rewards failed, or the reward pool cannot work."""
 
 

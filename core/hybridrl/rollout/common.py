@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
-from hybridrl.engines import DataParallelInfo
+from hybridrl.data_parallel import DataParallelInfo
 
 
 # --- special token ids --------------------------------------------------------------------------------------

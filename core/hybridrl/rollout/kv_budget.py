@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.errors import HybridRLError
+
 GIB = float(2**30)
 #: the cache's allocation unit (tokens per block) the floor is rounded to.
 KV_BLOCK_TOKENS = 16
@@ -102,7 +104,7 @@ class KVSizing:
         return out
 
 
-class KVCacheTooSmall(RuntimeError):
+class KVCacheTooSmall(HybridRLError, RuntimeError):
     """The KV cache cannot hold the step's sequences in the memory left: raised before the engine starts (or
     right after, when the engine's own cache came out below the floor). ``report`` holds the numbers."""
 

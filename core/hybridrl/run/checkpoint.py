@@ -30,6 +30,9 @@ from typing import Any, Callable
 
 import torch
 
+from hybridrl.errors import HybridRLError
+from hybridrl.run.faults import disk_problem
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 DRIVER_STATE = "driver.pt"
@@ -40,7 +43,7 @@ FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(HybridRLError, RuntimeError):
     """No usable checkpoint where one was asked for, or one that does not fit this run."""
 
 
@@ -191,7 +194,7 @@ def save_checkpoint(out: str | Path, step: int, write: Callable[[Path], dict[str
         else:
             os.replace(tmp, final)
     except BaseException as exc:
-        why = _disk_problem(root, exc) if isinstance(exc, Exception) else None  # before the cleanup frees space
+        why = disk_problem(root, exc) if isinstance(exc, Exception) else None  # before the cleanup frees space
         shutil.rmtree(tmp, ignore_errors=True)
         if why is None:
             raise
@@ -203,12 +206,6 @@ def save_checkpoint(out: str | Path, step: int, write: Callable[[Path], dict[str
     _write_atomic(root / LATEST, name)
     prune(out, keep)
     return final
-
-
-def _disk_problem(root: Path, exc: BaseException) -> str | None:
-    from hybridrl.run.faults import disk_problem
-
-    return disk_problem(root, exc)
 
 
 def prune(out: str | Path, keep: int) -> list[Path]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hybridrl.errors import HybridRLError
 from hybridrl.lora import LoraSpec, pair_adapters, target_names, write_adapter
 from hybridrl.run import checkpoint as ckpt
 from hybridrl.run.atomic_dir import replaced_atomically
@@ -29,8 +30,10 @@ logger = logging.getLogger(__name__)
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
-class ExportError(RuntimeError):
+class ExportError(HybridRLError, RuntimeError):
     """The checkpoint cannot be exported (missing, saved by another layout, weights that do not fit)."""
+
+    exit_status = 2  # refused before any work
 
 
 #: written into every export; marks a folder that ``--force`` may replace.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import os
 import shutil
 import signal
 import threading
@@ -15,13 +16,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from hybridrl.errors import HybridRLError
+
 log = logging.getLogger(__name__)
 
 #: metric keys whose non-finite value makes a step bad (besides any ``<role>/skipped_step`` > 0).
 FINITE_KEYS = ("reward/mean", "actor/loss", "critic/vf_loss")
 
 
-class RunFailure(RuntimeError):
+class RunFailure(HybridRLError, RuntimeError):
     """A run stopped by a fault it names (the CLI prints the message and exits with status 1)."""
 
 
@@ -190,13 +193,32 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
     return
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path``, or its closest ancestor that exists."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def not_writable(path: Path) -> str | None:
+    """Why nothing can be created in ``path`` (or, when it does not exist yet, in the folder that would hold
+    it): 'read-only file system' or 'permission denied'; None when it can."""
+    where = nearest_existing(path)
+    if os.access(where, os.W_OK | os.X_OK):
+        return None
+    try:  # access() says why only through errno; statvfs tells a read-only mount from permissions
+        read_only = bool(os.statvfs(where).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return f"'{where}' is not writable ({os.strerror(errno.EROFS if read_only else errno.EACCES).lower()})"
+
+
 def disk_problem(path: str | Path, exc: BaseException | None = None) -> str | None:
     """Why writing under ``path`` failed, if the disk is the cause: 'no space left on device (N MiB free of M)'
     or 'not writable (...)'; None when it is not. Read from the error (its errno, or its text when it crossed
     a process boundary) and from the filesystem itself: torch's writers report a full disk only as
     'enforce fail at inline_container.cc'."""
-    from hybridrl.run.run_folder import nearest_existing, not_writable
-
     for e in _chain(exc) if exc is not None else ():
         code = getattr(e, "errno", None)
         if code in _NO_SPACE:
@@ -227,8 +249,6 @@ def _looks_like_a_write(exc: BaseException) -> bool:
 
 
 def _free(path: str | Path) -> str:
-    from hybridrl.run.run_folder import nearest_existing
-
     try:
         usage = shutil.disk_usage(nearest_existing(Path(path)))
     except OSError:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridrl.errors import HybridRLError
 from hybridrl.observe.memory import DeviceOutOfMemory, is_out_of_memory
 
 GIB_MB = 1024.0
 
 
-class OutOfMemoryStop(RuntimeError):
+class OutOfMemoryStop(HybridRLError, RuntimeError):
     """The run stopped because a device ran out of memory; the message says where and what fixes it."""
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hybridrl.errors import HybridRLError
 from hybridrl.batch import Batch
 from hybridrl.runtime.group import PendingCall
 
@@ -45,7 +46,7 @@ class GenerationJob:
     pending: PendingCall
 
 
-class StalenessError(RuntimeError):
+class StalenessError(HybridRLError, RuntimeError):
     """A batch would train against weights more than ``max_staleness`` updates newer than its own."""
 
 

@@ -10,7 +10,6 @@ Everything here runs in pre-flight, before anything is written.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import time
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridrl.run import checkpoint as ckpt
+from hybridrl.run.faults import not_writable
 from hybridrl.runtime.device_map import DEVICE_MAP_FILE
 
 #: what a run writes before its first step; a folder holding only these has nothing to lose.
@@ -87,26 +87,6 @@ def move_aside(out: Path) -> Path:
     target = aside_name(out)
     os.rename(out, target)
     return target
-
-
-def nearest_existing(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def not_writable(path: Path) -> str | None:
-    """Why nothing can be created in ``path`` (or, when it does not exist yet, in the folder that would hold
-    it): 'read-only file system' or 'permission denied'; None when it can."""
-    where = nearest_existing(path)
-    if os.access(where, os.W_OK | os.X_OK):
-        return None
-    try:  # access() says why only through errno; statvfs tells a read-only mount from permissions
-        read_only = bool(os.statvfs(where).f_flag & os.ST_RDONLY)
-    except OSError:
-        read_only = False
-    return f"'{where}' is not writable ({os.strerror(errno.EROFS if read_only else errno.EACCES).lower()})"
 
 
 @dataclass

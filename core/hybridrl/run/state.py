@@ -40,12 +40,15 @@ def trained_roles(groups: dict[str, WorkerGroup]) -> list[str]:
 class Checkpointer:
     """Saves and restores a run under ``<out>/checkpoints``. ``summary`` is what ``driver.json`` records
     besides the step (backends of the trained roles, model path, dtype, options), read by export and by the
-    pre-flight check of a resume."""
+    pre-flight check of a resume. ``every``: save every N steps and at step ``last`` (``maybe_save``; 0: only
+    when asked, ``save``)."""
 
-    def __init__(self, out: str | Path, keep: int, summary: dict[str, Any]) -> None:
+    def __init__(self, out: str | Path, keep: int, summary: dict[str, Any], every: int = 0,
+                 last: int | None = None) -> None:
         self.out = Path(out)
         self.keep = keep
         self.summary = summary
+        self.every, self.last = every, last
         self.last_saved_step: int | None = None
         self.resumed_from: Path | None = None
 
@@ -61,6 +64,14 @@ class Checkpointer:
         self.last_saved_step = step
         log.info("checkpoint: %s", folder)
         return folder
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is due after ``step`` steps (``trainer.save_every``, and the last step)."""
+        return self.every > 0 and (step % self.every == 0 or step == self.last)
+
+    def maybe_save(self, step: int, driver: Stateful, groups: dict[str, WorkerGroup]) -> Path | None:
+        """``save`` when a checkpoint is due after ``step`` steps; the folder, or None when none was."""
+        return self.save(step, driver, groups) if self.due(step) else None
 
     def restore(self, folder: Path, driver: Stateful, groups: dict[str, WorkerGroup]) -> None:
         """Load every trained role's state and the driver's, and drop the metrics rows logged after the

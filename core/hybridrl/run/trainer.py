@@ -129,13 +129,14 @@ class Trainer:
             "roles": trained, "model_path": str(Path(setup.model_path).resolve()), "dtype": cfg.model.dtype,
             "actor_options": role_options(cfg, "actor"), "actor_backend_options": dict(cfg.roles.actor.options),
             "seed": cfg.trainer.seed,
-            "model_signatures": setup.model_signatures, "data_rows": self.loader.num_rows})
+            "model_signatures": setup.model_signatures, "data_rows": self.loader.num_rows},
+            every=cfg.trainer.save_every, last=cfg.trainer.steps)
         self.guard = StepGuard(cfg.trainer.max_bad_steps, setup.plan, self.checkpointer)
         #: roles whose engine computes each distinct prompt once (their FLOPs count it once: observe.flops)
         self.shared_prompt_roles = {role for role in setup.plan.role_pool
                                     if (getattr(getattr(cfg.roles, role, None), "options", None) or {})
                                     .get("share_prompts") is True}
-        self.validator = Validator(self, setup.val_prompts) if setup.val_prompts else None  # data.val
+        self.validator: Validator | None = None  # data.val: built by start, with the rollout it uses
 
     # --- Stateful: what a checkpoint keeps of the driver ------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -192,6 +193,10 @@ class Trainer:
         if self.rollout_sleeps:
             self.groups["rollout"].broadcast("rollout", "sleep")
         log.info("workers ready in %.1fs", time.perf_counter() - t0)
+        if self.setup.val_prompts:
+            self.validator = Validator(self.cfg, self.setup.val_prompts, self.pad_id, self.sampling,
+                                       self.groups["rollout"], self.scorer, self.episodes, self.rollout_sleeps,
+                                       self.save_copy)
         resumed = self.checkpointer.resumed_from is not None
         self.trackers = build_trackers(self.registry, self.cfg.trainer.trackers, self.cfg.trainer.out,
                                        self.cfg.model_dump(mode="json"), resume=resumed)
@@ -494,24 +499,23 @@ class Trainer:
     def fit(self) -> list[dict[str, float]]:
         """Train to ``trainer.steps``: log each step, save when due, stop cleanly on Ctrl-C (after saving) or
         after ``trainer.max_bad_steps`` bad steps in a row."""
-        from tqdm import tqdm
+        from hybridrl.observe.console import progress_bar
 
         tcfg = self.cfg.trainer
         history, finished = [], False
-        bar = tqdm(total=tcfg.steps, initial=self.step, desc="train", unit="step", disable=not tcfg.progress,
-                   dynamic_ncols=True)
+        bar = progress_bar(tcfg.steps, self.step, wanted=tcfg.progress)  # on a terminal only
         try:
             with self.guard.guarding(self.groups, lambda: self.step + 1):
-                if self.validator is not None and self.step == 0 and self.validator.due(0):
-                    before = self.validator.run(self)  # logged as step 0
+                before = self.validator.maybe_run(0) if self.validator is not None and self.step == 0 else {}
+                if before:  # logged as step 0
                     for tracker in self.trackers:
                         tracker.log(before, 0)
                 while self.step < tcfg.steps:
                     if self.step + 1 == tcfg.profile_step:
                         self.arm_profile()
                     metrics = self.train_step()
-                    if self.validator is not None and self.validator.due(self.step):
-                        metrics.update(self.validator.run(self))
+                    if self.validator is not None:
+                        metrics.update(self.validator.maybe_run(self.step))
                     bad = self.guard.observe(self.step, metrics)
                     history.append(metrics)
                     if self.step % tcfg.log_every == 0 or self.step == tcfg.steps:
@@ -521,8 +525,7 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['timing/step']:.2f}")
                     self.guard.check(self.step, bad)
-                    if tcfg.save_every and (self.step % tcfg.save_every == 0 or self.step == tcfg.steps):
-                        self.save()
+                    self.checkpointer.maybe_save(self.step, self, self.groups)
                     if self.guard.stop_requested:
                         self.stop_on_interrupt()
                         break
@@ -540,6 +543,11 @@ class Trainer:
 
     def save(self) -> Path:
         return self.checkpointer.save(self.step, self, self.groups)
+
+    def save_copy(self, folder: Path, extra: dict[str, Any]) -> Path:
+        """This step's checkpoint in a run folder of its own (its newest only), ``extra`` added to its summary:
+        how validation keeps the best one (``trainer.keep_best``)."""
+        return Checkpointer(folder, 1, {**self.checkpointer.summary, **extra}).save(self.step, self, self.groups)
 
     def stop_on_interrupt(self) -> None:
         """Ctrl-C: the step in flight has finished; save it (unless just saved) and stop."""

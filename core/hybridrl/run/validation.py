@@ -25,16 +25,19 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
 
 from hybridrl.batch import MESSAGES, META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RESPONSE_MASK, Batch, left_pad
+from hybridrl.config import RunConfig
 from hybridrl.engines import SamplingParams
 from hybridrl.environments.driver import Episodes
+from hybridrl.runtime.group import WorkerGroup
 
-if TYPE_CHECKING:
-    from hybridrl.run.trainer import Trainer
+#: ``save_copy(folder, extra)``: the run's state after the current step as a checkpoint under ``folder`` (its
+#: newest only), ``extra`` added to the checkpoint's summary; returns the checkpoint's folder.
+SaveCopy = Callable[[Path, dict[str, Any]], Path]
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +87,23 @@ def validation_problems(cfg: Any, val_prompts: list[Any] | None, trained: dict[s
 
 
 class Validator:
-    """The validation of one run (see the module docstring); ``run(trainer)`` returns its metrics."""
+    """The validation of one run (see the module docstring); ``maybe_run(step)`` validates when it is due and
+    returns the metrics (none when not). It is given what it uses of the run, not the trainer: the config,
+    the prompts, the rollout's group and sampling, the scorer, the episodes of a multi-turn run, whether the
+    rollout sleeps between uses, and ``save_copy`` to keep the best checkpoint."""
 
-    def __init__(self, trainer: "Trainer", prompts: list[Any]) -> None:
-        cfg = trainer.cfg
+    def __init__(self, cfg: RunConfig, prompts: list[Any], pad_id: int, sampling: SamplingParams,
+                 rollout: WorkerGroup | None = None, scorer: Callable[[Batch], Any] | None = None,
+                 episodes: Episodes | None = None, rollout_sleeps: bool = False,
+                 save_copy: SaveCopy | None = None) -> None:
+        self.cfg = cfg
         self.tcfg = cfg.trainer
         self.prompts = prompts
-        self.pad_id = trainer.pad_id
+        self.pad_id = pad_id
+        self.rollout, self.scorer, self.episodes, self.rollout_sleeps = rollout, scorer, episodes, rollout_sleeps
+        self.save_copy = save_copy
         self.k = self.tcfg.val_n
         self.batch_prompts = max(1, (cfg.data.prompts_per_step * cfg.algorithm.n_samples) // self.k)
-        sampling = trainer.sampling
         temperature = self.tcfg.val_temperature
         self.params = SamplingParams(temperature=temperature, top_p=sampling.top_p if temperature > 0 else 1.0,
                                      top_k=sampling.top_k if temperature > 0 else 0,
@@ -122,6 +132,10 @@ class Validator:
         every = self.tcfg.val_every
         return step == self.tcfg.steps or (every > 0 and step % every == 0)
 
+    def maybe_run(self, step: int) -> dict[str, float]:
+        """``run(step)`` when validation is due after ``step`` steps, else no metrics."""
+        return self.run(step) if self.due(step) else {}
+
     # --- what ------------------------------------------------------------------------------------
     def batches(self) -> list[Batch]:
         out = []
@@ -136,25 +150,25 @@ class Validator:
             out.append(batch)
         return out
 
-    def run(self, trainer: "Trainer") -> dict[str, float]:
-        """Generate and score every validation prompt with the rollout's current weights; log samples; keep
-        the best checkpoint when asked. Returns the ``val/*`` metrics and ``timing/val``."""
+    def run(self, step: int) -> dict[str, float]:
+        """Generate and score every validation prompt with the rollout's current weights (after ``step``
+        steps); log samples; keep the best checkpoint when asked. Returns the ``val/*`` metrics and
+        ``timing/val``."""
         start = time.perf_counter()
-        rollout = trainer.groups["rollout"]
-        sleeps = getattr(trainer, "rollout_sleeps", False)
+        rollout, sleeps, episodes = self.rollout, self.rollout_sleeps, self.episodes
+        assert rollout is not None and self.scorer is not None, "a Validator runs with the rollout and the scorer"
         if sleeps:
             rollout.broadcast("rollout", "wake")
         scores, lengths, index, texts, metas, prompts = [], [], [], [], [], []
         try:
             for i, batch in enumerate(self.batches()):
-                params = SamplingParams(**{**self.params.__dict__, "seed": trainer.cfg.trainer.seed * 7_777 + i})
-                episodes = getattr(trainer, "episodes", None)
+                params = SamplingParams(**{**self.params.__dict__, "seed": self.tcfg.seed * 7_777 + i})
                 if episodes is not None:  # multi-turn: the episodes are played as in training, and reward too
                     batch.update(rollout.wait(episodes.submit(rollout, batch, params)).value)
                 else:
                     batch.update(rollout.call("rollout", "generate", batch.select(PROMPT_IDS, PROMPT_MASK),
                                               params).value)
-                scored = trainer.scorer(batch)
+                scored = self.scorer(batch)
                 scores += (scored.scores + Episodes.reward(batch)).tolist()
                 lengths += batch[RESPONSE_MASK].sum(-1).tolist()
                 index += batch["prompt_index"].tolist()
@@ -166,12 +180,12 @@ class Validator:
                 rollout.broadcast("rollout", "sleep")
         metrics = self.summarize(scores, index, metas, lengths)
         metrics["timing/val"] = time.perf_counter() - start
-        self.last_step = trainer.step
-        self.write_samples(trainer.step, prompts, texts, scores, metas)
-        log.info("validation at step %d: %s", trainer.step,
+        self.last_step = step
+        self.write_samples(step, prompts, texts, scores, metas)
+        log.info("validation at step %d: %s", step,
                  "  ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.count("/") == 2 or "@" in k))
-        if self.tcfg.keep_best is not None and trainer.step > 0:
-            self.keep_if_best(trainer, metrics)
+        if self.tcfg.keep_best is not None and step > 0:
+            self.keep_if_best(step, metrics)
         return metrics
 
     def summarize(self, scores: list[float], index: list[int], metas: list[dict[str, Any]],
@@ -205,7 +219,7 @@ class Validator:
                                     "ground_truth": metas[i].get("ground_truth"),
                                     "data_source": metas[i].get("data_source")}, default=str) + "\n")
 
-    def keep_if_best(self, trainer: "Trainer", metrics: dict[str, float]) -> None:
+    def keep_if_best(self, step: int, metrics: dict[str, float]) -> None:
         name, value = self.tcfg.keep_best, metrics.get(self.tcfg.keep_best)
         if value is None:
             return
@@ -213,18 +227,16 @@ class Validator:
                                              else value > self.best_value)
         if not better:
             return
-        from hybridrl.run.state import Checkpointer
-
+        assert self.save_copy is not None, "trainer.keep_best needs save_copy"
         best = self.out / BEST
-        keeper = Checkpointer(best, 1, {**trainer.checkpointer.summary, "best": {"metric": name, "value": value}})
-        folder = keeper.save(trainer.step, trainer, trainer.groups)
-        (best / "config.json").write_text(json.dumps(trainer.cfg.model_dump(mode="json", by_alias=True), indent=2))
-        (best / BEST_RECORD).write_text(json.dumps({"metric": name, "value": value, "step": trainer.step,
+        folder = self.save_copy(best, {"best": {"metric": name, "value": value}})
+        (best / "config.json").write_text(json.dumps(self.cfg.model_dump(mode="json", by_alias=True), indent=2))
+        (best / BEST_RECORD).write_text(json.dumps({"metric": name, "value": value, "step": step,
                                                     "checkpoint": str(folder)}, indent=2) + "\n")
         previous = "" if self.best_value is None else f" (was {self.best_value:.4g} at step {self.best_step})"
-        self.best_value, self.best_step = value, trainer.step
+        self.best_value, self.best_step = value, step
         log.info("trainer.keep_best: %s=%.4g at step %d is the best so far%s: kept in %s", name, value,
-                 trainer.step, previous, folder)
+                 step, previous, folder)
 
 
 def _group_metrics(prefix: str, scores: list[float], per_prompt: dict[int, list[float]], k: int,

@@ -6,6 +6,7 @@ import logging
 import os
 from typing import Any
 
+from hybridrl.errors import HybridRLError
 from hybridrl.config import RunConfig
 from hybridrl.engines import TrainingOptions
 from hybridrl.lora import LoraSpec, reference_is_actor_base
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 TRAIN_ROLE_FIELDS = {"pool", "backend", "options"}
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(HybridRLError, RuntimeError):
     """A role's engine raised in its constructor, on a worker: one line naming the role, the backend and the
     engine's own error (the worker's traceback stays in its log), so the user reads the cause, not Ray's
     wrapping of it."""

@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridrl.errors import HybridRLError
+
 log = logging.getLogger(__name__)
 
 #: the GCS port of a head started without ``--port`` (Ray's default).
@@ -51,8 +53,10 @@ STOP_GRACE_S = 10.0
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
-class ClusterError(RuntimeError):
+class ClusterError(HybridRLError, RuntimeError):
     """A node could not be started or stopped; the message says why and where its log is."""
+
+    exit_status = 2  # refused before any work
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from hybridrl.weights.channel import WeightChannel, bucket_specs
 from hybridrl.runtime.device_map import WorkerLocation, this_worker_location
 from hybridrl.runtime.distributed import init_process_group, node_ip, reserve_port
 from hybridrl.engines import DataParallelInfo, EngineContext, RolloutEngine, TrainEngine
+from hybridrl.observe.console import quiet_library_bars
 from hybridrl.observe.gc_pauses import GcPauseMeter
 from hybridrl.observe.memory import DeviceMemoryMeter
 from hybridrl.observe.profile import CallProfiler
@@ -33,6 +34,7 @@ class RoleWorker:
         self.world_size = world_size
         self.device = device
         self.extra_plugins = tuple(extra_plugins)
+        quiet_library_bars()  # Ray forwards a worker's output through a pipe: no bar frames in the step lines
         if threads:
             torch.set_num_threads(threads)
         self.engines: dict[str, TrainEngine | RolloutEngine] = {}

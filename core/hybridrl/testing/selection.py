@@ -7,12 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import product
 
+from hybridrl.errors import HybridRLError
+
 #: the counterpart a lone trainer or rollout is bridged with.
 DEFAULT_TRAINER = "fsdp"
 DEFAULT_ROLLOUT = "hf"
 
 
-class SelectionError(ValueError):
+class SelectionError(HybridRLError, ValueError):
     """A name that no plugin registers."""
 
 

@@ -37,6 +37,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from hybridrl.errors import HybridRLError
+
 SUPPORTED_FAMILIES = ("llama", "qwen2")
 
 #: HF files that describe the model besides its weights (copied next to converted weights).
@@ -44,7 +46,7 @@ _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 
 
-class ConversionError(ValueError):
+class ConversionError(HybridRLError, ValueError):
     """The checkpoint is not of a supported family, or tensors are missing or mis-shaped."""
 
 
