@@ -32,6 +32,7 @@ from hybridrl.placement.host_memory import HOST_USABLE_SHARE, host_needs, host_p
 from hybridrl.placement.memory import (DEMAND_SIZED_ROLLOUTS, GIB, OFFLOAD_MODES, MemoryEstimate, ModelShape,
                                        TrainSettings, estimate_memory, step_workload, train_settings,
                                        uses_fused_head)
+from hybridrl.placement.model_protocol import AutoChoice, Knobs
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.plugins.registry import Registry, RegistryError, load_object
 from hybridrl.roles import role_spec
@@ -50,22 +51,6 @@ FORWARD_TOKEN_BUDGETS = (65536, 49152, 32768, 24576, 16384, 12288, 8192, 4096, 2
 MICRO_BATCH_SECONDS = {"train": 0.02, "forward": 0.01}
 SUSTAINED_FLOPS = 400e12
 HOST_COPY_BYTES_PER_S = 25e9
-
-
-@dataclass(frozen=True)
-class AutoChoice:
-    """One resolved ``auto``: the key path, the value it took, and why."""
-
-    key: str
-    value: Any
-    reason: str
-
-    def note(self) -> str:
-        return f"auto: {self.key}={_show(self.value)} ({self.reason})"
-
-
-def _show(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 @dataclass
@@ -191,17 +176,6 @@ def resolve_backend_options(cfg: RunConfig, plan: PlacementPlan, registry: Regis
 
 
 # --- memory choices ----------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Knobs:
-    """Which of a train role's memory settings are ``auto``."""
-
-    budget: bool
-    checkpointing: bool
-    offload: bool
-    trainable: bool
-    head_logits: bool = False
-
 
 def option_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     """Values of ``options.offload`` / ``options.gradient_checkpointing`` that are not allowed."""

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 from hybridrl.config import RunConfig
 from hybridrl.placement.lora_memory import apply_lora, apply_lora_rollout
+from hybridrl.placement.model_protocol import OFFLOAD_MODES, RoleMemory, TrainSettings
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.roles import STEP_PHASES, phase_owner, role_spec
 from hybridrl.rollout.kv_budget import KVCacheTooSmall, KVDemand, is_auto, size_kv_cache
@@ -226,8 +227,6 @@ def model_shape(cfg: RunConfig, model_config: str | Path | None = None, base_dir
 
 # --- per role ---------------------------------------------------------------------------------------
 
-#: where ``roles.<role>.options.offload`` may keep a train role's state while other roles work.
-OFFLOAD_MODES = ("none", "optimizer", "all")
 #: bytes of fp32 parameters per AdamW param group of the FSDP engine: foreach's temporaries (a copy of the
 #: group's second moments) stay within one group (``hybridrl_fsdp`` reads this constant).
 OPTIMIZER_GROUP_BYTES = 2 * 2**30
@@ -255,19 +254,6 @@ ENGINE_EXTRA_CONTEXT = {"vllm": 0.5 * GIB, "sglang": 1.0 * GIB}
 #: per-backend defaults of the batch an engine profiles at start (tokens per step, sequences at once), on
 #: devices of at least 70 GiB (vLLM's rule; smaller devices get the second pair).
 ENGINE_BATCH_DEFAULTS = {"vllm": ((16384, 1024), (8192, 256)), "sglang": ((8192, 1024), (8192, 256))}
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """What sizes a train role's memory: the tokens of one micro-batch (at the longest sequence), gradient
-    checkpointing, and what it offloads to host memory between its phases."""
-
-    tokens: float
-    response_tokens: float
-    checkpointing: bool = False
-    offload: str = "none"
-    fused_layers: bool = False  # options.fused_kernels resolved on: fused RMSNorm / SwiGLU keep less for backward
-    keep_logits: bool = False  # options.head_logits: keep: the fused head keeps its logits for the backward
 
 
 def _tokens(cfg: RunConfig, micro_batch: int | None, max_tokens: int | None) -> tuple[float, float]:
@@ -306,46 +292,6 @@ def train_settings(cfg: RunConfig, role: str) -> TrainSettings:
     offload = options.get("offload") or "none"
     return TrainSettings(tokens, resp, checkpointing is True, offload if offload in OFFLOAD_MODES else "none",
                          options.get("fused_kernels") is True, options.get("head_logits") == "keep")
-
-
-@dataclass
-class RoleMemory:
-    """Bytes one device holds for one role: while the role works (``active``, ``forward``), between its phases
-    (``idle``, its resident state), and, for a colocated rollout, asleep (``asleep``)."""
-
-    role: str
-    pool: str
-    kind: str  # "train", "frozen", "rollout"
-    share: str  # how the weights are split ("1/8 FSDP", "full", "1/2 TP")
-    weights: float = 0.0
-    grads: float = 0.0
-    optimizer: float = 0.0
-    activations: float = 0.0
-    kv_cache: float = 0.0
-    idle: float = 0.0
-    forward: float = 0.0  # while it runs a forward-only pass (a trainable role's log-probs or values)
-    gathered: float = 0.0  # unsharded layers in the compute dtype while it computes
-    optimizer_step: float = 0.0  # the optimizer step's temporaries
-    graphs: float = 0.0  # a rollout's CUDA graph pool (kept while asleep)
-    asleep: float = 0.0  # a colocated rollout between generations
-    offload: str = "none"
-    tokens: float = 0.0  # a train role's micro-batch (tokens at the longest sequence)
-    checkpointing: bool = False
-    utilization: Any = None  # a preallocating rollout's gpu_memory_utilization (auto or a share)
-    adapters: float = 0.0  # LoRA adapters, part of weights (``hybridrl.placement.lora_memory``)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def active(self) -> float:
-        if self.kind == "rollout":
-            return self.weights + self.kv_cache + self.activations + self.graphs
-        resident_optimizer = self.optimizer if self.offload == "none" else 0.0
-        compute = self.weights + self.grads + self.gathered + self.activations + resident_optimizer
-        # offloaded AdamW states come through the device one param group at a time for the step
-        streamed = min(self.optimizer, 2 * OPTIMIZER_GROUP_BYTES)
-        optimizer = self.optimizer if self.offload == "none" else streamed
-        step = self.weights + self.grads + optimizer + self.optimizer_step
-        return max(compute, step if self.grads else 0.0)
 
 
 @dataclass
@@ -403,7 +349,7 @@ def train_role_memory(cfg: RunConfig, role: str, pool: str, shape: ModelShape, d
     else:
         forward_logits = resp_tokens * vocab * cb + (min(LOG_PROB_CHUNKS_FORWARD, chunk_cap) if vocab > 1 else 0)
     mem = RoleMemory(role, pool, "train" if trainable else "frozen", f"1/{dp} FSDP", offload=settings.offload,
-                     tokens=tokens, checkpointing=settings.checkpointing)
+                     tokens=tokens, checkpointing=settings.checkpointing, optimizer_group_bytes=OPTIMIZER_GROUP_BYTES)
     master_bytes = 4 if trainable or device != "cuda" else cb
     mem.weights = master_bytes * shard
     mem.gathered = cb * (shape.root_params + 2 * shape.layer_params)  # current layer + the prefetched next
