@@ -224,3 +224,31 @@ def _role_setting(cfg: "RunConfig", role: str, key: str) -> Any:
     if value is None:
         value = getattr(cfg.roles.actor, key, None)
     return value
+
+
+# --- a cost model a backend may use --------------------------------------------------------------------------
+
+#: host work per micro-batch (seconds), sustained bf16 throughput for the forward that checkpointing recomputes,
+#: host<->device copy speed: only the order of the candidates they give matters.
+MICRO_BATCH_SECONDS = {"train": 0.02, "forward": 0.01}
+SUSTAINED_FLOPS = 400e12
+HOST_COPY_BYTES_PER_S = 25e9
+
+
+def step_cost(ctx: RoleContext, s: TrainSettings) -> float:
+    """Seconds a step spends on what ``s`` adds for a data-parallel role over ``ctx.world_size`` ranks: the
+    micro-batches launched, the forward checkpointing recomputes, the bytes offloading moves over PCIe."""
+    cfg = ctx.cfg
+    dp = ctx.world_size
+    rows = cfg.data.prompts_per_step * cfg.algorithm.n_samples
+    seq = cfg.data.max_prompt_len + cfg.roles.rollout.max_new_tokens
+    tokens_per_rank = rows * seq / dp
+    trainable = ctx.trainable
+    cost = math.ceil(tokens_per_rank / max(s.tokens, 1.0)) * MICRO_BATCH_SECONDS["train" if trainable else "forward"]
+    n = ctx.shape.param_count() / dp
+    if s.checkpointing:
+        cost += 2 * n * tokens_per_rank / SUSTAINED_FLOPS  # one more forward of every micro-batch
+    weights = (4 if trainable else 2) * n
+    moved = {"none": 0.0, "optimizer": 8 * n, "all": 8 * n + weights}[s.offload] if trainable else \
+        {"none": 0.0, "all": weights}[s.offload]
+    return cost + 2 * moved / HOST_COPY_BYTES_PER_S
