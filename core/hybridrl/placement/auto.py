@@ -28,7 +28,8 @@ from hybridrl.batch import ROLLOUT_LOG_PROBS
 from hybridrl.config import RunConfig
 from hybridrl.placement.host_memory import HOST_USABLE_SHARE, host_needs, host_problems
 from hybridrl.placement.memory import (GIB, OFFLOAD_MODES, MemoryEstimate, ModelShape, TrainSettings,
-                                       estimate_memory, memory_models, role_context, step_workload)
+                                       backend_hooks, estimate_memory, memory_models, role_context,
+                                       step_workload)
 from hybridrl.placement.model_protocol import AutoChoice, Knobs
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.plugins.registry import Registry, RegistryError, load_object
@@ -304,7 +305,7 @@ def _apply(cfg: RunConfig, role: str, model: Any, knobs: Knobs, s: TrainSettings
            why: str, est: MemoryEstimate) -> RunConfig:
     pool = next(p for p in est.pools if role in p.roles)
     where = f"{why}: peak {pool.peak / GIB:.1f} GiB in {pool.peak_phase}"
-    update, options, made = model.choices(role, knobs, s, where)
+    update, options, made = model.choices(cfg, role, knobs, s, where)
     choices += made
     return _with_role(cfg, role, update, options) if (update or options) else cfg
 
@@ -313,7 +314,7 @@ def _resolve_off(cfg: RunConfig, models: dict[str, Any], knobs: dict[str, Knobs]
                  why: str) -> RunConfig:
     """Without a device to plan for: each model's least-memory values (``choices`` with no settings)."""
     for role, k in knobs.items():
-        update, options, made = models[role].choices(role, k, None, why)
+        update, options, made = models[role].choices(cfg, role, k, None, why)
         choices += made
         if update or options:
             cfg = _with_role(cfg, role, update, options)
@@ -380,4 +381,6 @@ def resolve_auto(cfg: RunConfig, plan: PlacementPlan, registry: Registry, backen
         result = resolve_memory(cfg, plan, shape, device_bytes, backends, shapes, source, host_bytes, models)
     result.choices = choices + result.choices
     result.cfg = record(result.cfg, result.choices, result.estimate)
+    if result.estimate is not None:  # an out-of-memory answer asks each backend for its keys
+        result.estimate.oom_fixes = backend_hooks(cfg, plan, registry, "oom_fixes")
     return result

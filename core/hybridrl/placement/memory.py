@@ -264,6 +264,8 @@ class MemoryEstimate:
     warnings: list[str] = field(default_factory=list)
     host: list[Any] = field(default_factory=list)  # HostNeed per pool (``hybridrl.placement.host_memory``)
     unestimated: list[tuple[str, str, str]] = field(default_factory=list)  # (role, pool, backend) without a model
+    #: role -> its backend's ``BackendSpec.oom_fixes`` hook (or None): what an out-of-memory answer suggests
+    oom_fixes: dict[str, Any] = field(default_factory=dict)
 
 
 def kv_demand(cfg: RunConfig, shape: ModelShape, dtype_bytes: int, replicas: int) -> KVDemand:
@@ -283,24 +285,29 @@ def step_workload(cfg: RunConfig) -> dict[str, int]:
             "tokens_per_sequence": cfg.data.max_prompt_len + cfg.roles.rollout.max_new_tokens}
 
 
-def memory_models(cfg: RunConfig, plan: PlacementPlan, registry: Any = None) -> dict[str, Any]:
-    """Each placed role's memory model, from its backend's spec (``BackendSpec.memory_model``); None where the
-    backend registers none."""
+def backend_hooks(cfg: RunConfig, plan: PlacementPlan, registry: Any, hook: str) -> dict[str, Any]:
+    """Each placed role's backend's loaded ``hook`` (``BackendSpec.memory_model``, ``oom_fixes`` ...), None where
+    the backend registers none; ``registry`` None: the plugins' registry for ``cfg``."""
     from hybridrl.plugins.registry import RegistryError
 
     if registry is None:
         from hybridrl.plugins.discovery import get_registry
 
         registry = get_registry(tuple(cfg.plugins))
-    models: dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for role in plan.role_pool:
         try:
             spec = registry.backend(role_spec(role).kind, plan.group_of(role).roles[role])
         except RegistryError:
-            models[role] = None
+            out[role] = None
             continue
-        models[role] = spec.memory()
-    return models
+        out[role] = spec.memory() if hook == "memory_model" else spec.hook(hook)
+    return out
+
+
+def memory_models(cfg: RunConfig, plan: PlacementPlan, registry: Any = None) -> dict[str, Any]:
+    """Each placed role's memory model (an instance), None where its backend registers none."""
+    return backend_hooks(cfg, plan, registry, "memory_model")
 
 
 def role_context(cfg: RunConfig, plan: PlacementPlan, role: str, shape: ModelShape,

@@ -164,7 +164,7 @@ class TrainMemoryModel(Protocol):
     def option_problems(self, cfg: "RunConfig", role: str) -> list[tuple[str, str]]:
         """``(key path, reason)`` for each value of a searched option that is not allowed."""
 
-    def choices(self, role: str, knobs: Knobs, settings: TrainSettings, why: str
+    def choices(self, cfg: "RunConfig", role: str, knobs: Knobs, settings: TrainSettings | None, why: str
                 ) -> tuple[dict[str, Any], dict[str, Any], list[AutoChoice]]:
         """The chosen settings as ``(role field updates, option updates, choices)``; ``why`` says why they
         were chosen (the search's reason with the pool's peak); with ``settings`` None, nothing could be planned

@@ -159,7 +159,7 @@ class FSDPMemory:
                              f"must be true, false or auto, got {ckpt!r}"))
         return problems
 
-    def choices(self, role: str, knobs: Knobs, settings: TrainSettings | None, why: str
+    def choices(self, cfg: Any, role: str, knobs: Knobs, settings: TrainSettings | None, why: str
                 ) -> tuple[dict[str, Any], dict[str, Any], list[AutoChoice]]:
         update: dict[str, Any] = {}
         options: dict[str, Any] = {}

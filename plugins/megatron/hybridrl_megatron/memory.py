@@ -112,7 +112,7 @@ class MegatronMemory:
             return [(f"roles.{role}.options.gradient_checkpointing", f"must be true, false or auto, got {value!r}")]
         return []
 
-    def choices(self, role: str, knobs: Knobs, settings: TrainSettings | None, why: str
+    def choices(self, cfg: Any, role: str, knobs: Knobs, settings: TrainSettings | None, why: str
                 ) -> tuple[dict[str, Any], dict[str, Any], list[AutoChoice]]:
         if not knobs.checkpointing:
             return {}, {}, []
