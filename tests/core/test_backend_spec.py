@@ -112,6 +112,23 @@ def test_megatron_splits_state_over_tensor_and_pipeline_not_data_parallel():
     assert ref.share == "TP2 PP2 DP2"  # a reference fused with the actor takes its layout
 
 
+def test_megatron_offers_recompute_to_the_search_only_when_asked():
+    registry = registry_with()
+    megatron = ["roles.actor.backend=megatron", "roles.ref.backend=megatron", "roles.actor.options.tensor_parallel=2",
+                "roles.actor.options.pipeline_parallel=2"]
+    gpus = ClusterSpec(1, 8, "cuda", declared=True)
+    _, _, asked = plan_and_auto(registry, COLOCATED, [*megatron, "roles.actor.options.gradient_checkpointing=auto"],
+                                gpus)
+    choice = next(c for c in asked.choices if c.key == "roles.actor.options.gradient_checkpointing")
+    assert choice.value is False and choice.reason == "the activations fit without it"
+    assert asked.cfg.roles.actor.options["gradient_checkpointing"] is False
+    _, _, tight = plan_and_auto(registry, COLOCATED, [*megatron, "roles.actor.options.gradient_checkpointing=auto"],
+                                gpus, device_gib=48)
+    assert next(c for c in tight.choices if c.key.endswith("gradient_checkpointing")).value is True
+    _, _, given = plan_and_auto(registry, COLOCATED, megatron, gpus)  # the example's true is kept
+    assert not [c for c in given.choices if c.key.startswith("roles.actor.")]
+
+
 # --- no model: not estimated, never guessed -----------------------------------------------------------------
 
 def test_a_backend_without_a_model_is_not_estimated_and_gets_no_memory_auto():

@@ -354,6 +354,7 @@ def memory_summary(est: MemoryEstimate) -> dict[str, Any]:
                           "host_mb": None if n.host_bytes is None else n.host_bytes / mib, "fits": n.fits}
                  for n in est.host},
         "warnings": list(est.warnings),
+        "not_estimated": [f"{role}[{backend}]" for role, _, backend in est.unestimated],
     }
 
 

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from hybridrl.config import RunConfig
 from hybridrl.placement.lora_memory import apply_lora, apply_lora_rollout
 from hybridrl.placement.model_protocol import OFFLOAD_MODES, RoleContext, RoleMemory, TrainSettings  # noqa: F401
-from hybridrl.placement.model_protocol import role_options as _role_options
+from hybridrl.placement.model_protocol import role_options  # noqa: F401  (its old home)
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.roles import STEP_PHASES, phase_owner, role_spec
 from hybridrl.rollout.kv_budget import KVDemand
@@ -219,10 +219,6 @@ def model_shape(cfg: RunConfig, model_config: str | Path | None = None, base_dir
 
 
 # --- per role ---------------------------------------------------------------------------------------
-
-def role_options(cfg: RunConfig, role: str) -> dict[str, Any]:
-    return _role_options(cfg, role)
-
 
 @dataclass
 class PoolMemory:
