@@ -61,7 +61,7 @@ sys.path.insert(0, str(HERE))
 
 from model_sizes import ensure_model  # noqa: E402  (benchmarks/ is not a package)
 from hybridrl.observe.profile import profile_call  # noqa: E402
-from hybridrl.placement.auto import TRAIN_TOKEN_BUDGETS  # noqa: E402
+from hybridrl_fsdp.memory import TRAIN_TOKEN_BUDGETS  # noqa: E402
 
 VARIANTS = ("packed", "shared", "padded", "padded_sorted")
 

@@ -132,12 +132,12 @@ def test_colocated_peak_is_the_largest_phase_not_the_sum():
 
 
 def test_preallocating_rollout_claims_its_share_of_the_device():
-    from hybridrl.placement.memory import rollout_overhead_bytes
+    vllm_memory = pytest.importorskip("hybridrl_vllm.memory").VLLM_MEMORY  # the plugin's model, engine-free
 
     overrides = ["roles.rollout.backend=vllm", "roles.rollout.options={gpu_memory_utilization: 0.5}"]
     _, shape, est = _estimate(SPLIT, overrides, check=False)
     rollout = next(m for m in est.roles if m.role == "rollout")
-    profiled, graphs = rollout_overhead_bytes(shape, 2, "vllm", {}, 80 * GIB)  # what vLLM profiles at start
+    profiled, graphs = vllm_memory.overhead_bytes(shape, 2, {}, 80 * GIB)  # what vLLM profiles at start
     assert rollout.graphs == graphs > 0
     # vLLM's rule: the share of the device, less the weights, the profiled activations and the graphs
     assert rollout.kv_cache == pytest.approx(40 * GIB - rollout.weights - profiled - graphs)

@@ -52,5 +52,9 @@ class OOMOnSecondUpdate:
 
 @hookimpl
 def hybridrl_register_backends(registry):
-    registry.add_rollout("oom_hf", OOMOnSecondWake, process_family="any", supports={"sleep"})
-    registry.add_train_engine("oom_fsdp", OOMOnSecondUpdate, process_family="torch-dist", supports={"checkpoint"})
+    # the wrapped engines' memory models and out-of-memory keys: the plan and the answer are theirs
+    registry.add_rollout("oom_hf", OOMOnSecondWake, process_family="any", supports={"sleep"},
+                         memory_model="hybridrl.rollout.memory:HF_MEMORY")
+    registry.add_train_engine("oom_fsdp", OOMOnSecondUpdate, process_family="torch-dist", supports={"checkpoint"},
+                              memory_model="hybridrl_fsdp.memory:FSDP_MEMORY",
+                              oom_fixes="hybridrl_fsdp.memory:oom_fixes")

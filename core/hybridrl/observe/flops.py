@@ -4,9 +4,9 @@ Convention (PaLM appendix B, the one verl's counter uses, so numbers compare): a
 sequence of L tokens costs ``2 * N * L`` for the weight matmuls (N: parameters inside matmuls, the LM head
 included, the embedding lookup not) plus ``4 * layers * q_dim * L**2`` for attention scores and their
 weighted sum (counted without the causal halving); training costs three forwards (backward = 2x forward).
-A role whose engine computes each distinct prompt once (a GRPO group's samples repeat it; the FSDP backend's
-``share_prompts``) is credited with that prompt once: ``k - 1`` forwards of the prompt alone come off a group
-of ``k`` rows (``shared_prompt_savings``).
+A role whose engine computes each distinct prompt once (a GRPO group's samples repeat it; its backend says so
+through ``BackendSpec.shares_prompts``: ``shared_prompt_roles``) is credited with that prompt once: ``k - 1``
+forwards of the prompt alone come off a group of ``k`` rows (``shared_prompt_savings``).
 Generation is counted as one forward over prompt + response, which is what decoding with a KV cache
 computes. Only real tokens count (padding is waste, not work), and time is the phase's wall time, so MFU
 includes every overhead of the phase.
@@ -71,6 +71,24 @@ def batch_prompt_savings(shape: ModelShape, batch: Any, lm_head: bool = True) ->
 
     groups = distinct_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])[0].tolist()
     return shared_prompt_savings(shape, batch[PROMPT_MASK].sum(-1).tolist(), groups, lm_head)
+
+
+def shared_prompt_roles(cfg: Any, plan: Any, registry: Any) -> set[str]:
+    """The placed roles whose backend computes each distinct prompt of a group once with the role's (resolved)
+    options (``BackendSpec.shares_prompts``)."""
+    from hybridrl.plugins.registry import RegistryError
+    from hybridrl.roles import role_spec
+
+    out = set()
+    for role in plan.role_pool:
+        try:
+            hook = registry.backend(role_spec(role).kind, plan.group_of(role).roles[role]).hook("shares_prompts")
+        except RegistryError:
+            continue
+        options = dict(getattr(getattr(cfg.roles, role, None), "options", None) or {})
+        if hook is not None and hook(role, options):
+            out.add(role)
+    return out
 
 
 def train_flops(shape: ModelShape, seq_lens: Iterable[int], lm_head: bool = True) -> float:

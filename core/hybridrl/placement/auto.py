@@ -4,14 +4,14 @@
   importance sampling (``algorithm.tis_cap``) or an algorithm component that declares it needs them
   (``needs = ("rollout_log_probs", ...)`` on a registered advantage, policy loss, loss aggregation or KL
   estimator). Off, vLLM skips a log-softmax over the vocabulary for every sampled token.
-* For train roles on an FSDP backend on GPUs, from the memory plan (``hybridrl.placement.memory``):
-  the token budget of a micro-batch (``max_tokens_per_micro_batch``, when neither it nor ``micro_batch`` is
-  set), ``options.gradient_checkpointing: auto`` and ``options.offload: auto``. Every combination is
-  costed (micro-batches launched, the forward that checkpointing recomputes, the bytes that offloading moves
-  over PCIe each step) and the cheapest one whose every phase fits the device is chosen. Then
-  ``options.head_logits: auto``: the fused LM head keeps its logits for the backward (one GEMM less) where they
-  fit beside those settings, and makes them again otherwise; they never cost a smaller micro-batch, and the
-  search stays as large as it was.
+* For train roles whose backend registers a memory model (``hybridrl.placement.model_protocol``), on GPUs,
+  from the memory plan (``hybridrl.placement.memory``): the settings the model offers (``TrainMemoryModel.knobs``;
+  FSDP's: the token budget of a micro-batch, ``options.gradient_checkpointing`` and ``options.offload``). Every
+  combination of the candidates each model lists is costed by the model (micro-batches launched, the forward that
+  checkpointing recomputes, the bytes that offloading moves over PCIe each step) and the cheapest one whose
+  every phase fits the device is chosen. Then ``options.head_logits: auto``: the head keeps its logits for the
+  backward (one GEMM less) where they fit beside those settings, and makes them again otherwise; they never cost
+  a smaller micro-batch, and the search stays as large as it was. A backend without a model gets none of these.
 * ``roles.rollout.options.workload``: the step's sequences and their length, from which a preallocating
   engine sizes its KV cache (``hybridrl.rollout.kv_budget``).
 
@@ -21,52 +21,24 @@ run's ``config.json`` with the planned memory of every phase.
 
 from __future__ import annotations
 
-import itertools
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybridrl.batch import ROLLOUT_LOG_PROBS
 from hybridrl.config import RunConfig
 from hybridrl.placement.host_memory import HOST_USABLE_SHARE, host_needs, host_problems
-from hybridrl.placement.memory import (DEMAND_SIZED_ROLLOUTS, GIB, OFFLOAD_MODES, MemoryEstimate, ModelShape,
-                                       TrainSettings, estimate_memory, step_workload, train_settings,
-                                       uses_fused_head)
+from hybridrl.placement.memory import (GIB, OFFLOAD_MODES, MemoryEstimate, ModelShape, TrainSettings,
+                                       backend_hooks, estimate_memory, memory_models, role_context,
+                                       step_workload)
+from hybridrl.placement.model_protocol import AutoChoice, Knobs
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.plugins.registry import Registry, RegistryError, load_object
 from hybridrl.roles import role_spec
 
 AUTO = "auto"
-#: train backends whose memory the plan models (FSDP2's layout); the memory choices apply to them only.
-MEMORY_MODELLED_BACKENDS = ("fsdp",)
 #: share of the device the chosen settings may plan to use (the rest absorbs allocator fragmentation and
 #: what the estimate misses).
 USABLE_SHARE = 0.85
-#: token budgets tried for one micro-batch: a trainable role's backward keeps activations, a forward does not.
-TRAIN_TOKEN_BUDGETS = (65536, 49152, 32768, 24576, 16384, 12288, 8192, 6144, 4096, 3072, 2048, 1536, 1024)
-FORWARD_TOKEN_BUDGETS = (65536, 49152, 32768, 24576, 16384, 12288, 8192, 4096, 2048, 1024)
-#: the cost model (seconds per step; only the order of the candidates matters): host work per micro-batch,
-#: sustained bf16 throughput for the forward that checkpointing recomputes, host<->device copy speed.
-MICRO_BATCH_SECONDS = {"train": 0.02, "forward": 0.01}
-SUSTAINED_FLOPS = 400e12
-HOST_COPY_BYTES_PER_S = 25e9
-
-
-@dataclass(frozen=True)
-class AutoChoice:
-    """One resolved ``auto``: the key path, the value it took, and why."""
-
-    key: str
-    value: Any
-    reason: str
-
-    def note(self) -> str:
-        return f"auto: {self.key}={_show(self.value)} ({self.reason})"
-
-
-def _show(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
 
 @dataclass
 class AutoResult:
@@ -135,14 +107,18 @@ def _with_role(cfg: RunConfig, role: str, update: dict[str, Any], options: dict[
 FUSED_KERNELS = "fused_kernels"
 
 
-def resolve_fused_kernels(cfg: RunConfig, plan: PlacementPlan, registry: Registry, backends: dict[str, str]
-                          ) -> tuple[RunConfig, list[AutoChoice]]:
-    """``options.fused_kernels: auto`` (or unset) of each modelled train role: on with CUDA where its backend
-    declares the kernels (they keep less for backward, which the memory plan then counts), off otherwise."""
+def resolve_fused_kernels(cfg: RunConfig, plan: PlacementPlan, registry: Registry, backends: dict[str, str],
+                          models: dict[str, Any] | None = None) -> tuple[RunConfig, list[AutoChoice]]:
+    """``options.fused_kernels: auto`` (or unset) of each train role whose memory model offers the kernels
+    (``TrainMemoryModel.fused_kernels``): on with CUDA where its backend declares them (they keep less for
+    backward, which the memory plan then counts), off otherwise."""
+    models = memory_models(cfg, plan, registry) if models is None else models
     choices: list[AutoChoice] = []
     for role in plan.role_pool:
         backend = backends.get(role)
-        if role_spec(role).kind != "train" or backend not in MEMORY_MODELLED_BACKENDS:
+        model = models.get(role)
+        hint = getattr(model, "fused_kernels", None)
+        if role_spec(role).kind != "train" or hint is None:
             continue
         options = getattr(cfg.roles, role).options or {}
         if options.get(FUSED_KERNELS, AUTO) != AUTO:
@@ -154,8 +130,7 @@ def resolve_fused_kernels(cfg: RunConfig, plan: PlacementPlan, registry: Registr
         if plan.cluster.device != "cuda":
             value, why = False, "CPU: the fused kernels are Triton kernels for CUDA"
         elif not declared:
-            value, why = False, f"the {backend} backend has no fused layer kernels here (for FSDP: liger-kernel, " \
-                                "pip install 'hybridrl-fsdp[kernels]')"
+            value, why = False, f"the {backend} backend has no fused layer kernels here ({hint})"
         else:
             value, why = True, "fused RMSNorm, SwiGLU and rotary kernels: fewer passes over the activations, " \
                                "less kept for backward"
@@ -192,122 +167,60 @@ def resolve_backend_options(cfg: RunConfig, plan: PlacementPlan, registry: Regis
 
 # --- memory choices ----------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Knobs:
-    """Which of a train role's memory settings are ``auto``."""
-
-    budget: bool
-    checkpointing: bool
-    offload: bool
-    trainable: bool
-    head_logits: bool = False
+def option_problems(cfg: RunConfig, models: dict[str, Any]) -> list[tuple[str, str]]:
+    """Values of the searched options that are not allowed, as each role's memory model checks them."""
+    return [problem for role, model in models.items() if model is not None and role_spec(role).kind == "train"
+            for problem in model.option_problems(cfg, role)]
 
 
-def option_problems(cfg: RunConfig) -> list[tuple[str, str]]:
-    """Values of ``options.offload`` / ``options.gradient_checkpointing`` that are not allowed."""
-    problems = []
-    for role, rcfg in cfg.role_configs().items():
-        if role_spec(role).kind != "train":
-            continue
-        options = rcfg.options or {}
-        offload = options.get("offload")
-        allowed = OFFLOAD_MODES if role_spec(role).trainable else ("none", "all")
-        if offload is not None and offload != AUTO and offload not in allowed:
-            problems.append((f"roles.{role}.options.offload", f"must be one of {(AUTO, *allowed)}, got {offload!r}"
-                             + ("" if role_spec(role).trainable else f" ({role} has no optimizer)")))
-        ckpt = options.get("gradient_checkpointing")
-        if ckpt is not None and ckpt != AUTO and not isinstance(ckpt, bool):
-            problems.append((f"roles.{role}.options.gradient_checkpointing",
-                             f"must be true, false or auto, got {ckpt!r}"))
-    return problems
+def _train_models(plan: PlacementPlan, models: dict[str, Any]) -> dict[str, Any]:
+    """The placed train roles that have a memory model, with it."""
+    return {r: models[r] for r in plan.role_pool
+            if role_spec(r).kind == "train" and models.get(r) is not None}
 
 
-def _knobs(cfg: RunConfig, role: str) -> Knobs:
-    rcfg = getattr(cfg.roles, role)
-    options = rcfg.options or {}
-    actor = cfg.roles.actor
-    actor_budget_auto = "micro_batch" not in actor.model_fields_set and actor.max_tokens_per_micro_batch is None
-    if role == "actor":
-        budget = actor_budget_auto
-    elif role == "reward":  # its micro-batch is roles.reward.model.micro_batch, rows only
-        budget = False
-    else:
-        budget = (getattr(rcfg, "micro_batch", None) is None
-                  and getattr(rcfg, "max_tokens_per_micro_batch", None) is None and actor_budget_auto)
-    trainable = role_spec(role).trainable
-    return Knobs(budget=budget, checkpointing=trainable and options.get("gradient_checkpointing", AUTO) == AUTO,
-                 offload=options.get("offload", AUTO) == AUTO, trainable=trainable,
-                 head_logits=trainable and uses_fused_head(cfg, role) and options.get("head_logits", AUTO) == AUTO)
-
-
-def _candidates(cfg: RunConfig, role: str, knobs: Knobs) -> list[TrainSettings]:
-    base = train_settings(cfg, role)
-    seq = cfg.data.max_prompt_len + cfg.roles.rollout.max_new_tokens
-    share = cfg.roles.rollout.max_new_tokens / seq
-    if knobs.budget:
-        grid = TRAIN_TOKEN_BUDGETS if knobs.trainable else FORWARD_TOKEN_BUDGETS
-        budgets = sorted({max(seq, b) for b in grid}, reverse=True)
-        tokens = [(float(b), float(b) * share) for b in budgets]
-    else:
-        tokens = [(base.tokens, base.response_tokens)]
-    checkpointing = [False, True] if knobs.checkpointing else [base.checkpointing]
-    offloads = (list(OFFLOAD_MODES) if knobs.trainable else ["none", "all"]) if knobs.offload else [base.offload]
-    return [TrainSettings(t, r, c, o, base.fused_layers, base.keep_logits)
-            for (t, r), c, o in itertools.product(tokens, checkpointing, offloads)]
-
-
-def _cost(cfg: RunConfig, shape: ModelShape, role: str, s: TrainSettings, dp: int) -> float:
-    """Seconds a step spends on what these settings add (see the module docstring)."""
-    rows = cfg.data.prompts_per_step * cfg.algorithm.n_samples
-    seq = cfg.data.max_prompt_len + cfg.roles.rollout.max_new_tokens
-    tokens_per_rank = rows * seq / dp
-    trainable = role_spec(role).trainable
-    cost = math.ceil(tokens_per_rank / max(s.tokens, 1.0)) * MICRO_BATCH_SECONDS["train" if trainable else "forward"]
-    n = shape.param_count() / dp
-    if s.checkpointing:
-        cost += 2 * n * tokens_per_rank / SUSTAINED_FLOPS  # one more forward of every micro-batch
-    weights = (4 if trainable else 2) * n
-    moved = {"none": 0.0, "optimizer": 8 * n, "all": 8 * n + weights}[s.offload] if trainable else \
-        {"none": 0.0, "all": weights}[s.offload]
-    return cost + 2 * moved / HOST_COPY_BYTES_PER_S
-
-
-def _with_host(cfg: RunConfig, plan: PlacementPlan, est: MemoryEstimate, host_bytes: float | None,
-               backends: dict[str, str]) -> MemoryEstimate:
+def _with_host(cfg: RunConfig, plan: PlacementPlan, est: MemoryEstimate, host_bytes: float | None) -> MemoryEstimate:
     """``est`` with what each node's host memory holds (on GPUs: where offloading sends state), and a warning
     where it does not fit (``hybridrl.placement.host_memory``)."""
     if plan.cluster.device == "cuda":
-        est.host = host_needs(cfg, plan, est, host_bytes, backends.get("rollout"))
+        est.host = host_needs(cfg, plan, est, host_bytes)
         est.warnings += host_problems(est.host)
     return est
 
 
 def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, device_bytes: float | None,
                    backends: dict[str, str], shapes: dict[str, ModelShape] | None = None,
-                   source: str = "", host_bytes: float | None = None) -> AutoResult:
+                   source: str = "", host_bytes: float | None = None, models: dict[str, Any] | None = None,
+                   registry: Registry | None = None) -> AutoResult:
     """Resolve the memory ``auto`` settings of ``cfg`` (see the module docstring) and estimate the result;
-    ``host_bytes``: a node's host memory, when known (settings whose offloaded state would not fit are skipped)."""
-    result = AutoResult(cfg, problems=option_problems(cfg))
+    ``host_bytes``: a node's host memory, when known (settings whose offloaded state would not fit are skipped).
+    ``models``: each role's memory model (from ``registry`` when not given)."""
+    models = memory_models(cfg, plan, registry) if models is None else models
+    result = AutoResult(cfg, problems=option_problems(cfg, models))
     if result.problems:
         return result
-    modelled = [r for r in plan.role_pool
-                if role_spec(r).kind == "train" and backends.get(r) in MEMORY_MODELLED_BACKENDS]
-    knobs = {r: _knobs(cfg, r) for r in modelled}
-    auto_roles = [r for r, k in knobs.items() if k.budget or k.checkpointing or k.offload or k.head_logits]
+    modelled = _train_models(plan, models)
+    knobs = {r: m.knobs(cfg, r) for r, m in modelled.items()}
+    auto_roles = [r for r, k in knobs.items() if k.any]
+
+    def estimate(config: RunConfig, settings: dict[str, TrainSettings] | None = None) -> MemoryEstimate:
+        return _with_host(config, plan, estimate_memory(config, plan, shape, device_bytes, source, shapes, settings,
+                                                        models), host_bytes)
+
     if plan.cluster.device != "cuda" or device_bytes is None or not auto_roles:
-        cfg = _resolve_off(cfg, knobs, result.choices, "CPU" if plan.cluster.device != "cuda" else
+        cfg = _resolve_off(cfg, modelled, knobs, result.choices, "CPU" if plan.cluster.device != "cuda" else
                            "no device memory known")
         result.cfg = cfg
-        result.estimate = _with_host(cfg, plan, estimate_memory(cfg, plan, shape, device_bytes, source, shapes),
-                                     host_bytes, backends)
+        result.estimate = estimate(cfg)
         return result
     usable = USABLE_SHARE * device_bytes
-    fixed = {r: train_settings(cfg, r) for r in modelled if r not in auto_roles}
+    fixed = {r: m.settings(cfg, r) for r, m in modelled.items() if r not in auto_roles}
+    contexts = {r: role_context(cfg, plan, r, (shapes or {}).get(r, shape), device_bytes) for r in auto_roles}
 
     def cost_of(role: str, s: TrainSettings) -> float:
-        return _cost(cfg, (shapes or {}).get(role, shape), role, s, plan.group_of(role).world_size)
+        return modelled[role].cost(contexts[role], s)
 
-    per_role = {r: sorted(_candidates(cfg, r, knobs[r]), key=lambda s, r=r: (cost_of(r, s), -s.tokens))
+    per_role = {r: sorted(modelled[r].candidates(cfg, r, knobs[r]), key=lambda s, r=r: (cost_of(r, s), -s.tokens))
                 for r in auto_roles}
 
     def evaluate(index: tuple[int, ...], check_host: bool = True
@@ -316,8 +229,7 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
 
     def evaluate_settings(settings: dict[str, TrainSettings], check_host: bool = True
                           ) -> tuple[bool, float, dict[str, TrainSettings], MemoryEstimate]:
-        est = _with_host(cfg, plan, estimate_memory(cfg, plan, shape, device_bytes, source, shapes, settings),
-                         host_bytes, backends)
+        est = estimate(cfg, settings)
         peak = max((p.peak for p in est.pools), default=0.0)
         host_fits = not check_host or all(need.fits is not False for need in est.host)
         return peak <= usable and host_fits and not _kv_floor_missed(est), peak, settings, est
@@ -343,10 +255,9 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
         why = (f"nothing fits {USABLE_SHARE:.0%} of the {device_bytes / GIB:.0f} GiB device{host}; these settings "
                f"need the least device memory ({peak / GIB:.1f} GiB at the peak)")
     for role in auto_roles:
-        cfg = _apply(cfg, role, knobs[role], chosen[role], result.choices, why, est)
+        cfg = _apply(cfg, role, modelled[role], knobs[role], chosen[role], result.choices, why, est)
     result.cfg = cfg
-    result.estimate = _with_host(cfg, plan, estimate_memory(cfg, plan, shape, device_bytes, source, shapes),
-                                 host_bytes, backends)
+    result.estimate = estimate(cfg)
     return result
 
 
@@ -390,59 +301,31 @@ def _cheapest_fitting(per_role: dict[str, list[TrainSettings]], roles: list[str]
     return None
 
 
-def _apply(cfg: RunConfig, role: str, knobs: Knobs, s: TrainSettings, choices: list[AutoChoice], why: str,
-           est: MemoryEstimate) -> RunConfig:
+def _apply(cfg: RunConfig, role: str, model: Any, knobs: Knobs, s: TrainSettings, choices: list[AutoChoice],
+           why: str, est: MemoryEstimate) -> RunConfig:
     pool = next(p for p in est.pools if role in p.roles)
     where = f"{why}: peak {pool.peak / GIB:.1f} GiB in {pool.peak_phase}"
-    update: dict[str, Any] = {}
-    options: dict[str, Any] = {}
-    if knobs.budget:
-        budget = int(s.tokens)
-        update["max_tokens_per_micro_batch"] = budget
-        choices.append(AutoChoice(f"roles.{role}.max_tokens_per_micro_batch", budget, where))
-    if knobs.checkpointing:
-        options["gradient_checkpointing"] = s.checkpointing
-        choices.append(AutoChoice(f"roles.{role}.options.gradient_checkpointing", s.checkpointing,
-                                  "the activations do not fit without it" if s.checkpointing else
-                                  "the activations fit without it"))
-    if knobs.offload:
-        options["offload"] = s.offload
-        choices.append(AutoChoice(f"roles.{role}.options.offload", s.offload,
-                                  "the resident state and the engine fit on the device" if s.offload == "none" else
-                                  f"kept on the host outside its phases so that every phase fits ({where})"))
-    if knobs.head_logits:
-        options["head_logits"] = "keep" if s.keep_logits else "recompute"
-        choices.append(AutoChoice(f"roles.{role}.options.head_logits", options["head_logits"],
-                                  "the fused head keeps its logits for the backward: one GEMM less" if s.keep_logits
-                                  else "the fused head's logits, kept for the backward, would not fit beside these "
-                                  "settings: made again there"))
+    update, options, made = model.choices(cfg, role, knobs, s, where)
+    choices += made
     return _with_role(cfg, role, update, options) if (update or options) else cfg
 
 
-def _resolve_off(cfg: RunConfig, knobs: dict[str, Knobs], choices: list[AutoChoice], why: str) -> RunConfig:
-    """Without a device to plan for: checkpointing off, nothing offloaded, the head's logits made again (the
-    least memory), the backend's micro-batch."""
+def _resolve_off(cfg: RunConfig, models: dict[str, Any], knobs: dict[str, Knobs], choices: list[AutoChoice],
+                 why: str) -> RunConfig:
+    """Without a device to plan for: each model's least-memory values (``choices`` with no settings)."""
     for role, k in knobs.items():
-        options: dict[str, Any] = {}
-        if k.checkpointing:
-            options["gradient_checkpointing"] = False
-            choices.append(AutoChoice(f"roles.{role}.options.gradient_checkpointing", False, why))
-        if k.offload:
-            options["offload"] = "none"
-            choices.append(AutoChoice(f"roles.{role}.options.offload", "none", why))
-        if k.head_logits:
-            options["head_logits"] = "recompute"
-            choices.append(AutoChoice(f"roles.{role}.options.head_logits", "recompute", why))
-        if options:
-            cfg = _with_role(cfg, role, {}, options)
+        update, options, made = models[role].choices(cfg, role, k, None, why)
+        choices += made
+        if update or options:
+            cfg = _with_role(cfg, role, update, options)
     return cfg
 
 
-def with_workload(cfg: RunConfig, backends: dict[str, str]) -> RunConfig:
+def with_workload(cfg: RunConfig, models: dict[str, Any]) -> RunConfig:
     """Tell a preallocating rollout what one step asks of it (``hybridrl.rollout.kv_budget``)."""
-    backend = backends.get("rollout")
+    model = models.get("rollout")
     options = cfg.roles.rollout.options or {}
-    if backend is None or backend in DEMAND_SIZED_ROLLOUTS or options.get("workload"):
+    if model is None or model.demand_sized or options.get("workload"):
         return cfg
     return _with_rollout(cfg, options={**options, "workload": step_workload(cfg)})
 
@@ -471,6 +354,7 @@ def memory_summary(est: MemoryEstimate) -> dict[str, Any]:
                           "host_mb": None if n.host_bytes is None else n.host_bytes / mib, "fits": n.fits}
                  for n in est.host},
         "warnings": list(est.warnings),
+        "not_estimated": [f"{role}[{backend}]" for role, _, backend in est.unestimated],
     }
 
 
@@ -482,19 +366,22 @@ def resolve_auto(cfg: RunConfig, plan: PlacementPlan, registry: Registry, backen
     """Every ``auto`` of ``cfg``: the rollout's log-probs, its workload, the train roles' memory settings; the
     result's ``cfg`` records them under ``auto`` (``record``). ``shape`` None (no model config to read): the
     memory settings resolve as on a CPU (checkpointing off, nothing offloaded)."""
+    models = memory_models(cfg, plan, registry)
     cfg, choices = resolve_log_probs(cfg, registry)
-    cfg, fused = resolve_fused_kernels(cfg, plan, registry, backends)
+    cfg, fused = resolve_fused_kernels(cfg, plan, registry, backends, models)
     cfg, own = resolve_backend_options(cfg, plan, registry, backends)
     choices += fused + own
-    cfg = with_workload(cfg, backends)
+    cfg = with_workload(cfg, models)
     if shape is None:
-        knobs = {r: _knobs(cfg, r) for r in plan.role_pool if role_spec(r).kind == "train"
-                 and backends.get(r) in MEMORY_MODELLED_BACKENDS}
-        result = AutoResult(cfg, problems=option_problems(cfg))
+        modelled = _train_models(plan, models)
+        knobs = {r: m.knobs(cfg, r) for r, m in modelled.items()}
+        result = AutoResult(cfg, problems=option_problems(cfg, models))
         if not result.problems:
-            result.cfg = _resolve_off(cfg, knobs, result.choices, "no model config to plan from")
+            result.cfg = _resolve_off(cfg, modelled, knobs, result.choices, "no model config to plan from")
     else:
-        result = resolve_memory(cfg, plan, shape, device_bytes, backends, shapes, source, host_bytes)
+        result = resolve_memory(cfg, plan, shape, device_bytes, backends, shapes, source, host_bytes, models)
     result.choices = choices + result.choices
     result.cfg = record(result.cfg, result.choices, result.estimate)
+    if result.estimate is not None:  # an out-of-memory answer asks each backend for its keys
+        result.estimate.oom_fixes = backend_hooks(cfg, plan, registry, "oom_fixes")
     return result

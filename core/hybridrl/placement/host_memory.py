@@ -25,8 +25,6 @@ from hybridrl.placement.plan import PlacementPlan
 HOST_PROCESS_GIB = 3.0
 #: share of a node's host memory the plan may fill (the rest: the OS, Ray's object store, page cache).
 HOST_USABLE_SHARE = 0.9
-#: rollouts that keep no copy on the host while asleep (the transformers rollout stays where it is).
-NO_HOST_COPY_ROLLOUTS = ("hf",)
 
 
 @dataclass
@@ -47,11 +45,11 @@ class HostNeed:
         return None if self.host_bytes is None else self.total <= HOST_USABLE_SHARE * self.host_bytes
 
 
-def _role_parts(m: RoleMemory, colocated: bool, rollout_backend: str | None, sleep_level: str) -> dict[str, float]:
-    """Host bytes per device that one role keeps while it does not work."""
+def _role_parts(m: RoleMemory, colocated: bool, sleep_level: str) -> dict[str, float]:
+    """Host bytes per device that one role keeps while it does not work (a rollout's weights asleep where its
+    memory model says it copies them there: ``RoleMemory.host_copy_asleep``)."""
     if m.kind == "rollout":
-        keeps_weights_on_host = (colocated and rollout_backend not in NO_HOST_COPY_ROLLOUTS
-                                 and sleep_level != "kv_cache")
+        keeps_weights_on_host = colocated and m.host_copy_asleep and sleep_level != "kv_cache"
         return {"rollout weights asleep": m.weights} if keeps_weights_on_host else {}
     parts: dict[str, float] = {}
     if m.offload in ("optimizer", "all") and m.optimizer:
@@ -61,8 +59,7 @@ def _role_parts(m: RoleMemory, colocated: bool, rollout_backend: str | None, sle
     return parts
 
 
-def host_needs(cfg: RunConfig, plan: PlacementPlan, est: MemoryEstimate, host_bytes: float | None,
-               rollout_backend: str | None = None) -> list[HostNeed]:
+def host_needs(cfg: RunConfig, plan: PlacementPlan, est: MemoryEstimate, host_bytes: float | None) -> list[HostNeed]:
     """The host memory of one node of each pool (its busiest node: the most devices of the pool)."""
     needs: list[HostNeed] = []
     sleep_level = str((cfg.roles.rollout.options or {}).get("sleep_level", "")) if "rollout" in plan.role_pool else ""
@@ -72,7 +69,7 @@ def host_needs(cfg: RunConfig, plan: PlacementPlan, est: MemoryEstimate, host_by
         need = HostNeed(pool.pool, per_node, host_bytes=host_bytes)
         colocated = len(pool.roles) > 1
         for m in (r for r in est.roles if r.pool == pool.pool):
-            for name, value in _role_parts(m, colocated, rollout_backend, sleep_level).items():
+            for name, value in _role_parts(m, colocated, sleep_level).items():
                 need.parts[name] = need.parts.get(name, 0.0) + value * per_node
         # each of the pool's process groups runs one process on every device of the pool
         need.parts["worker processes"] = HOST_PROCESS_GIB * GIB * pool.processes * per_node

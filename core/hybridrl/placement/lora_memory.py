@@ -6,7 +6,8 @@ apart, and what the reference and the rollout hold when the actor trains adapter
 * A reference served by the actor's engine (``hybridrl.lora.reference_is_actor_base``): no weights of its own;
   in its phase it holds the forward's transient memory, on the actor's resident weights.
 * A rollout sent the adapters alone (``sync: adapter``): its base weights stay on the device while it sleeps
-  (vLLM's ``sleep_level: auto`` becomes ``kv_cache``), and it holds slots for one adapter at the engine's rank.
+  (``sleep_level: auto`` becomes ``kv_cache``), and it holds slots for one adapter at the rank its memory model
+  allocates (vLLM rounds it up to one of its sizes).
 
 Each ``apply_*`` adjusts a ``RoleMemory`` the plan built for a full-weight run; ``RoleMemory.adapters`` holds the
 adapters' bytes (part of ``weights``).
@@ -20,9 +21,6 @@ from hybridrl.lora import ALL_LINEAR, LoraSpec
 
 #: the linear layers of a decoder layer (Qwen2 / Llama names) and what ``all-linear`` covers.
 LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-#: rollouts that serve adapters with LoRA kernels and slots of their own (the transformers rollout merges them).
-ENGINE_LORA_ROLLOUTS = ("vllm", "sglang")
-#: the largest gradient group of the FSDP engine's optimizer (``placement.memory.OPTIMIZER_GROUP_BYTES``).
 _MiB = float(2**20)
 
 
@@ -42,9 +40,9 @@ def adapter_params(shape: Any, spec: LoraSpec, rank: int | None = None) -> int:
     return shape.num_layers * per_layer
 
 
-def apply_to_actor(mem: Any, shape: Any, spec: LoraSpec, dp: int, compute_bytes: int, device: str,
-                   optimizer_group_bytes: float) -> None:
-    """A trainable role's memory with LoRA (see the module docstring)."""
+def apply_to_actor(mem: Any, shape: Any, spec: LoraSpec, dp: int, compute_bytes: int, device: str) -> None:
+    """A trainable role's memory with LoRA (see the module docstring); the optimizer's temporaries stay within
+    one param group of the engine (``RoleMemory.optimizer_group_bytes``)."""
     n, adapters = shape.param_count(), adapter_params(shape, spec)
     base_bytes = (compute_bytes if device == "cuda" else 4) * n / dp
     old_weights, old_optimizer = mem.weights, mem.optimizer
@@ -52,7 +50,7 @@ def apply_to_actor(mem: Any, shape: Any, spec: LoraSpec, dp: int, compute_bytes:
     mem.weights = base_bytes + mem.adapters
     mem.grads = 4 * adapters / dp
     mem.optimizer = 8 * adapters / dp
-    mem.optimizer_step = 4 * min(adapters / dp, optimizer_group_bytes / 4)
+    mem.optimizer_step = 4 * min(adapters / dp, mem.optimizer_group_bytes / 4)
     # the backward's unsharded gradients of a layer: the adapters' alone
     mem.gathered += compute_bytes * (adapters / shape.num_layers - shape.layer_params)
     resident_optimizer = mem.offload == "none"
@@ -72,16 +70,17 @@ def apply_to_reference(mem: Any) -> None:
     mem.notes.insert(0, "the LoRA actor's base with its adapters disabled (no copy of the weights)")
 
 
-def apply_to_rollout(mem: Any, shape: Any, spec: LoraSpec, dtype_bytes: int, backend: str,
+def apply_to_rollout(mem: Any, shape: Any, spec: LoraSpec, dtype_bytes: int, model: Any,
                      options: dict[str, Any], colocated: bool) -> None:
-    """A rollout sent the adapters alone: adapter slots (engines with LoRA kernels), base weights kept asleep."""
+    """A rollout sent the adapters alone: adapter slots at the rank its memory model allocates
+    (``RolloutMemoryModel.adapter_rank``; None: it merges them), base weights kept asleep."""
     if not spec.sends_adapters:
         return
-    if backend not in ENGINE_LORA_ROLLOUTS:
+    rank = model.adapter_rank(spec.rank)
+    if rank is None:
         mem.notes.append("LoRA adapters merged on the host into a copy of the adapted layers' base")
         return
     tp = max(1, int(options.get("tensor_parallel") or 1))
-    rank = _engine_rank(spec.rank) if backend == "vllm" else spec.rank
     mem.adapters = adapter_params(shape, spec, rank) * dtype_bytes / tp
     mem.weights += mem.adapters
     level = str(options.get("sleep_level", "auto"))
@@ -92,20 +91,11 @@ def apply_to_rollout(mem: Any, shape: Any, spec: LoraSpec, dtype_bytes: int, bac
                      "loaded (only adapters are sent)")
 
 
-def _engine_rank(rank: int) -> int:
-    """vLLM rounds the adapter rank up to one of its sizes (``hybridrl_vllm.lora.MAX_LORA_RANKS``)."""
-    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
-        if allowed >= rank:
-            return allowed
-    return rank
-
-
 def _size(value: float) -> str:
     return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / _MiB:.1f} MiB"
 
 
-def apply_lora(cfg: Any, plan: Any, roles: list[Any], shape: Any, compute_bytes: int, device: str,
-               optimizer_group_bytes: float) -> None:
+def apply_lora(cfg: Any, plan: Any, roles: list[Any], shape: Any, compute_bytes: int, device: str) -> None:
     """The train roles of a LoRA run (``roles``: the plan's ``RoleMemory`` list, adjusted in place)."""
     from hybridrl.lora import reference_is_actor_base
 
@@ -115,18 +105,17 @@ def apply_lora(cfg: Any, plan: Any, roles: list[Any], shape: Any, compute_bytes:
     shared_reference = reference_is_actor_base(cfg, plan)
     for mem in roles:
         if mem.role == "actor":
-            apply_to_actor(mem, shape, spec, plan.group_of("actor").world_size, compute_bytes, device,
-                           optimizer_group_bytes)
+            apply_to_actor(mem, shape, spec, plan.group_of("actor").world_size, compute_bytes, device)
         elif mem.role == "ref" and shared_reference:
             apply_to_reference(mem)
 
 
-def apply_lora_rollout(cfg: Any, plan: Any, mem: Any, shape: Any, dtype_bytes: int) -> None:
-    """The rollout of a LoRA run (adjusted in place)."""
+def apply_lora_rollout(cfg: Any, plan: Any, mem: Any, shape: Any, dtype_bytes: int, model: Any) -> None:
+    """The rollout of a LoRA run (adjusted in place); ``model``: the rollout backend's memory model."""
     spec = LoraSpec.from_config(getattr(cfg.roles.actor, "lora", None))
     if spec is None:
         return
     rollout = cfg.roles.rollout
     options = {**(rollout.options or {}), "tensor_parallel": rollout.tensor_parallel}
     colocated = any(plan.colocated("rollout", r) for r in plan.role_pool if r != "rollout")
-    apply_to_rollout(mem, shape, spec, dtype_bytes, plan.group_of("rollout").roles["rollout"], options, colocated)
+    apply_to_rollout(mem, shape, spec, dtype_bytes, model, options, colocated)

@@ -1,18 +1,15 @@
 """Memory per device of a plan, estimated from the model's HF config before any GPU is spent.
 
-The estimate follows what the engines actually hold. The FSDP2 engine keeps fp32 master weights (a frozen role
-on a GPU: weights in the compute dtype), fp32 gradients and two fp32 AdamW states, sharded over its pool, and
-gathers a few decoder layers at a time in the compute dtype; what ``roles.<role>.options.offload`` sends to
-host memory is off the device outside the phases that use it. A rollout engine holds full weights / tensor
-parallel, a KV cache sized by ``hybridrl.rollout.kv_budget`` (``gpu_memory_utilization: auto``) or by its share
-of the device, its activations and its CUDA graphs.
+What one role holds comes from its backend's memory model (``hybridrl.placement.model_protocol``, registered
+with the backend: the FSDP and Megatron trainers, the vLLM and SGLang engines in their plugins, the transformers
+rollout in ``hybridrl.rollout.memory``); this module sums them per device and phase. A role whose backend has no
+model is shown as not estimated, never sized with another backend's formula.
 
 Roles on one pool time-share the device: a device's peak is its largest *phase*, not the sum of its roles.
 In each phase the working role holds its phase's memory and the others their resident state; a colocated
 rollout asleep keeps only its CUDA graphs (and its weights with ``sleep_level: kv_cache``), and at ``gen`` it
-holds everything it mapped back on wake. The activations saved for backward were counted tensor by tensor on a
-Qwen2 decoder layer (``saved_bytes_per_token_layer``); the plan is a guide, checked against the device memory
-measured per phase (``memory/phase/<phase>/device_peak_mb``) by ``benchmarks/model_sizes.py``.
+holds everything it mapped back on wake. The plan is a guide, checked against the device memory measured per
+phase (``memory/phase/<phase>/device_peak_mb``) by ``benchmarks/model_sizes.py``.
 """
 
 from __future__ import annotations
@@ -25,9 +22,11 @@ from typing import Any, Sequence
 from hybridrl.errors import HybridRLError
 from hybridrl.config import RunConfig
 from hybridrl.placement.lora_memory import apply_lora, apply_lora_rollout
+from hybridrl.placement.model_protocol import OFFLOAD_MODES, RoleContext, RoleMemory, TrainSettings  # noqa: F401
+from hybridrl.placement.model_protocol import role_options  # noqa: F401  (its old home)
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.roles import STEP_PHASES, phase_owner, role_spec
-from hybridrl.rollout.kv_budget import KVCacheTooSmall, KVDemand, is_auto, size_kv_cache
+from hybridrl.rollout.kv_budget import KVDemand
 
 GIB = float(2**30)
 #: default device memory (GiB) for a cuda cluster whose memory was not declared.
@@ -37,11 +36,6 @@ CUDA_CONTEXT_GIB = 1.0
 #: model types whose layer layout the parameter count knows exactly.
 KNOWN_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: rollouts whose KV cache grows with the batch (everything else preallocates one at start).
-DEMAND_SIZED_ROLLOUTS = ("hf",)
-#: preallocating rollouts whose numeric ``gpu_memory_utilization`` is a share of the memory free at their start
-#: (SGLang's ``mem_fraction_static``); vLLM's is a share of the device's total.
-SHARE_OF_FREE_ROLLOUTS = ("sglang",)
 
 
 class MemoryEstimateError(HybridRLError, ValueError):
@@ -227,128 +221,6 @@ def model_shape(cfg: RunConfig, model_config: str | Path | None = None, base_dir
 
 # --- per role ---------------------------------------------------------------------------------------
 
-#: where ``roles.<role>.options.offload`` may keep a train role's state while other roles work.
-OFFLOAD_MODES = ("none", "optimizer", "all")
-#: bytes of fp32 parameters per AdamW param group of the FSDP engine: foreach's temporaries (a copy of the
-#: group's second moments) stay within one group (``hybridrl_fsdp`` reads this constant).
-OPTIMIZER_GROUP_BYTES = 2 * 2**30
-#: bytes per logit (in units of the compute dtype) alive at the start of the backward: the logits kept for
-#: it, the gradient of the response slice and the full-width gradient the slice's backward builds.
-TRAIN_LOGITS_COPIES = 3
-#: the fp32 chunks of the chunked log-prob (``hybridrl_fsdp.logprobs``): forward, and backward.
-LOG_PROB_CHUNKS_FORWARD = 2 * 256 * 2**20
-LOG_PROB_CHUNKS_BACKWARD = 4 * 256 * 2**20
-#: the FSDP engine's fused LM head (``hybridrl_fsdp.fused_head``, on unless ``options.fused_lm_head: false``) makes
-#: the logits a chunk of tokens at a time: bytes of one chunk and its softmax temporaries (Triton on a GPU: the
-#: chunk in the compute dtype; eager elsewhere: fp32 chunks of 256 MiB).
-FUSED_HEAD_CHUNK_BYTES = {"cuda": 1.5 * 2**30, "cpu": 3 * 256 * 2**20}
-#: the caching allocator's rounding and fragmentation on a backward's transient memory.
-ALLOCATOR_SLACK = 1.05
-#: a rollout engine's CUDA graph pool: a fixed part and a share of its weights.
-GRAPH_POOL_BASE = 0.25 * GIB
-GRAPH_POOL_SHARE = 0.03
-#: bytes per logit while an engine samples (bf16 logits, their fp32 copy, softmax, the sampler's draw, the
-#: processed log-probs).
-SAMPLER_BYTES_PER_LOGIT = 16
-#: device memory an engine adds beyond the host process's CUDA context: an engine inside the worker's process
-#: (its handles and workspaces), an engine with processes of its own (their contexts).
-ENGINE_EXTRA_CONTEXT = {"vllm": 0.5 * GIB, "sglang": 1.0 * GIB}
-#: per-backend defaults of the batch an engine profiles at start (tokens per step, sequences at once), on
-#: devices of at least 70 GiB (vLLM's rule; smaller devices get the second pair).
-ENGINE_BATCH_DEFAULTS = {"vllm": ((16384, 1024), (8192, 256)), "sglang": ((8192, 1024), (8192, 256))}
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """What sizes a train role's memory: the tokens of one micro-batch (at the longest sequence), gradient
-    checkpointing, and what it offloads to host memory between its phases."""
-
-    tokens: float
-    response_tokens: float
-    checkpointing: bool = False
-    offload: str = "none"
-    fused_layers: bool = False  # options.fused_kernels resolved on: fused RMSNorm / SwiGLU keep less for backward
-    keep_logits: bool = False  # options.head_logits: keep: the fused head keeps its logits for the backward
-
-
-def _tokens(cfg: RunConfig, micro_batch: int | None, max_tokens: int | None) -> tuple[float, float]:
-    """(tokens, response tokens) of one micro-batch on one rank, at the longest sequence."""
-    prompt, response = cfg.data.max_prompt_len, cfg.roles.rollout.max_new_tokens
-    seq = prompt + response
-    if max_tokens:
-        return float(max_tokens), float(max_tokens) * response / seq
-    mb = micro_batch or cfg.roles.actor.micro_batch
-    return float(mb * seq), float(mb * response)
-
-
-def _role_setting(cfg: RunConfig, role: str, key: str) -> Any:
-    value = getattr(getattr(cfg.roles, role, None), key, None)
-    if value is None:
-        value = getattr(cfg.roles.actor, key, None)
-    return value
-
-
-def role_options(cfg: RunConfig, role: str) -> dict[str, Any]:
-    return dict(getattr(getattr(cfg.roles, role, None), "options", {}) or {})
-
-
-def uses_fused_head(cfg: RunConfig, role: str) -> bool:
-    """Whether the role's log-probs come from the FSDP engine's fused head: a vocabulary head, not turned off
-    (``options.fused_lm_head: false``)."""
-    return bool(role_spec(role).vocab_head) and role_options(cfg, role).get("fused_lm_head", True) is not False
-
-
-def train_settings(cfg: RunConfig, role: str) -> TrainSettings:
-    """The role's settings as the config gives them (an ``auto`` not resolved yet counts as off / none)."""
-    tokens, resp = _tokens(cfg, _role_setting(cfg, role, "micro_batch"),
-                           _role_setting(cfg, role, "max_tokens_per_micro_batch"))
-    options = role_options(cfg, role)
-    checkpointing = options.get("gradient_checkpointing")
-    offload = options.get("offload") or "none"
-    return TrainSettings(tokens, resp, checkpointing is True, offload if offload in OFFLOAD_MODES else "none",
-                         options.get("fused_kernels") is True, options.get("head_logits") == "keep")
-
-
-@dataclass
-class RoleMemory:
-    """Bytes one device holds for one role: while the role works (``active``, ``forward``), between its phases
-    (``idle``, its resident state), and, for a colocated rollout, asleep (``asleep``)."""
-
-    role: str
-    pool: str
-    kind: str  # "train", "frozen", "rollout"
-    share: str  # how the weights are split ("1/8 FSDP", "full", "1/2 TP")
-    weights: float = 0.0
-    grads: float = 0.0
-    optimizer: float = 0.0
-    activations: float = 0.0
-    kv_cache: float = 0.0
-    idle: float = 0.0
-    forward: float = 0.0  # while it runs a forward-only pass (a trainable role's log-probs or values)
-    gathered: float = 0.0  # unsharded layers in the compute dtype while it computes
-    optimizer_step: float = 0.0  # the optimizer step's temporaries
-    graphs: float = 0.0  # a rollout's CUDA graph pool (kept while asleep)
-    asleep: float = 0.0  # a colocated rollout between generations
-    offload: str = "none"
-    tokens: float = 0.0  # a train role's micro-batch (tokens at the longest sequence)
-    checkpointing: bool = False
-    utilization: Any = None  # a preallocating rollout's gpu_memory_utilization (auto or a share)
-    adapters: float = 0.0  # LoRA adapters, part of weights (``hybridrl.placement.lora_memory``)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def active(self) -> float:
-        if self.kind == "rollout":
-            return self.weights + self.kv_cache + self.activations + self.graphs
-        resident_optimizer = self.optimizer if self.offload == "none" else 0.0
-        compute = self.weights + self.grads + self.gathered + self.activations + resident_optimizer
-        # offloaded AdamW states come through the device one param group at a time for the step
-        streamed = min(self.optimizer, 2 * OPTIMIZER_GROUP_BYTES)
-        optimizer = self.optimizer if self.offload == "none" else streamed
-        step = self.weights + self.grads + optimizer + self.optimizer_step
-        return max(compute, step if self.grads else 0.0)
-
-
 @dataclass
 class PoolMemory:
     pool: str
@@ -357,18 +229,24 @@ class PoolMemory:
     processes: int
     phases: dict[str, float]  # phase -> bytes per device
     device_bytes: float | None
+    #: "role[backend]" of the pool's roles whose backend has no memory model: the phases leave them out
+    unestimated: list[str] = field(default_factory=list)
 
     @property
     def peak_phase(self) -> str:
-        return max(self.phases, key=self.phases.__getitem__)
+        return max(self.phases, key=self.phases.__getitem__) if self.phases else "-"
 
     @property
     def peak(self) -> float:
-        return self.phases[self.peak_phase]
+        return self.phases[self.peak_phase] if self.phases else 0.0
 
     @property
     def fits(self) -> bool | None:
-        return None if self.device_bytes is None else self.peak <= self.device_bytes
+        if self.device_bytes is None:
+            return None
+        if self.peak > self.device_bytes:
+            return False
+        return None if self.unestimated else True
 
 
 @dataclass
@@ -382,85 +260,9 @@ class MemoryEstimate:
     pools: list[PoolMemory]
     warnings: list[str] = field(default_factory=list)
     host: list[Any] = field(default_factory=list)  # HostNeed per pool (``hybridrl.placement.host_memory``)
-
-
-def train_role_memory(cfg: RunConfig, role: str, pool: str, shape: ModelShape, dp: int, compute_bytes: int,
-                      trainable: bool, settings: TrainSettings | None = None, device: str = "cuda") -> RoleMemory:
-    """FSDP2 layout: the weights shard (fp32 masters when trainable, the compute dtype for a frozen role on a
-    GPU), fp32 gradients and two AdamW states when trainable, a few gathered layers and the root module in
-    the compute dtype while computing, and the micro-batch's activations."""
-    settings = settings or train_settings(cfg, role)
-    n = shape.param_count()
-    shard = n / dp
-    cb = compute_bytes
-    tokens, resp_tokens = settings.tokens, settings.response_tokens
-    vocab = shape.vocab_size if role_spec(role).vocab_head else 1  # critic and reward model: a scalar head
-    layer_forward = tokens * shape.forward_bytes_per_token_layer(cb)
-    chunk_cap = 4 * resp_tokens * vocab * 4  # the fp32 chunks never exceed the logits themselves
-    fused = uses_fused_head(cfg, role)
-    fused_chunk = min(FUSED_HEAD_CHUNK_BYTES["cuda" if device == "cuda" else "cpu"], chunk_cap)
-    if fused:  # the head's logits a chunk at a time, never all at once
-        forward_logits = fused_chunk
-    else:
-        forward_logits = resp_tokens * vocab * cb + (min(LOG_PROB_CHUNKS_FORWARD, chunk_cap) if vocab > 1 else 0)
-    mem = RoleMemory(role, pool, "train" if trainable else "frozen", f"1/{dp} FSDP", offload=settings.offload,
-                     tokens=tokens, checkpointing=settings.checkpointing)
-    master_bytes = 4 if trainable or device != "cuda" else cb
-    mem.weights = master_bytes * shard
-    mem.gathered = cb * (shape.root_params + 2 * shape.layer_params)  # current layer + the prefetched next
-    mem.forward = mem.weights + mem.gathered + layer_forward + forward_logits
-    if trainable:
-        mem.grads = 4 * shard
-        mem.optimizer = 8 * shard
-        mem.optimizer_step = 4 * min(shard, OPTIMIZER_GROUP_BYTES / 4)  # sqrt of one group's second moments
-        mem.gathered += cb * shape.layer_params  # backward: a layer's unsharded gradients before reduce-scatter
-        per_layer = shape.saved_bytes_per_token_layer(cb, fused=settings.fused_layers and device == "cuda")
-        if settings.checkpointing:
-            layers = tokens * (shape.num_layers * shape.hidden_size * cb + per_layer)
-        else:
-            layers = tokens * shape.num_layers * per_layer
-        if fused:  # backward: a chunk, the head's fp32 weight gradient and a chunk's product, the hidden's gradient
-            logits = fused_chunk + vocab * shape.hidden_size * (4 + cb) + resp_tokens * shape.hidden_size * cb
-            if settings.keep_logits:  # the micro-batch's logits, kept from the forward: at most one per token
-                logits += tokens * vocab * cb  # (a pack with shared prompts is nearly all response tokens)
-        else:
-            logits = resp_tokens * vocab * cb * TRAIN_LOGITS_COPIES + (min(LOG_PROB_CHUNKS_BACKWARD, chunk_cap)
-                                                                       if vocab > 1 else 0)
-        mem.activations = (layers + logits + tokens * shape.backward_bytes_per_token_layer(cb)) * ALLOCATOR_SLACK
-        if settings.offload == "none":
-            mem.forward += mem.optimizer
-        mem.notes.append("gradient checkpointing" if settings.checkpointing else "no gradient checkpointing")
-    else:
-        mem.activations = layer_forward + forward_logits
-    mem.notes.append(f"{tokens:.0f} tokens per micro-batch")
-    on_device_weights = 0.0 if settings.offload == "all" else mem.weights
-    on_device_optimizer = mem.optimizer if settings.offload == "none" else 0.0
-    mem.idle = on_device_weights + on_device_optimizer  # gradients are freed after the optimizer step
-    if settings.offload != "none":
-        mem.notes.append(f"offload {settings.offload}: on the host outside its phases")
-    return mem
-
-
-def rollout_batch(backend: str, options: dict[str, Any], device_bytes: float | None) -> tuple[int, int]:
-    """(tokens per engine step, sequences at once) the engine profiles and captures at start."""
-    large, small = ENGINE_BATCH_DEFAULTS.get(backend, ENGINE_BATCH_DEFAULTS["vllm"])
-    tokens, seqs = large if device_bytes is None or device_bytes >= 70 * GIB else small
-    return int(options.get("max_num_batched_tokens") or tokens), int(options.get("max_num_seqs") or seqs)
-
-
-def rollout_overhead_bytes(shape: ModelShape, dtype_bytes: int, backend: str, options: dict[str, Any],
-                           device_bytes: float | None, tp: int = 1, sequences: int | None = None
-                           ) -> tuple[float, float]:
-    """(activations, CUDA graph pool) of a preallocating engine: the larger of a prefill step's transients
-    and the sampler's logits for ``sequences`` at once (the engine's own maximum when None: what it
-    profiles at start), and its graph pool (none with ``enforce_eager``)."""
-    batched, max_seqs = rollout_batch(backend, options, device_bytes)
-    at_once = min(max_seqs, batched) if sequences is None else min(sequences, max_seqs)
-    prefill = batched * shape.forward_bytes_per_token_layer(dtype_bytes) / tp
-    sampler = at_once * shape.vocab_size * SAMPLER_BYTES_PER_LOGIT
-    weights = shape.param_count() * dtype_bytes / tp
-    graphs = 0.0 if options.get("enforce_eager") else GRAPH_POOL_BASE + GRAPH_POOL_SHARE * weights
-    return max(prefill, sampler), graphs
+    unestimated: list[tuple[str, str, str]] = field(default_factory=list)  # (role, pool, backend) without a model
+    #: role -> its backend's ``BackendSpec.oom_fixes`` hook (or None): what an out-of-memory answer suggests
+    oom_fixes: dict[str, Any] = field(default_factory=dict)
 
 
 def kv_demand(cfg: RunConfig, shape: ModelShape, dtype_bytes: int, replicas: int) -> KVDemand:
@@ -480,108 +282,96 @@ def step_workload(cfg: RunConfig) -> dict[str, int]:
             "tokens_per_sequence": cfg.data.max_prompt_len + cfg.roles.rollout.max_new_tokens}
 
 
-def rollout_memory(cfg: RunConfig, pool: str, shape: ModelShape, pool_size: int, dtype_bytes: int,
-                   device_bytes: float | None, backend: str, free_at_start: float | None = None) -> RoleMemory:
-    """Full weights / tensor parallel plus the KV cache: sized to the batch for engines that allocate on
-    demand (the transformers rollout); by ``hybridrl.rollout.kv_budget`` from ``free_at_start`` (what the
-    trainers leave) under ``gpu_memory_utilization: auto``; else the share of the device the number asks for
-    (vLLM: of total memory, SGLang: of the memory free at its start)."""
-    rcfg = cfg.roles.rollout
-    tp = max(1, rcfg.tensor_parallel)
-    replicas = max(1, pool_size // tp)
-    demand = kv_demand(cfg, shape, dtype_bytes, replicas)
-    mem = RoleMemory("rollout", pool, "rollout", "full" if tp == 1 else f"1/{tp} TP")
-    mem.weights = shape.param_count() * dtype_bytes / tp
-    options = dict(rcfg.options or {})
-    if backend in DEMAND_SIZED_ROLLOUTS or device_bytes is None:
-        seqs, seq_len = demand.sequences, demand.tokens_per_sequence
-        forward_per_token = (2 * shape.hidden_size + shape.q_dim + 2 * shape.kv_dim + 2 * shape.intermediate_size)
-        prefill = seqs * cfg.data.max_prompt_len
-        mem.activations = (prefill * forward_per_token * dtype_bytes + seqs * shape.vocab_size * 4) / tp
-        mem.kv_cache = seqs * seq_len * shape.kv_bytes_per_token(dtype_bytes) / tp
-        mem.notes.append(f"KV cache for {seqs} sequences x {seq_len} tokens")
-        mem.asleep = 0.0
-        mem.idle = mem.active
-        return mem
-    mem.activations, mem.graphs = rollout_overhead_bytes(shape, dtype_bytes, backend, options, device_bytes, tp,
-                                                         sequences=demand.sequences)
-    start_activations, _ = rollout_overhead_bytes(shape, dtype_bytes, backend, options, device_bytes, tp)
-    util = options.get("gpu_memory_utilization")
-    mem.utilization = "auto" if is_auto(util) else util
-    if is_auto(util):
-        free = device_bytes if free_at_start is None else free_at_start
+def backend_hooks(cfg: RunConfig, plan: PlacementPlan, registry: Any, hook: str) -> dict[str, Any]:
+    """Each placed role's backend's loaded ``hook`` (``BackendSpec.memory_model``, ``oom_fixes`` ...), None where
+    the backend registers none; ``registry`` None: the plugins' registry for ``cfg``."""
+    from hybridrl.plugins.registry import RegistryError
+
+    if registry is None:
+        from hybridrl.plugins.discovery import get_registry
+
+        registry = get_registry(tuple(cfg.plugins))
+    out: dict[str, Any] = {}
+    for role in plan.role_pool:
         try:
-            sizing = size_kv_cache(demand, int(free), int(mem.weights), int(start_activations + mem.graphs))
-            mem.kv_cache = float(sizing.kv_bytes)
-            mem.notes.append(f"KV cache for {demand.describe()} (gpu_memory_utilization=auto)")
-        except KVCacheTooSmall as exc:
-            mem.kv_cache = float(demand.floor_bytes)
-            mem.notes.append(f"KV floor for {demand.describe()} does not fit: {exc}")
-    else:
-        share = float(util)
-        if backend in SHARE_OF_FREE_ROLLOUTS:
-            base = device_bytes if free_at_start is None else free_at_start
-            mem.kv_cache = share * base - mem.weights
-            mem.notes.append(f"claims gpu_memory_utilization={share:g} of the memory free at its start")
-        else:
-            mem.kv_cache = share * device_bytes - mem.weights - start_activations - mem.graphs
-            mem.notes.append(f"claims gpu_memory_utilization={share:g} of the device")
-        if mem.kv_cache < demand.floor_bytes:
-            mem.notes.append(f"KV budget below the {demand.floor_bytes / GIB:.1f} GiB one batch needs: requests "
-                             "will queue")
-    mem.asleep = mem.graphs + (mem.weights if str(options.get("sleep_level")) == "kv_cache" else 0.0)
-    mem.idle = mem.active
-    return mem
+            spec = registry.backend(role_spec(role).kind, plan.group_of(role).roles[role])
+        except RegistryError:
+            out[role] = None
+            continue
+        out[role] = spec.memory() if hook == "memory_model" else spec.hook(hook)
+    return out
+
+
+def memory_models(cfg: RunConfig, plan: PlacementPlan, registry: Any = None) -> dict[str, Any]:
+    """Each placed role's memory model (an instance), None where its backend registers none."""
+    return backend_hooks(cfg, plan, registry, "memory_model")
+
+
+def role_context(cfg: RunConfig, plan: PlacementPlan, role: str, shape: ModelShape,
+                 device_bytes: float | None) -> RoleContext:
+    return RoleContext(cfg, role, plan.role_pool[role], shape, plan.group_of(role).world_size, plan.cluster.device,
+                       DTYPE_BYTES[cfg.model.dtype], device_bytes)
 
 
 def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, device_bytes: float | None,
                     source: str = "", shapes: dict[str, ModelShape] | None = None,
-                    settings: dict[str, TrainSettings] | None = None) -> MemoryEstimate:
-    """Per-role and per-pool memory of ``plan``. ``shapes`` gives other models by role (a critic or reward
-    model built from another checkpoint); the actor's ``shape`` otherwise. ``settings`` overrides the train
-    roles' settings by role (the auto choices try several)."""
+                    settings: dict[str, TrainSettings] | None = None, models: dict[str, Any] | None = None
+                    ) -> MemoryEstimate:
+    """Per-role and per-pool memory of ``plan``, from each role's backend's memory model (``models``, by role:
+    ``memory_models`` when not given). ``shapes`` gives other models by role (a critic or reward model built
+    from another checkpoint); the actor's ``shape`` otherwise. ``settings`` overrides the train roles' settings
+    by role (the auto choices try several). A role whose backend has no model is listed as not estimated."""
     shapes = shapes or {}
     settings = settings or {}
+    models = memory_models(cfg, plan) if models is None else models
     device = plan.cluster.device
     dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
-    compute_bytes = dtype_bytes if device == "cuda" else 4  # the FSDP engine computes in fp32 on CPU
     context = CUDA_CONTEXT_GIB * GIB if device == "cuda" else 0.0
     roles: list[RoleMemory] = []
+    unestimated: list[tuple[str, str, str]] = []
     for role, pool in plan.role_pool.items():
-        group = plan.group_of(role)
-        if role != "rollout" and role_spec(role).kind == "train":
-            roles.append(train_role_memory(cfg, role, pool, shapes.get(role, shape), group.world_size, compute_bytes,
-                                           trainable=role_spec(role).trainable, settings=settings.get(role),
-                                           device=device))
-    apply_lora(cfg, plan, roles, shape, compute_bytes, device, OPTIMIZER_GROUP_BYTES)  # base and adapters apart
+        if role == "rollout" or role_spec(role).kind != "train":
+            continue
+        model = models.get(role)
+        if model is None:
+            unestimated.append((role, pool, plan.group_of(role).roles[role]))
+            continue
+        ctx = role_context(cfg, plan, role, shapes.get(role, shape), device_bytes)
+        roles.append(model.role_memory(ctx, settings.get(role) or model.settings(cfg, role)))
+    compute_bytes = dtype_bytes if device == "cuda" else 4
+    apply_lora(cfg, plan, roles, shape, compute_bytes, device)  # base and adapters apart
+    rollout_model = models.get("rollout")
     pool_overhead: dict[str, float] = {}
     for pool in plan.pools:
         processes = sum(1 for g in plan.groups if g.pool == pool)
-        extra = sum(ENGINE_EXTRA_CONTEXT.get(backend, 0.0) for g in plan.groups if g.pool == pool
-                    for r, backend in g.roles.items() if r == "rollout") if device == "cuda" else 0.0
+        extra = sum(rollout_model.extra_context_bytes for g in plan.groups if g.pool == pool
+                    for r in g.roles if r == "rollout" and rollout_model is not None) if device == "cuda" else 0.0
         pool_overhead[pool] = processes * context + extra
     if "rollout" in plan.role_pool:
         pool = plan.role_pool["rollout"]
-        group = plan.group_of("rollout")
-        resident = sum(m.idle for m in roles if m.pool == pool)
-        free = None if device_bytes is None else device_bytes - pool_overhead[pool] - resident
-        roles.append(rollout_memory(cfg, pool, shapes.get("rollout", shape), group.world_size, dtype_bytes,
-                                    device_bytes, group.roles["rollout"], free))
-        apply_lora_rollout(cfg, plan, roles[-1], shapes.get("rollout", shape), dtype_bytes)
+        if rollout_model is None:
+            unestimated.append(("rollout", pool, plan.group_of("rollout").roles["rollout"]))
+        else:
+            resident = sum(m.idle for m in roles if m.pool == pool)
+            free = None if device_bytes is None else device_bytes - pool_overhead[pool] - resident
+            ctx = role_context(cfg, plan, "rollout", shapes.get("rollout", shape), device_bytes)
+            roles.append(rollout_model.role_memory(ctx, free))
+            apply_lora_rollout(cfg, plan, roles[-1], shapes.get("rollout", shape), dtype_bytes, rollout_model)
     by_role = {m.role: m for m in roles}
     pools: list[PoolMemory] = []
     warnings: list[str] = []
     for pool, devices in plan.pools.items():
         members = [m for m in roles if m.pool == pool]
-        if not members:
+        missing = [f"{r}[{b}]" for r, p, b in unestimated if p == pool]
+        if not members and not missing:
             continue
         processes = sum(1 for g in plan.groups if g.pool == pool)
-        colocated = len(members) > 1
+        colocated = len(members) + len(missing) > 1
         phases: dict[str, float] = {}
         largest: dict[str, RoleMemory] = {}  # phase -> the role holding the most memory in it
         for phase in STEP_PHASES:
             owner = phase_owner(phase)
-            if owner is None or owner[0] not in by_role:
+            if owner is None or owner[0] not in by_role or not members:
                 continue
             worker, mode = owner[0], owner[1].mode
             held: dict[str, float] = {}
@@ -594,36 +384,21 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
                     held[m.role] = m.idle
             phases[phase] = pool_overhead[pool] + sum(held.values())
             largest[phase] = by_role[max(held, key=held.__getitem__)]
-        pm = PoolMemory(pool, len(devices), [m.role for m in members], processes, phases, device_bytes)
+        pm = PoolMemory(pool, len(devices), [m.role for m in members], processes, phases, device_bytes, missing)
         pools.append(pm)
         if pm.fits is False:
+            worst = largest[pm.peak_phase]
             warnings.append(f"pool '{pool}' needs ~{pm.peak / GIB:.1f} GiB per device in phase {pm.peak_phase}, "
                             f"more than the {device_bytes / GIB:.0f} GiB device; "
-                            f"{_advice(cfg, largest[pm.peak_phase])}")
+                            f"{models[worst.role].advice(cfg, worst)}")
     for m in roles:
         if m.kind == "rollout" and m.kv_cache < 0:
             warnings.append(f"roles.rollout: no room for a KV cache ({m.kv_cache / GIB:.1f} GiB left under "
                             f"gpu_memory_utilization); raise it or add tensor_parallel")
         elif m.kind == "rollout" and any(n.startswith("KV floor") for n in m.notes):
             warnings.append("roles.rollout: " + next(n for n in m.notes if n.startswith("KV floor")))
-    return MemoryEstimate(shape, source, cfg.model.dtype, device, device_bytes, roles, pools, warnings)
-
-
-def _advice(cfg: RunConfig, worst: RoleMemory) -> str:
-    if worst.kind == "rollout":
-        return ("set roles.rollout.options.gpu_memory_utilization=auto (or lower it), offload the trainers "
-                "(roles.ref.options.offload=all, roles.actor.options.offload=optimizer), raise "
-                "roles.rollout.tensor_parallel, or give the rollout its own pool")
-    tips = []
-    options = role_options(cfg, worst.role)
-    tips.append(f"lower roles.{worst.role}.max_tokens_per_micro_batch (or micro_batch)")
-    if worst.kind == "train" and options.get("gradient_checkpointing") is not True:
-        tips.append(f"set roles.{worst.role}.options.gradient_checkpointing=true")
-    if worst.offload != "all":
-        mode = "optimizer" if worst.kind == "train" and worst.offload == "none" else "all"
-        tips.append(f"roles.{worst.role}.options.offload={mode}")
-    tips.append(f"spread {worst.role} over more devices (pools.{worst.pool})")
-    return f"{worst.role} holds the most: " + ", ".join(tips)
+    return MemoryEstimate(shape, source, cfg.model.dtype, device, device_bytes, roles, pools, warnings,
+                          unestimated=unestimated)
 
 
 # --- rendering ---------------------------------------------------------------------------------------
@@ -646,6 +421,9 @@ def render_memory(est: MemoryEstimate) -> str:
         idle = f"asleep {_gib(m.asleep)}" if colocated else _gib(m.idle)
         rows.append((m.pool, m.role, _gib(m.weights), m.share, _gib(m.grads), _gib(m.optimizer), _gib(m.activations),
                      _gib(m.kv_cache), _gib(m.active), idle, "; ".join(m.notes)))
+    for role, pool, backend in est.unestimated:
+        rows.append((pool, role, "-", "-", "-", "-", "-", "-", "-", "-",
+                     f"not estimated: backend '{backend}' has no memory model"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for i, row in enumerate(rows):
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -654,6 +432,8 @@ def render_memory(est: MemoryEstimate) -> str:
     for p in est.pools:
         phases = ", ".join(f"{k} {_gib(v)}" for k, v in p.phases.items())
         verdict = "" if p.fits is None else ("  ok" if p.fits else "  DOES NOT FIT")
+        if p.unestimated:
+            verdict += f"  (without {', '.join(p.unestimated)}: not estimated)"
         lines.append(f"pool {p.pool} ({p.devices} device(s), {' + '.join(p.roles)}): peak {_gib(p.peak)} {unit} in "
                      f"{p.peak_phase} [{phases}]{verdict}")
     context = f"; +{CUDA_CONTEXT_GIB:g} GiB CUDA context per process" if est.device == "cuda" else ""

@@ -77,8 +77,10 @@ def load_object(target: str | Any) -> Any:
 
 
 @dataclass(frozen=True)
-class BackendEntry:
-    """One train or rollout backend as a plugin registered it."""
+class BackendSpec:
+    """One train or rollout backend as a plugin registered it, with what it knows about itself: its
+    capabilities, its option checks and ``auto`` options, its memory model, the keys that answer an out of
+    memory on it, and how its FLOPs are counted. The core reads these; it never keys anything on a name."""
 
     kind: BackendKind
     name: str
@@ -101,9 +103,37 @@ class BackendEntry:
     #: engine): the backend's own ``auto`` options, resolved by pre-flight for ``device`` ("cpu", "cuda") and
     #: recorded with the core's auto choices (``placement.auto.resolve_backend_options``).
     resolve_options: Any = None
+    #: the backend's memory model (``hybridrl.placement.model_protocol``: ``TrainMemoryModel`` or
+    #: ``RolloutMemoryModel``), an object or ``"module:attr"`` (a class is instantiated); None: the plan shows
+    #: the role as not estimated and the ``auto`` search leaves it alone.
+    memory_model: Any = None
+    #: ``fn(role, mem, phase) -> [fix]`` (or ``"module:function"``): config keys that lower the memory of
+    #: ``role`` in ``phase`` (``mem``: its planned ``RoleMemory`` or None), cheapest first; ``phase`` None:
+    #: what the role can give up while another role on its devices works (``hybridrl.run.oom``).
+    oom_fixes: Any = None
+    #: ``fn(role, options) -> bool`` (or ``"module:function"``): whether the engine computes each distinct prompt
+    #: of a group once (its FLOPs count it once: ``hybridrl.observe.flops``).
+    shares_prompts: Any = None
 
     def can(self, capability: str) -> bool:
         return capability in self.supports
+
+    def hook(self, name: str) -> Any:
+        """The loaded hook ``name`` (``memory_model``, ``oom_fixes`` ...), None when not registered; a hook that
+        cannot load is an error naming the backend and its plugin."""
+        target = getattr(self, name)
+        if target is None:
+            return None
+        try:
+            return load_object(target)
+        except (ImportError, AttributeError) as exc:
+            raise RegistryError(f"{self.kind} backend '{self.name}' (plugin {self.plugin}) cannot load its "
+                                f"{name} {target}: {exc}") from exc
+
+    def memory(self) -> Any:
+        """The memory model (an instance), or None."""
+        model = self.hook("memory_model")
+        return model() if isinstance(model, type) else model
 
     def engine_problem(self) -> str | None:
         """Why the engine cannot be used here, or None when it can."""
@@ -123,6 +153,10 @@ class BackendEntry:
         except ImportError as exc:
             raise RegistryError(f"{self.kind} backend '{self.name}' (plugin {self.plugin}) could not load "
                                 f"{self.target}: {exc}") from exc
+
+
+#: the name plugins and older code use for a backend's record.
+BackendEntry = BackendSpec
 
 
 @dataclass(frozen=True)
@@ -168,7 +202,8 @@ class Registry:
     # --- backends -------------------------------------------------------------------------------
     def _add_backend(self, kind: BackendKind, name: str, target: Any, requires: str | list[str] | tuple[str, ...],
                      install_hint: str, process_family: str, devices: tuple[str, ...], supports: Iterable[str],
-                     max_ranks: int | None, check_options: Any, resolve_options: Any = None) -> None:
+                     max_ranks: int | None, check_options: Any, resolve_options: Any = None,
+                     **hooks: Any) -> None:
         key = (kind, name)
         if key in self.backends:
             raise RegistryError(
@@ -180,31 +215,36 @@ class Registry:
         if max_ranks is not None and max_ranks < 1:
             raise RegistryError(f"{kind} backend '{name}': max_ranks must be at least 1, got {max_ranks}")
         reqs = (requires,) if isinstance(requires, str) else tuple(requires)
-        self.backends[key] = BackendEntry(kind, name, target, self.current_plugin, reqs, install_hint,
-                                          process_family, tuple(devices), declared, max_ranks, check_options,
-                                          resolve_options)
+        self.backends[key] = BackendSpec(kind, name, target, self.current_plugin, reqs, install_hint,
+                                         process_family, tuple(devices), declared, max_ranks, check_options,
+                                         resolve_options, **hooks)
 
     def add_train_engine(self, name: str, target: Any, *, requires: str | list[str] = (), install_hint: str = "",
                          process_family: str = "torch-dist", devices: tuple[str, ...] = ("cpu", "cuda"),
                          supports: Iterable[str] = (), max_ranks: int | None = None, check_options: Any = None,
-                         resolve_options: Any = None) -> None:
+                         resolve_options: Any = None, memory_model: Any = None, oom_fixes: Any = None,
+                         shares_prompts: Any = None) -> None:
         """Register a ``TrainEngine`` class (or ``"module:Class"``) under ``name``; ``supports`` names its
         optional capabilities (``capabilities.TRAIN_CAPABILITIES``), ``max_ranks`` the most ranks it spans,
-        ``check_options`` its pre-flight check of its own settings (see ``BackendEntry.check_options``),
-        ``resolve_options`` its own ``auto`` settings (``BackendEntry.resolve_options``)."""
+        ``check_options`` its pre-flight check of its own settings (see ``BackendSpec.check_options``),
+        ``resolve_options`` its own ``auto`` settings (``BackendSpec.resolve_options``), ``memory_model``,
+        ``oom_fixes`` and ``shares_prompts`` what the planner, the out-of-memory answer and the FLOP count ask
+        of it (see ``BackendSpec``)."""
         self._add_backend("train", name, target, requires, install_hint, process_family, devices, supports, max_ranks,
-                          check_options, resolve_options)
+                          check_options, resolve_options, memory_model=memory_model, oom_fixes=oom_fixes,
+                          shares_prompts=shares_prompts)
 
     def add_rollout(self, name: str, target: Any, *, requires: str | list[str] = (), install_hint: str = "",
                     process_family: str = "any", devices: tuple[str, ...] = ("cpu", "cuda"),
                     supports: Iterable[str] = (), max_ranks: int | None = None, check_options: Any = None,
-                    resolve_options: Any = None) -> None:
+                    resolve_options: Any = None, memory_model: Any = None, oom_fixes: Any = None) -> None:
         """Register a ``RolloutEngine`` class (or ``"module:Class"``) under ``name``; ``supports`` names its
         optional capabilities (``capabilities.ROLLOUT_CAPABILITIES``), ``max_ranks`` the most ranks it spans,
-        ``check_options`` its pre-flight check of its own settings (see ``BackendEntry.check_options``),
-        ``resolve_options`` its own ``auto`` settings (``BackendEntry.resolve_options``)."""
+        ``check_options`` its pre-flight check of its own settings (see ``BackendSpec.check_options``),
+        ``resolve_options`` its own ``auto`` settings (``BackendSpec.resolve_options``), ``memory_model`` and
+        ``oom_fixes`` what the planner and the out-of-memory answer ask of it (see ``BackendSpec``)."""
         self._add_backend("rollout", name, target, requires, install_hint, process_family, devices, supports,
-                          max_ranks, check_options, resolve_options)
+                          max_ranks, check_options, resolve_options, memory_model=memory_model, oom_fixes=oom_fixes)
 
     def add_bridge(self, trainer: str, rollout: str, transport: str, target: Any, *, scope: str = "cluster") -> None:
         """Register a reshard bridge for a backend pair; later registrations of the same key win. ``scope``

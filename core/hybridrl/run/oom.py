@@ -118,43 +118,47 @@ def _measured(report: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+#: phases in which the rollout works (or is being woken, built, synced or put to sleep).
+ROLLOUT_PHASES = ("wake", "gen", "build", "reshard", "sleep")
+
+
 def fixes_for(plan: Any, role: str | None, phase: str | None) -> list[str]:
-    """Config keys that lower the memory of ``phase``, cheapest first (by what they cost a step), from the
-    settings the estimate was made with."""
+    """Config keys that lower the memory of ``phase``, cheapest first, from the settings the estimate was made
+    with: the failing role's backend's own keys (``BackendSpec.oom_fixes``), what the roles beside it can give up
+    (their state offloaded), then more devices. The core names no backend's option."""
     est = getattr(plan, "memory", None)
     roles = {m.role: m for m in est.roles} if est is not None else {}
+    hooks = dict(getattr(est, "oom_fixes", {}) or {})
     fixes: list[str] = []
-    if role == "rollout" or phase in ("wake", "gen", "build", "reshard", "sleep"):
-        rollout = roles.get("rollout")
-        if rollout is not None and rollout.utilization not in (None, "auto"):
-            fixes.append("roles.rollout.options.gpu_memory_utilization=auto (the KV cache sized from what is free)")
-        fixes += _offload_fixes(roles)
+    if role == "rollout" or phase in ROLLOUT_PHASES:
+        fixes += _own(hooks, roles, "rollout", phase or "gen")
+        fixes += _relief(plan, hooks, roles, exclude="rollout")
         fixes.append("roles.rollout.tensor_parallel=2 (the engine over more devices)")
         fixes.append("data.prompts_per_step lower (fewer sequences in flight)")
         return fixes
     if role is None:
         return fixes
-    mem = roles.get(role)
-    if mem is not None and mem.tokens:
-        fixes.append(f"roles.{role}.max_tokens_per_micro_batch={max(1, int(mem.tokens) // 2)}")
-    else:
-        fixes.append(f"roles.{role}.micro_batch lower")
-    if phase and phase.startswith("update") and not (mem is not None and mem.checkpointing):
-        fixes.append(f"roles.{role}.options.gradient_checkpointing=true")
-    fixes += _offload_fixes(roles)
+    fixes += _own(hooks, roles, role, phase or "") or [f"roles.{role}.micro_batch lower"]
+    fixes += [f for f in _relief(plan, hooks, roles) if f not in fixes]
     pool = plan.role_pool.get(role) if plan is not None else None
     if pool is not None:
         fixes.append(f"pools.{pool}.devices_per_node={2 * len(plan.pools[pool])} (shards over more devices)")
     return fixes
 
 
-def _offload_fixes(roles: dict[str, Any]) -> list[str]:
-    out = []
-    ref, actor = roles.get("ref"), roles.get("actor")
-    if ref is None or ref.offload != "all":
-        out.append("roles.ref.options.offload=all")
-    if actor is None or actor.offload == "none":
-        out.append("roles.actor.options.offload=optimizer")
-    if actor is None or actor.offload != "all":
-        out.append("roles.actor.options.offload=all")
+def _own(hooks: dict[str, Any], roles: dict[str, Any], role: str, phase: str) -> list[str]:
+    hook = hooks.get(role)
+    return list(hook(role, roles.get(role), phase)) if hook is not None else []
+
+
+def _relief(plan: Any, hooks: dict[str, Any], roles: dict[str, Any], exclude: str | None = None) -> list[str]:
+    """What the train roles can give up for another's phase, frozen roles first (no optimizer to keep)."""
+    from hybridrl.roles import role_spec
+
+    placed = [r for r in getattr(plan, "role_pool", {}) if r != exclude and role_spec(r).kind == "train"]
+    out: list[str] = []
+    for role in sorted(placed, key=lambda r: role_spec(r).trainable):
+        hook = hooks.get(role)
+        if hook is not None:
+            out += hook(role, roles.get(role), None)
     return out

@@ -28,7 +28,7 @@ from hybridrl.batch import (ADVANTAGES, BASELINE_SCORES, GROUP_INDEX, LOG_PROBS,
                             first_row_of_each_group, left_pad, response_attention_mask, sequence_keys)
 from hybridrl.engines import SamplingParams
 from hybridrl.environments.driver import Episodes
-from hybridrl.observe.flops import step_perf_metrics
+from hybridrl.observe.flops import shared_prompt_roles, step_perf_metrics
 from hybridrl.observe.gc_pauses import gc_pause_metrics
 from hybridrl.observe.memory import peak_memory_metrics
 from hybridrl.observe.timing import PhaseTimer
@@ -133,9 +133,7 @@ class Trainer:
             every=cfg.trainer.save_every, last=cfg.trainer.steps)
         self.guard = StepGuard(cfg.trainer.max_bad_steps, setup.plan, self.checkpointer)
         #: roles whose engine computes each distinct prompt once (their FLOPs count it once: observe.flops)
-        self.shared_prompt_roles = {role for role in setup.plan.role_pool
-                                    if (getattr(getattr(cfg.roles, role, None), "options", None) or {})
-                                    .get("share_prompts") is True}
+        self.shared_prompt_roles = shared_prompt_roles(cfg, setup.plan, self.registry)
         self.validator: Validator | None = None  # data.val: built by start, with the rollout it uses
 
     # --- Stateful: what a checkpoint keeps of the driver ------------------------------------------------

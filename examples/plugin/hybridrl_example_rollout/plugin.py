@@ -14,4 +14,7 @@ def hybridrl_register_backends(registry):
     # devices for it is refused by pre-flight.
     registry.add_train_engine("example_train", "hybridrl_example_rollout.train_engine:ExampleTrainer",
                               requires=["transformers>=4.57"], install_hint="pip install hybridrl-example-rollout",
-                              supports={"checkpoint", "offload"}, max_ranks=1)
+                              supports={"checkpoint", "offload"}, max_ranks=1,
+                              # what a role of it holds on its device (memory.py, no torch): ``hybridrl plan``
+                              # sizes it and the auto search picks its micro-batch
+                              memory_model="hybridrl_example_rollout.memory:ExampleTrainerMemory")

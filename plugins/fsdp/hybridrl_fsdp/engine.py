@@ -39,11 +39,11 @@ from hybridrl.engine_support import (WeightedMean, check_same_count, engine_devi
 from hybridrl.engines import EngineContext, LossScale, Objective, TrainEngine, TrainingOptions, WeightBucket
 from hybridrl.weights.sync_check import GREEDY_MARGIN, greedy_margins
 from hybridrl.weights.buckets import group_into_buckets
-from hybridrl.placement.memory import OPTIMIZER_GROUP_BYTES
 from hybridrl.roles import role_spec
 
 from hybridrl_fsdp.fused_head import install_log_prob_head
 from hybridrl_fsdp.lora import Adapters
+from hybridrl_fsdp.memory import OPTIMIZER_GROUP_BYTES
 from hybridrl_fsdp.logprobs import chunked_log_probs
 from hybridrl_fsdp.settings import FSDPSettings
 from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter_rows

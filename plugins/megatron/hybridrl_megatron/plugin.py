@@ -11,4 +11,6 @@ def hybridrl_register_backends(registry):
                               requires=["megatron.core>=0.16,<0.17"], process_family="megatron",
                               install_hint="pip install 'hybridrl-megatron[engine]'",
                               supports={"checkpoint", "greedy_margins", "value_head", "offload"},
-                              check_options="hybridrl_megatron.settings:option_problems")
+                              check_options="hybridrl_megatron.settings:option_problems",
+                              memory_model="hybridrl_megatron.memory:MEGATRON_MEMORY",
+                              oom_fixes="hybridrl_megatron.memory:oom_fixes")

@@ -103,7 +103,8 @@ class SGLangRollout(RolloutEngine):
         """``gpu_memory_utilization: auto``: the KV pool from what is free now, the trainers of this process
         built (``hybridrl.rollout.kv_budget``, ``options.auto_fraction``); a number is checked against it."""
         from hybridrl.engine_support import release_cached_device_memory
-        from hybridrl.placement.memory import DTYPE_BYTES, read_hf_config, rollout_overhead_bytes, shape_from_hf_config
+        from hybridrl.placement.memory import DTYPE_BYTES, read_hf_config, shape_from_hf_config
+        from hybridrl_sglang.memory import SGLANG_MEMORY
         from hybridrl.rollout.kv_budget import AUTO, demand_from_options
 
         release_cached_device_memory(collect=True)
@@ -119,7 +120,7 @@ class SGLangRollout(RolloutEngine):
         if self.opts.gpu_memory_utilization != AUTO:
             check_fraction(float(self.opts.gpu_memory_utilization), int(free), int(self.weights_bytes), device)
             return None
-        activations, graphs = rollout_overhead_bytes(shape, dtype_bytes, "sglang", dict(ctx.options), total, tp)
+        activations, graphs = SGLANG_MEMORY.overhead_bytes(shape, dtype_bytes, dict(ctx.options), total, tp)
         return auto_fraction(int(free), int(self.weights_bytes), int(activations + graphs), self.kv_bytes_per_token,
                              self.demand, device)
 

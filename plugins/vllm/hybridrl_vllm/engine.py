@@ -193,7 +193,8 @@ class VLLMRollout(RolloutEngine):
         """The KV cache from what is free now: the trainers of this process are built and hold their resident
         state (``gpu_memory_utilization: auto``, ``hybridrl.rollout.kv_budget``)."""
         from hybridrl.engine_support import release_cached_device_memory
-        from hybridrl.placement.memory import DTYPE_BYTES, read_hf_config, rollout_overhead_bytes, shape_from_hf_config
+        from hybridrl.placement.memory import DTYPE_BYTES, read_hf_config, shape_from_hf_config
+        from hybridrl_vllm.memory import VLLM_MEMORY
         from hybridrl.rollout.kv_budget import demand_from_options
 
         release_cached_device_memory(collect=True)
@@ -204,7 +205,7 @@ class VLLMRollout(RolloutEngine):
         self.kv_bytes_per_token = shape.kv_bytes_per_token(dtype_bytes) // tp
         self.demand = demand_from_options(ctx.options, self.layout.replicas, self.kv_bytes_per_token,
                                           context_tokens=self.opts.max_model_len or shape.max_positions)
-        activations, graphs = rollout_overhead_bytes(shape, dtype_bytes, "vllm", dict(ctx.options), total, tp)
+        activations, graphs = VLLM_MEMORY.overhead_bytes(shape, dtype_bytes, dict(ctx.options), total, tp)
         memory = start_memory(self.opts, int(free), int(total), int(shape.param_count() * dtype_bytes // tp),
                               int(activations + graphs), self.demand, device=f"cuda:{torch.cuda.current_device()}")
         if memory.sizing is not None:
