@@ -34,6 +34,9 @@ INDEPENDENT = ("each update must start from zero gradients: after an update, an 
                "(advantages all 0; betas=(0, 0), weight_decay=0: no momentum, no decay) must leave the weights "
                "unchanged (an engine that never zeroes its gradients applies the previous update's again)")
 
+POSITIONS = ("log-probs of a left-padded row must be those of its tokens alone: position ids count from the row's "
+             "first real token (checked on an absolute-position model, GPT-2)")
+
 SEQUENCE_KEYS = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
 
 
@@ -175,6 +178,14 @@ class TrainEngineContract(KitBase):
         layout, agree = self._log_prob_problems(engine, batch, policy_ref, None, False)
         check(backend_name, LAYOUT, layout)
         check(backend_name, LOG_PROBS_AGREE, agree)
+
+    def test_left_padding_keeps_positions(self, backend_name: str, make_trainer: Callable[..., Any], batch: Batch,
+                                          position_model: Path) -> None:
+        """The kit's left-padded batch scored by a GPT-2 (learned absolute positions), against each row alone."""
+        engine = make_trainer(path=position_model)
+        layout, agree = self._log_prob_problems(engine, batch, ReferenceModel(position_model), None, False)
+        check(backend_name, LAYOUT, layout)
+        check(backend_name, POSITIONS, agree)
 
     # --- updates ----------------------------------------------------------------------------------------
     def test_zero_lr_update_changes_nothing(self, backend_name: str, make_trainer: Callable[..., Any],
