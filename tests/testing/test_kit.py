@@ -9,6 +9,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from hybridrl.plugins.discovery import build_registry, plugin_manager
 from hybridrl.testing import bridge_contract as bridge
@@ -179,6 +180,16 @@ class PadsRequests(ServesRequests):
         return GeneratedTokens(out[RESPONSE_IDS][0].tolist(), out[ROLLOUT_LOG_PROBS][0].tolist())
 
 
+class KeepsMemory(HFRollout):
+    """Sleeps without releasing anything (the weights and caches stay on the device)."""
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+
 class CopiesInPlace(HFRollout):
     """Declares, truthfully, that import_weights copies straight into the weights: syncs come in large buckets."""
 
@@ -211,7 +222,7 @@ def hybridrl_register_backends(registry):
                       ("broken_logp", ShiftedLogProbs), ("broken_limit", NoContextLimit),
                       ("broken_sleep", ForgetfulSleep), ("broken_temperature", SamplesAtOne),
                       ("broken_seed", OneStream), ("broken_positions", CountsPadding),
-                      ("no_staging", CopiesInPlace)]:
+                      ("no_staging", CopiesInPlace), ("keeps_memory", KeepsMemory)]:
         registry.add_rollout(name, cls, supports={"sleep", "named_weights"})  # as the hf rollout they extend
     registry.add_rollout("requests_ok", ServesRequests, supports={"sleep", "named_weights", "requests"})
     registry.add_rollout("broken_requests", PadsRequests, supports={"sleep", "named_weights", "requests"})
@@ -291,6 +302,17 @@ def test_broken_backends_fail_naming_the_broken_contract(kit_env: pytest.Pyteste
     export_failure = out.split(f"backend 'broken_export': {train.EXPORT}")[1].split("\n_")[0]
     assert export_failure.count("differs by up to") > 8 and "... and" not in export_failure  # none hidden
     result.assert_outcomes(failed=len(CASES), passed=len(PASSING))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sleep_that_releases_nothing_fails_on_cuda(kit_env: pytest.Pytester) -> None:
+    result = kit_env.runpytest_subprocess(*_backend_args(["keeps_memory", "hf"]), "--hybridrl-device=cuda", "-k",
+                                          "test_sleep_releases_device_memory", "-p", "no:cacheprovider", timeout=300)
+    out = result.stdout.str()
+    assert re.search(r"FAILED \S*::test_sleep_releases_device_memory\[keeps_memory\]", out), out[-3000:]
+    assert f"backend 'keeps_memory': {rollout.SLEEP_RELEASES}" in out and "sleep released " in out
+    result.assert_outcomes(failed=1, passed=1)
 
 
 def _unusable(name: str) -> bool:
