@@ -9,6 +9,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from hybridrl.plugins.discovery import build_registry, plugin_manager
 from hybridrl.testing import bridge_contract as bridge
@@ -24,8 +25,9 @@ import dataclasses
 import torch
 
 from hybridrl import hookimpl
-from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
-from hybridrl.rollout.hf import HFRollout
+from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
+from hybridrl.engines import GeneratedTokens
+from hybridrl.rollout.hf import HFRollout, filter_logits
 from hybridrl_fsdp.engine import FSDPEngine
 
 
@@ -121,15 +123,112 @@ class LateLogProbs(FSDPEngine):
         return out.logits[:, input_ids.shape[1] - response_len:, :]  # token t scored by the logits after it
 
 
+def _sampled_log_probs(logits, params):
+    return torch.log_softmax(filter_logits(logits / params.temperature, params.top_k, params.top_p), dim=-1)
+
+
+class SamplesAtOne(HFRollout):
+    """Draws at temperature 1 whatever is asked, reports the log-probs of the temperature asked for."""
+
+    @staticmethod
+    def _sample(logits, params, generator):
+        if params.greedy:
+            return HFRollout._sample(logits, params, generator)
+        token, _ = HFRollout._sample(logits, dataclasses.replace(params, temperature=1.0, top_p=1.0), generator)
+        return token, _sampled_log_probs(logits, params).gather(1, token[:, None]).squeeze(1)
+
+
+class OneStream(HFRollout):
+    """One random number per step for the whole batch: every row with the same prompt draws the same tokens."""
+
+    @staticmethod
+    def _sample(logits, params, generator):
+        if params.greedy:
+            return HFRollout._sample(logits, params, generator)
+        logp = _sampled_log_probs(logits, params)
+        u = torch.rand(1, generator=generator, device=logits.device)
+        token = (logp.exp().cumsum(-1) < u).sum(-1).clamp(max=logits.shape[-1] - 1)
+        return token, logp.gather(1, token[:, None]).squeeze(1)
+
+
+class CountsPadding(HFRollout):
+    """Leaves the position ids to the model: they count the left padding."""
+
+    def _forward(self, ids, attn, pos, cache):
+        return super()._forward(ids, attn, None, cache)
+
+
+class ServesRequests(HFRollout):
+    """Single requests through ``generate`` on a batch of one (correct, not concurrent)."""
+
+    def _one(self, prompt_ids, params):
+        prompt = torch.tensor([prompt_ids], dtype=torch.long)
+        return self.generate(Batch.from_tensors({PROMPT_IDS: prompt, PROMPT_MASK: torch.ones_like(prompt)}), params)
+
+    async def generate_request(self, prompt_ids, params):
+        out = self._one(prompt_ids, params)
+        n = int(out[RESPONSE_MASK][0].sum())
+        return GeneratedTokens(out[RESPONSE_IDS][0, :n].tolist(),
+                               out[ROLLOUT_LOG_PROBS][0, :n].tolist() if params.logprobs else None)
+
+
+class PadsRequests(ServesRequests):
+    """Returns every request at the full width: the padding after a stop token comes back as tokens."""
+
+    async def generate_request(self, prompt_ids, params):
+        out = self._one(prompt_ids, params)
+        return GeneratedTokens(out[RESPONSE_IDS][0].tolist(), out[ROLLOUT_LOG_PROBS][0].tolist())
+
+
+class KeepsMemory(HFRollout):
+    """Sleeps without releasing anything (the weights and caches stay on the device)."""
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+
+class CopiesInPlace(HFRollout):
+    """Declares, truthfully, that import_weights copies straight into the weights: syncs come in large buckets."""
+
+    def imports_without_staging(self):
+        return True
+
+
+class OneBucket(FSDPEngine):
+    """Sends the whole model in one bucket, whatever bucket_bytes asks for."""
+
+    def export_weights_transient(self, bucket_bytes):
+        yield [item for bucket in super().export_weights_transient(bucket_bytes) for item in bucket]
+
+
+class LeavesPositions(FSDPEngine):
+    """Scores without position ids: they count the left padding."""
+
+    def __init__(self, ctx):
+        super().__init__(dataclasses.replace(ctx, options={**ctx.options, "packing": False}))
+        self._log_prob_head = None
+
+    def _response_logits(self, input_ids, attention_mask, position_ids, response_len):
+        return super()._response_logits(input_ids, attention_mask, None, response_len)
+
+
 @hookimpl
 def hybridrl_register_backends(registry):
     for name, cls in [("broken_import", IgnoresImport), ("broken_width", NarrowOutput),
                       ("broken_refs", KeepsReferences), ("broken_eos", EosOutsideMask),
                       ("broken_logp", ShiftedLogProbs), ("broken_limit", NoContextLimit),
-                      ("broken_sleep", ForgetfulSleep)]:
+                      ("broken_sleep", ForgetfulSleep), ("broken_temperature", SamplesAtOne),
+                      ("broken_seed", OneStream), ("broken_positions", CountsPadding),
+                      ("no_staging", CopiesInPlace), ("keeps_memory", KeepsMemory)]:
         registry.add_rollout(name, cls, supports={"sleep", "named_weights"})  # as the hf rollout they extend
+    registry.add_rollout("requests_ok", ServesRequests, supports={"sleep", "named_weights", "requests"})
+    registry.add_rollout("broken_requests", PadsRequests, supports={"sleep", "named_weights", "requests"})
     for name, cls in [("broken_export", NoisyExport), ("broken_zero_lr", IgnoresZeroLr), ("broken_ascent", Ascends),
-                      ("broken_grads", KeepsGradients), ("broken_shift", LateLogProbs)]:
+                      ("broken_grads", KeepsGradients), ("broken_shift", LateLogProbs),
+                      ("one_bucket", OneBucket), ("broken_positions_train", LeavesPositions)]:
         registry.add_train_engine(name, cls, supports={"checkpoint", "greedy_margins", "offload"})
     registry.add_rollout("needs_missing", "kit_nowhere.engine:Engine", requires=["not_a_real_engine>=1.0"],
                          install_hint="pip install not-a-real-engine")
@@ -151,10 +250,20 @@ CASES = [
     ("broken_grads", "test_consecutive_updates_are_independent", train.INDEPENDENT),
     ("broken_shift", "test_log_probs_match_transformers", train.LOG_PROBS_AGREE),
     ("broken_zero_lr-to-broken_import", "test_sync_gives_the_rollout_the_trainer_weights", bridge.SYNC),
+    ("broken_temperature", "test_draws_follow_the_sampling_distribution", rollout.DRAWS),
+    ("broken_seed", "test_identical_prompts_give_different_samples", rollout.ROWS_DIFFER),
+    ("broken_positions", "test_left_padding_keeps_positions", rollout.POSITIONS),
+    ("broken_positions_train", "test_left_padding_keeps_positions", train.POSITIONS),
+    ("broken_requests", "test_requests_follow_the_generate_contract", rollout.REQUESTS),
+    ("one_bucket-to-hf", "test_sync_gives_the_rollout_the_trainer_weights", bridge.BUCKETS),
 ]
+#: the parameter a case's test runs with (its id reads ``[backend-setting]``)
+SETTING = {"broken_temperature": "t0.7"}
 # healthy selections in the same run: the built-in rollout and a working pair must pass
 PASSING = [("hf", "test_output_layout"), ("hf", "test_import_weights_gives_the_reference_model"),
-           ("broken_zero_lr-to-hf", "test_sync_gives_the_rollout_the_trainer_weights")]
+           ("broken_zero_lr-to-hf", "test_sync_gives_the_rollout_the_trainer_weights"),
+           ("requests_ok", "test_requests_follow_the_generate_contract"),
+           ("broken_zero_lr-to-no_staging", "test_sync_gives_the_rollout_the_trainer_weights")]
 
 
 @pytest.fixture
@@ -169,15 +278,23 @@ def _backend_args(names: list[str]) -> list[str]:
     return [f"--hybridrl-backend={n}" for n in names]
 
 
+def _selected(backend: str, test: str) -> str:
+    """The -k term of one case (one setting of a parametrized test: "t0.7" alone, not "t0.7-topk5")."""
+    setting = SETTING.get(backend)
+    return f"({backend} and {test}" + (f" and {setting} and not topk5 and not topp0.8)" if setting else ")")
+
+
 def test_broken_backends_fail_naming_the_broken_contract(kit_env: pytest.Pytester) -> None:
-    names = sorted({backend for backend, _, _ in CASES if "-to-" not in backend} | {"hf"})
-    select = " or ".join(f"({backend} and {test})" for backend, test, _ in CASES)
-    select += " or " + " or ".join(f"({backend} and {test})" for backend, test in PASSING)
+    pairs = [b for b, *_ in CASES + PASSING]
+    names = sorted({name for pair in pairs for name in pair.split("-to-")})
+    select = " or ".join(_selected(backend, test) for backend, test, _ in CASES)
+    select += " or " + " or ".join(_selected(backend, test) for backend, test in PASSING)
     result = kit_env.runpytest_subprocess(*_backend_args(names), "-k", select, "-p", "no:cacheprovider",
                                           timeout=540)
     out = result.stdout.str()
     for backend, test, contract in CASES:
-        assert re.search(rf"FAILED \S*::{test}\[{re.escape(backend)}\]", out), f"{backend} {test} did not fail"
+        test_id = f"{backend}-{SETTING[backend]}" if backend in SETTING else backend
+        assert re.search(rf"FAILED \S*::{test}\[{re.escape(test_id)}\]", out), f"{backend} {test} did not fail"
         named = f"backend '{backend.replace('-to-', ' -> ')}': {contract}"
         assert named in out, f"{backend}: the failure does not name '{contract}'"
     assert "backend 'broken_import': greedy outputs differ from the reference model after import_weights" in out
@@ -185,6 +302,17 @@ def test_broken_backends_fail_naming_the_broken_contract(kit_env: pytest.Pyteste
     export_failure = out.split(f"backend 'broken_export': {train.EXPORT}")[1].split("\n_")[0]
     assert export_failure.count("differs by up to") > 8 and "... and" not in export_failure  # none hidden
     result.assert_outcomes(failed=len(CASES), passed=len(PASSING))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sleep_that_releases_nothing_fails_on_cuda(kit_env: pytest.Pytester) -> None:
+    result = kit_env.runpytest_subprocess(*_backend_args(["keeps_memory", "hf"]), "--hybridrl-device=cuda", "-k",
+                                          "test_sleep_releases_device_memory", "-p", "no:cacheprovider", timeout=300)
+    out = result.stdout.str()
+    assert re.search(r"FAILED \S*::test_sleep_releases_device_memory\[keeps_memory\]", out), out[-3000:]
+    assert f"backend 'keeps_memory': {rollout.SLEEP_RELEASES}" in out and "sleep released " in out
+    result.assert_outcomes(failed=1, passed=1)
 
 
 def _unusable(name: str) -> bool:

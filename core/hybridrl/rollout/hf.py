@@ -138,8 +138,6 @@ class HFRollout(RolloutEngine):
             # Each data-parallel rank draws its own stream: the driver sends one seed to all of them.
             generator.manual_seed(int(params.seed) * 1_000_003 + self.ctx.rank)
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=dev)
-        greedy = params.greedy
-        temperature = float(params.temperature)
 
         cache = DynamicCache(config=self.model.config)
         attn = prompt_mask
@@ -151,14 +149,7 @@ class HFRollout(RolloutEngine):
         for t in range(width):
             if t < params.min_new_tokens:
                 logits[:, eos] = float("-inf")
-            if greedy:
-                step_logp = torch.log_softmax(logits, dim=-1)
-                token = logits.argmax(dim=-1)
-            else:
-                scaled = filter_logits(logits / temperature, params.top_k, params.top_p)
-                step_logp = torch.log_softmax(scaled, dim=-1)
-                token = torch.multinomial(step_logp.exp(), 1, generator=generator).squeeze(1)
-            token_logp = step_logp.gather(1, token[:, None]).squeeze(1)
+            token, token_logp = self._sample(logits, params, generator)
 
             live = ~finished
             response_ids[:, t] = torch.where(live, token, self.pad_id)
@@ -174,6 +165,21 @@ class HFRollout(RolloutEngine):
             next_pos = next_pos + 1
 
         return self._result(response_ids, response_mask, log_probs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step's tokens ``(B,)`` and their log-probs under the distribution they were drawn from: the
+        argmax and the raw log-softmax when greedy, else a draw from the temperature-scaled, top-k/top-p
+        filtered distribution (one generator for the batch: every row draws its own numbers)."""
+        if params.greedy:
+            step_logp = torch.log_softmax(logits, dim=-1)
+            token = logits.argmax(dim=-1)
+        else:
+            scaled = filter_logits(logits / float(params.temperature), params.top_k, params.top_p)
+            step_logp = torch.log_softmax(scaled, dim=-1)
+            token = torch.multinomial(step_logp.exp(), 1, generator=generator).squeeze(1)
+        return token, step_logp.gather(1, token[:, None]).squeeze(1)
 
     def _prefill(self, prompt_ids: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor, cache: Any
                  ) -> torch.Tensor:

@@ -84,9 +84,15 @@ def role_options(role: str, **overrides: Any) -> dict[str, Any]:
     """The options a real run hands the role's engine (the typed role keys with their defaults, see
     ``hybridrl.runtime.launch.role_options``), with ``overrides`` on top."""
     from hybridrl.config import ActorConfig, RefConfig, RolloutConfig
+    from hybridrl.config.schema import CriticConfig, RewardModelConfig
 
-    model = {"actor": ActorConfig, "ref": RefConfig, "rollout": RolloutConfig}[role]
-    options = model.model_construct().model_dump(exclude={"pool", "backend", "options"})
+    if role == "reward":  # the reward role's engine options are those of its model (runtime.launch.role_options)
+        options = RewardModelConfig.model_construct().model_dump(exclude={"path", "tiny", "coef"})
+    else:
+        model = {"actor": ActorConfig, "ref": RefConfig, "rollout": RolloutConfig, "critic": CriticConfig}[role]
+        # the value loss's keys are the driver's (the objective), not the engine's
+        options = model.model_construct().model_dump(exclude={"pool", "backend", "options", "model_path",
+                                                               "cliprange_value", "loss_agg"})
     options.update(overrides)
     return {k: v for k, v in options.items() if v is not None}
 

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from hybridrl.testing import backends
-from hybridrl.testing.models import KitModels, KitModelSpec, build_kit_models
+from hybridrl.testing.models import KitModels, KitModelSpec, build_absolute_position_model, build_kit_models
 
 _BUILT: dict[tuple[str, KitModelSpec], KitModels] = {}
 
@@ -65,9 +65,10 @@ class EngineSlot:
             self.engine, self.is_shared = self.make(), True
         return self.engine
 
-    def fresh(self) -> Any:
+    def fresh(self, **make_args: Any) -> Any:
+        """An engine of its own (``make_args``: e.g. ``path=`` another model), the shared one dropped first."""
         self.drop()
-        self.engine, self.is_shared = self.make(), False
+        self.engine, self.is_shared = self.make(**make_args), False
         return self.engine
 
     def cached(self, key: str, compute: Callable[[], Any]) -> Any:
@@ -99,6 +100,8 @@ class KitBase:
     logprob_atol: float = 1e-4
     #: architecture of the kit's models.
     model_spec: KitModelSpec = KitModelSpec()
+    #: False: the engine serves no GPT-2 (the position-id checks, which need one, are skipped saying so).
+    serves_gpt2: bool = True
 
     @pytest.fixture(scope="class", autouse=True)
     def _kit_threads(self) -> Iterator[None]:
@@ -125,6 +128,13 @@ class KitBase:
     def kit_models(self, tmp_path_factory: pytest.TempPathFactory, kit_device: Any) -> KitModels:
         # depends on kit_device so that a backend that cannot run here is skipped before anything is built
         return kit_models_for(tmp_path_factory, self.model_spec)
+
+    @pytest.fixture(scope="class")
+    def position_model(self, tmp_path_factory: pytest.TempPathFactory, kit_device: Any) -> Path:
+        """A tiny GPT-2 (learned absolute positions): where wrong position ids under left padding show."""
+        if not self.serves_gpt2:
+            pytest.skip(f"{type(self).__name__}.serves_gpt2 is False: the position-id check needs a GPT-2 model")
+        return build_absolute_position_model(tmp_path_factory.getbasetemp() / "hybridrl-kit")
 
     def _options(self, config: pytest.Config, role: str, **overrides: Any) -> dict[str, Any]:
         # role defaults < the class's engine_options < --hybridrl-option < what the test itself needs (lr=0 ...)

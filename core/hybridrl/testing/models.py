@@ -1,4 +1,6 @@
-"""The kit's own tiny models: two Qwen2 checkpoints built in code, saved as ordinary HF folders.
+"""The kit's own tiny models: two Qwen2 checkpoints built in code, saved as ordinary HF folders, and a GPT-2
+one (``build_absolute_position_model``) whose learned absolute positions make a left-padded batch show
+position ids that count from the padding (rotary models only see relative positions, so they cannot).
 
 ``policy`` is what every engine is built from; ``other`` has the same architecture and different weights (what
 ``import_weights`` and the bridge bring in). Both carry the bundled character tokenizer, so an engine that
@@ -178,3 +180,40 @@ def set_eos(folder: Path, eos: int) -> None:
         data = json.loads(path.read_text())
         data["eos_token_id"] = eos
         path.write_text(json.dumps(data))
+
+
+#: architecture of the absolute-position model (GPT-2: learned position embeddings). Head size 64.
+GPT2_SPEC = {"n_embd": 128, "n_layer": 2, "n_head": 2, "n_positions": 64, "initializer_range": 0.2}
+
+
+def build_absolute_position_model(root: str | Path, seed: int = 0) -> Path:
+    """A tiny random GPT-2 with the character tokenizer (reused when ``root`` already holds it): where a
+    token's position id is added to its embedding, so position ids that count the left padding change
+    every output of a padded row."""
+    import transformers
+    from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
+
+    tok = _tokenizer()
+    key = json.dumps({"gpt2": GPT2_SPEC, "seed": seed, "format": FORMAT_VERSION,
+                      "transformers": transformers.__version__}, sort_keys=True)
+    folder = Path(root) / f"kit-gpt2-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (folder / MARKER).is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".kit-gpt2-", dir=folder.parent))
+    try:
+        config = GPT2Config(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id, **GPT2_SPEC)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = GPT2LMHeadModel(config).to(torch.float32).eval()
+        model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                                   pad_token_id=tok.pad_token_id)
+        _save(model, tok, tmp)
+        (tmp / MARKER).write_text(key)
+        if not (folder / MARKER).is_file():  # another builder may have won the race
+            shutil.rmtree(folder, ignore_errors=True)
+            tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder

@@ -39,6 +39,8 @@ def battery_path() -> Path:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # the kit's CUDA-only checks carry this marker (``-m "not gpu"`` leaves them out) in any project
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped elsewhere)")
     names = config.getoption("hybridrl_backend") or []
     for text in config.getoption("hybridrl_options") or []:
         if "=" not in text:

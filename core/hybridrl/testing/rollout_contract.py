@@ -6,6 +6,9 @@ transformers forward pass (``hybridrl.testing.reference``). A failure names the 
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -16,9 +19,11 @@ from hybridrl.engines import SamplingParams
 from hybridrl.testing import backends
 from hybridrl.testing.batches import prompt_batch
 from hybridrl.testing.checks import check, layout_problems, reference_problems, stop_problems, violated
-from hybridrl.testing.fixtures import EngineSlot, KitBase, cli_device, engine_factory
+from hybridrl.testing.distribution import frequency_problems, reported_problems
+from hybridrl.testing.fixtures import EngineSlot, KitBase, cli_device, engine_factory, free_device_memory
 from hybridrl.testing.models import KIT_WIDTH, KitModels
-from hybridrl.testing.reference import ReferenceModel
+from hybridrl.testing.reference import ReferenceModel, sampling_log_probs
+from hybridrl.testing.requests import request_problems
 
 # The contracts, as the failure messages state them.
 LAYOUT = ("generate must return response_ids and response_mask (int64, 0/1, right-padded) and rollout_log_probs "
@@ -35,6 +40,18 @@ SLEEP = "sleep/wake must keep outputs unchanged"
 IMPORT_ASLEEP = "weights imported while asleep must be in effect after wake (the trainer syncs a sleeping rollout)"
 EMPTY_PROMPT = "an empty prompt must raise ValueError naming the row"
 LONG_PROMPT = "a prompt longer than the context must raise ValueError naming the row"
+DRAWS = ("sampled tokens must be drawn from the sampling distribution (logits / temperature, top-k, top-p): the "
+         "frequencies of many draws of one next token must fit the reference probabilities")
+REPORTED = ("rollout_log_probs must be the log-probs of the distribution the tokens were drawn from (the temperature, "
+            "top-k and top-p actually used): the frequencies of the draws must fit exp(rollout_log_probs)")
+ROWS_DIFFER = ("identical prompts must give different samples: every row draws its own random numbers (a GRPO "
+               "group repeats one prompt; params.seed is one seed for the whole call)")
+SLEEP_RELEASES = "sleep must release device memory (the colocated trainer needs it)"
+POSITIONS = ("a left-padded row must decode as its prompt alone: position ids count from the row's first real token "
+             "(checked on an absolute-position model, GPT-2)")
+REQUESTS = ("generate_request (capability 'requests') must follow generate's contract: tokens up to and including "
+            "the stop token, the log-probs of the sampling distribution, concurrent requests independent")
+NAMED_WEIGHTS = "named_weights (capability 'named_weights') must give the engine's weights under their HF names"
 
 SAMPLED_SETTINGS = {
     "t1.0": SamplingParams(temperature=1.0, max_new_tokens=KIT_WIDTH, seed=7),
@@ -43,6 +60,8 @@ SAMPLED_SETTINGS = {
     "t0.7-topp0.8": SamplingParams(temperature=0.7, top_p=0.8, max_new_tokens=KIT_WIDTH, seed=10),
 }
 GREEDY_PARAMS = SamplingParams(temperature=0.0, max_new_tokens=KIT_WIDTH)
+#: the largest chance that a correct engine fails a statistical check of the kit.
+P_FALSE = 1e-7
 
 
 def buckets_of(weights: dict[str, torch.Tensor], parts: int = 3) -> list[list[tuple[str, torch.Tensor]]]:
@@ -63,6 +82,10 @@ class RolloutEngineContract(KitBase):
     #: both tolerances widened by this fraction of a row's largest reference logit (16-bit engines; see
     #: ``hybridrl.testing.checks.reference_problems``).
     logit_rtol: float = 0.0
+    #: draws of one next token per sampling setting in the distribution check: enough that sampling at
+    #: temperature 1.0 instead of 0.7 fails far beyond chance on the kit's model (its chi-square grows ~0.1
+    #: per draw; the bound at p < 1e-7 is ~60).
+    distribution_draws: int = 2000
 
     # --- fixtures -------------------------------------------------------------------------------------
     @pytest.fixture(scope="class")
@@ -106,6 +129,20 @@ class RolloutEngineContract(KitBase):
         of a wider batch is)."""
         width = max(len(p) for p in kit_models.prompts) + 2
         return prompt_batch(kit_models.prompts, kit_models.pad_id, width)
+
+    @pytest.fixture(scope="class")
+    def spread_prompt(self, kit_models: KitModels, policy_ref: ReferenceModel) -> tuple[tuple[int, ...], torch.Tensor]:
+        """The kit prompt whose next token is least certain at temperature 1, and its next-token logits (V,):
+        the draws of the distribution checks say the most about it."""
+        best: tuple[float, tuple[int, ...], torch.Tensor] | None = None
+        for prompt in kit_models.prompts:
+            logits = policy_ref.step_logits(prompt, [kit_models.pad_id])[0]
+            logp = torch.log_softmax(logits, -1)
+            spread = float(-(logp.exp() * logp).sum())
+            if best is None or spread > best[0]:
+                best = (spread, prompt, logits)
+        assert best is not None
+        return best[1], best[2]
 
     @pytest.fixture
     def greedy_out(self, engine_slot: EngineSlot, rollout: Any, prompts: Batch) -> Batch:
@@ -190,6 +227,166 @@ class RolloutEngineContract(KitBase):
         tokens, log_probs = self._reference(out, kit_models, policy_ref, params, prompts)
         check(backend_name, SAMPLING, tokens)
         check(backend_name, LOG_PROBS, log_probs)
+
+    # --- the sampling distribution, row by row -----------------------------------------------------------
+    @pytest.mark.parametrize("setting", list(SAMPLED_SETTINGS))
+    def test_draws_follow_the_sampling_distribution(self, backend_name: str, rollout: Any, kit_models: KitModels,
+                                                    spread_prompt: tuple[tuple[int, ...], torch.Tensor],
+                                                    setting: str) -> None:
+        """Many draws of one next token from one prompt: frequencies against the reference probabilities at
+        the setting, and against the engine's own reported probabilities (chi-square, p < ``P_FALSE``)."""
+        params = replace(SAMPLED_SETTINGS[setting], max_new_tokens=1)
+        prompt, logits = spread_prompt
+        n = self.distribution_draws
+        out = rollout.generate(prompt_batch([prompt] * n, kit_models.pad_id), params)
+        check(backend_name, LAYOUT, layout_problems(out, n, 1, kit_models.vocab_size))
+        tokens, log_probs = out[RESPONSE_IDS][:, 0], out[ROLLOUT_LOG_PROBS][:, 0]
+        probs = sampling_log_probs(logits[None], params, kit_models.eos_ids)[0].exp()
+        counts = torch.bincount(tokens, minlength=probs.numel()).double()
+        what = (f"the reference distribution of prompt {list(prompt)} at temperature={params.temperature}, "
+                f"top_k={params.top_k}, top_p={params.top_p}")
+        drawn = frequency_problems(counts, probs, P_FALSE, what)
+        reported = reported_problems(tokens, log_probs, P_FALSE, self.logprob_atol)
+        if drawn:  # both lists: an engine that samples at one temperature and reports another fails both
+            violated(backend_name, DRAWS, drawn + [f"and {REPORTED}: {p}" for p in reported])
+        check(backend_name, REPORTED, reported)
+
+    def test_identical_prompts_give_different_samples(self, backend_name: str, rollout: Any, kit_models: KitModels,
+                                                      spread_prompt: tuple[tuple[int, ...], torch.Tensor]) -> None:
+        """One prompt in every row at temperature 1, with a seed and without: the rows must not all agree.
+        Rows enough that a correct engine gives one response to all with probability below 1e-12: all rows
+        agree only if their first tokens do, at most ``p_max ** (rows - 1)``."""
+        prompt, logits = spread_prompt
+        p_max = float(torch.softmax(logits.double(), -1).max())
+        rows = max(4, math.ceil(math.log(1e-12) / math.log(p_max)) + 1)
+        problems = []
+        for seed in (11, None):
+            params = SamplingParams(temperature=1.0, max_new_tokens=KIT_WIDTH, ignore_eos=True, seed=seed)
+            out = rollout.generate(prompt_batch([prompt] * rows, kit_models.pad_id), params)
+            check(backend_name, LAYOUT, layout_problems(out, rows, KIT_WIDTH, kit_models.vocab_size))
+            distinct = {tuple(r) for r in out[RESPONSE_IDS].tolist()}
+            if len(distinct) == 1:
+                problems.append(f"seed={seed}: all {rows} rows of prompt {list(prompt)} gave {list(distinct.pop())} "
+                                f"(a correct engine: probability < {p_max:.3f}**{rows - 1} = "
+                                f"{p_max ** (rows - 1):.1e})")
+        check(backend_name, ROWS_DIFFER, problems)
+
+    # --- positions --------------------------------------------------------------------------------------
+    def test_left_padding_keeps_positions(self, backend_name: str, engine_slot: EngineSlot, kit_models: KitModels,
+                                          position_model: Path) -> None:
+        """The kit's prompts, left-padded two columns past the longest, greedily decoded on a GPT-2 (learned
+        absolute positions): each row as the reference decodes its prompt alone, and as the engine does."""
+        engine = engine_slot.fresh(path=position_model)
+        try:
+            ref = ReferenceModel(position_model)
+            prompts = kit_models.prompts
+            width = max(len(p) for p in prompts) + 2
+            params = replace(GREEDY_PARAMS, ignore_eos=True)
+            batch = engine.generate(prompt_batch(prompts, kit_models.pad_id, width), params)
+            check(backend_name, LAYOUT, layout_problems(batch, len(prompts), KIT_WIDTH, kit_models.vocab_size))
+            tokens, log_probs = reference_problems(batch, prompts, ref, params, kit_models.eos_ids, self.logprob_atol,
+                                                   self.greedy_tie_tolerance, self.logit_rtol)
+            problems = [f"left-padded batch: {p}" for p in tokens + log_probs]
+            for i, prompt in enumerate(prompts):
+                alone = engine.generate(prompt_batch([prompt], kit_models.pad_id), params)
+                if alone[RESPONSE_IDS][0].tolist() != batch[RESPONSE_IDS][i].tolist():
+                    problems.append(f"row {i} ({width - len(prompt)} pads): {batch[RESPONSE_IDS][i].tolist()} in the "
+                                    f"batch, {alone[RESPONSE_IDS][0].tolist()} alone")
+            check(backend_name, POSITIONS, problems)
+        finally:
+            del engine
+            engine_slot.drop()
+
+    # --- declared capabilities ----------------------------------------------------------------------
+    def _declares(self, backend_name: str, capability: str) -> None:
+        if not backends.entry("rollout", backend_name).can(capability):
+            pytest.skip(f"'{backend_name}' does not declare the '{capability}' capability (supports=...)")
+
+    def test_requests_follow_the_generate_contract(self, backend_name: str, rollout: Any, kit_models: KitModels,
+                                                   policy_ref: ReferenceModel,
+                                                   spread_prompt: tuple[tuple[int, ...], torch.Tensor]) -> None:
+        """Capability ``requests``: greedy requests for every kit prompt, sampled ones repeating one prompt
+        with a seed each (as the episode runner sends them), and one without log-probs, all in flight at
+        once; each checked as a row of ``generate``, and the sampled ones must not all agree."""
+        from hybridrl.testing.requests import Request, run_all, shape_problems
+
+        self._declares(backend_name, "requests")
+        prompt, logits = spread_prompt
+        p_max = float(torch.softmax(logits.double(), -1).max())
+        n = max(4, math.ceil(math.log(1e-12) / math.log(p_max)) + 1)
+        sampled = SamplingParams(temperature=1.0, max_new_tokens=KIT_WIDTH, ignore_eos=True)
+        groups = {
+            "greedy": [Request(p, GREEDY_PARAMS) for p in kit_models.prompts],
+            "sampled": [Request(prompt, replace(sampled, seed=1000 + i)) for i in range(n)],
+            "top-k": [Request(p, replace(SAMPLED_SETTINGS["t0.7-topk5"], seed=2000 + i))
+                      for i, p in enumerate(kit_models.prompts)],
+            "no log-probs": [Request(kit_models.prompts[0], replace(GREEDY_PARAMS, logprobs=False))],
+        }
+        flat = [r for group in groups.values() for r in group]
+        results = run_all(rollout, flat)
+        if not isinstance(results, list) or len(results) != len(flat):
+            violated(backend_name, REQUESTS, [f"{len(flat)} requests awaited through run_requests gave {results!r}"])
+        problems, start = [], 0
+        for name, group in groups.items():
+            mine = results[start:start + len(group)]
+            start += len(group)
+            shape = shape_problems(mine, group, kit_models.vocab_size)
+            problems += [f"{name}: {p}" for p in shape or request_problems(
+                mine, group, policy_ref, kit_models.eos_ids, kit_models.pad_id, self.logprob_atol,
+                self.greedy_tie_tolerance, self.logit_rtol)]
+            if name == "sampled" and len({tuple(r.token_ids) for r in mine}) == 1:
+                problems.append(f"sampled: all {n} requests of prompt {list(prompt)}, each with a seed of its own, "
+                                f"gave {list(mine[0].token_ids)} (a correct engine: probability < "
+                                f"{p_max ** (n - 1):.1e})")
+        check(backend_name, REQUESTS, problems)
+
+    def test_named_weights_are_the_checkpoint(self, backend_name: str, rollout: Any, policy_ref: ReferenceModel
+                                              ) -> None:
+        """Capability ``named_weights``: every weight of the checkpoint, under its HF name, unchanged."""
+        self._declares(backend_name, "named_weights")
+        have = {n: t.detach().to("cpu", torch.float32) for n, t in rollout.named_weights()}
+        problems = []
+        for name, want in policy_ref.named_weights().items():
+            got = have.get(name)
+            if got is None:
+                problems.append(f"no weight named '{name}' (has: {sorted(have)[:8]} ...)")
+            elif tuple(got.shape) != tuple(want.shape):
+                problems.append(f"'{name}' has shape {tuple(got.shape)}, the checkpoint's is {tuple(want.shape)}")
+            elif not torch.allclose(got, want, atol=self.logprob_atol, rtol=0):
+                problems.append(f"'{name}' differs from the checkpoint by up to {float((got - want).abs().max()):.3g}")
+        check(backend_name, NAMED_WEIGHTS, problems)
+
+    @pytest.mark.gpu
+    def test_sleep_releases_device_memory(self, backend_name: str, kit_device: str, engine_slot: EngineSlot,
+                                          prompts: Batch, kit_models: KitModels) -> None:
+        """Capability ``sleep`` on CUDA: after a generate, sleep frees at least half the weights' bytes of
+        device memory (as ``torch.cuda.mem_get_info`` sees it: any allocator); wake gives a working engine."""
+        self._declares(backend_name, "sleep")
+        if kit_device != "cuda":
+            pytest.skip(f"sleep releases device memory only on CUDA; the kit runs '{backend_name}' on {kit_device}")
+        weights = sum(t.numel() for t in ReferenceModel(kit_models.policy).named_weights().values())
+        weight_bytes = weights * torch.finfo(getattr(torch, self.dtype)).bits // 8
+        engine = engine_slot.fresh()
+        try:
+            engine.generate(prompts, GREEDY_PARAMS)
+            free_device_memory()
+            torch.cuda.synchronize()
+            before = torch.cuda.mem_get_info()[0]
+            engine.sleep()
+            torch.cuda.synchronize()
+            released = torch.cuda.mem_get_info()[0] - before
+            problems = []
+            if released < weight_bytes // 2:
+                problems.append(f"sleep released {released / 2**20:.2f} MiB of device memory; the model's weights "
+                                f"alone take {weight_bytes / 2**20:.2f} MiB ({weights} parameters in {self.dtype})")
+            engine.wake()
+            out = engine.generate(prompts, GREEDY_PARAMS)
+            problems += [f"after wake: {p}" for p in layout_problems(out, len(prompts), KIT_WIDTH,
+                                                                     kit_models.vocab_size)]
+            check(backend_name, SLEEP_RELEASES, problems)
+        finally:
+            del engine
+            engine_slot.drop()
 
     # --- bad inputs -----------------------------------------------------------------------------------
     def _expect_row_error(self, backend_name: str, contract: str, engine: Any, batch: Batch, row: int) -> None:

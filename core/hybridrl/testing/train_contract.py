@@ -14,13 +14,16 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from hybridrl.batch import ADVANTAGES, ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
+from hybridrl.batch import (ADVANTAGES, ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS,
+                            RESPONSE_MASK, SCORES, VALUES, Batch)
+from hybridrl.batch import left_pad, right_pad
 from hybridrl.testing import backends
-from hybridrl.testing.batches import PolicyGradientLoss, policy_gradient_loss, rows, sequence_batch
+from hybridrl.testing.batches import FIRST_PLAIN_ID, PolicyGradientLoss, policy_gradient_loss, rows, sequence_batch
 from hybridrl.testing.checks import check, violated
 from hybridrl.testing.fixtures import KitBase, cli_device, engine_factory, free_device_memory
 from hybridrl.testing.models import KitModels
 from hybridrl.testing.reference import ReferenceModel, entropy
+from hybridrl.weights.sync_check import GREEDY_MARGIN
 
 EXPORT = "export_weights must give back the HF checkpoint it was built from, exactly, each name once"
 LAYOUT = "compute_log_probs must return log_probs (and entropy when asked) as float32 (rows, response width) on CPU"
@@ -33,6 +36,18 @@ CHECKPOINT = "save_checkpoint/load_checkpoint must round-trip weights and optimi
 INDEPENDENT = ("each update must start from zero gradients: after an update, an update whose loss has no gradient "
                "(advantages all 0; betas=(0, 0), weight_decay=0: no momentum, no decay) must leave the weights "
                "unchanged (an engine that never zeroes its gradients applies the previous update's again)")
+
+POSITIONS = ("log-probs of a left-padded row must be those of its tokens alone: position ids count from the row's "
+             "first real token (checked on an absolute-position model, GPT-2)")
+
+MARGINS = ("compute_greedy_margins (capability 'greedy_margins') must give max(logits) - logits[token] of a "
+           "transformers forward at each response token, float32 (rows, response width) on CPU, 0 at padding")
+VALUES_HEAD = ("compute_values (capability 'value_head') must give float32 (rows, response width) values on CPU, 0 at "
+               "padding, each the value of the tokens before it: the same for a row alone as in its padded batch, and "
+               "unchanged at every position when the row's last response token changes")
+REWARD_HEAD = ("compute_scores (capability 'reward_head') must give one float32 score per row on CPU, read at the "
+               "row's last real token: the same for a row alone as in its padded batch, changed when that token "
+               "changes")
 
 SEQUENCE_KEYS = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
 
@@ -175,6 +190,103 @@ class TrainEngineContract(KitBase):
         layout, agree = self._log_prob_problems(engine, batch, policy_ref, None, False)
         check(backend_name, LAYOUT, layout)
         check(backend_name, LOG_PROBS_AGREE, agree)
+
+    def test_left_padding_keeps_positions(self, backend_name: str, make_trainer: Callable[..., Any], batch: Batch,
+                                          position_model: Path) -> None:
+        """The kit's left-padded batch scored by a GPT-2 (learned absolute positions), against each row alone."""
+        engine = make_trainer(path=position_model)
+        layout, agree = self._log_prob_problems(engine, batch, ReferenceModel(position_model), None, False)
+        check(backend_name, LAYOUT, layout)
+        check(backend_name, POSITIONS, agree)
+
+    # --- declared capabilities: the heads ---------------------------------------------------------------
+    def _declares(self, backend_name: str, capability: str) -> None:
+        if not backends.entry("train", backend_name).can(capability):
+            pytest.skip(f"'{backend_name}' does not declare the '{capability}' capability (supports=...)")
+
+    def test_greedy_margins_match_transformers(self, backend_name: str, make_trainer: Callable[..., Any],
+                                               batch: Batch, policy_ref: ReferenceModel) -> None:
+        self._declares(backend_name, "greedy_margins")
+        out = make_trainer(role="ref").compute_greedy_margins(batch.select(*SEQUENCE_KEYS))
+        got = out[GREEDY_MARGIN] if GREEDY_MARGIN in out else None
+        shape = tuple(batch[RESPONSE_IDS].shape)
+        if got is None or tuple(got.shape) != shape or got.dtype != torch.float32 or got.device.type != "cpu":
+            found = None if got is None else (tuple(got.shape), got.dtype, got.device)
+            violated(backend_name, MARGINS, [f"'{GREEDY_MARGIN}': {found}, expected {shape} float32 on cpu"])
+        mask = batch[RESPONSE_MASK].bool()
+        problems = [f"row {i}: {float(got[i][~mask[i]].abs().max()):.3g} at padding" for i in range(len(batch))
+                    if (~mask[i]).any() and bool(got[i][~mask[i]].ne(0).any())]
+        for i, (prompt, response) in enumerate(rows(batch)):
+            logits = policy_ref.step_logits(prompt, response)
+            want = logits.max(-1).values - logits[torch.arange(len(response)), torch.tensor(response)]
+            diff = float((got[i][mask[i]] - want).abs().max())
+            if diff > self.logprob_atol:
+                problems.append(f"row {i}: |engine - transformers| up to {diff:.2e} > atol {self.logprob_atol:g}")
+        check(backend_name, MARGINS, problems)
+
+    def _row_alone_problems(self, compute: Callable[[Batch], torch.Tensor], batch: Batch, atol: float
+                            ) -> list[str]:
+        """A row scored alone (no padding) against the same row in the padded batch."""
+        together = compute(batch)
+        problems = []
+        for i, (prompt, response) in enumerate(rows(batch)):
+            ids, mask = left_pad([prompt], 0)
+            response_ids, response_mask = right_pad([response], 0)
+            alone = compute(Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask, RESPONSE_IDS: response_ids,
+                                                RESPONSE_MASK: response_mask}))[0]
+            alone = torch.nn.functional.pad(alone, (0, together.shape[1] - alone.shape[0])) if alone.dim() else alone
+            diff = float((alone - together[i]).abs().max())
+            if diff > atol:
+                problems.append(f"row {i}: alone and in the batch differ by up to {diff:.2e} > atol {atol:g}")
+        return problems
+
+    def _last_token_changed(self, batch: Batch, vocab_size: int) -> tuple[Batch, int]:
+        """The batch with row 0's last response token replaced (row 0 fills the width); its position."""
+        changed = batch.select(*SEQUENCE_KEYS).index(list(range(len(batch))))
+        last = int(changed[RESPONSE_MASK][0].sum()) - 1
+        ids = changed[RESPONSE_IDS].clone()
+        ids[0, last] = FIRST_PLAIN_ID + (int(ids[0, last]) - FIRST_PLAIN_ID + 1) % (vocab_size - FIRST_PLAIN_ID)
+        changed.set(RESPONSE_IDS, ids)
+        return changed, last
+
+    def test_value_head_reads_the_tokens_before(self, backend_name: str, make_trainer: Callable[..., Any],
+                                                batch: Batch, kit_models: KitModels) -> None:
+        self._declares(backend_name, "value_head")
+        engine = make_trainer(role="critic")
+        sent = batch.select(*SEQUENCE_KEYS)
+        values = engine.compute_values(sent)[VALUES]
+        shape = tuple(batch[RESPONSE_IDS].shape)
+        if tuple(values.shape) != shape or values.dtype != torch.float32 or values.device.type != "cpu":
+            violated(backend_name, VALUES_HEAD, [f"'{VALUES}': {tuple(values.shape)} {values.dtype} on "
+                                                 f"{values.device}, expected {shape} float32 on cpu"])
+        mask = batch[RESPONSE_MASK].bool()
+        problems = [] if torch.isfinite(values).all() else ["values not finite"]
+        problems += [f"row {i}: non-zero values at padding" for i in range(len(batch))
+                     if values[i][~mask[i]].ne(0).any()]
+        problems += self._row_alone_problems(lambda b: engine.compute_values(b)[VALUES], sent, self.logprob_atol)
+        changed, last = self._last_token_changed(batch, kit_models.vocab_size)
+        moved = float((engine.compute_values(changed)[VALUES][0] - values[0]).abs().max())
+        if moved > self.logprob_atol:
+            problems.append(f"row 0: changing response token {last} (its last) moved its values by up to {moved:.2e}: "
+                            f"a value must see only the tokens before its position")
+        check(backend_name, VALUES_HEAD, problems)
+
+    def test_reward_head_scores_each_row(self, backend_name: str, make_trainer: Callable[..., Any], batch: Batch,
+                                         kit_models: KitModels) -> None:
+        self._declares(backend_name, "reward_head")
+        engine = make_trainer(role="reward")
+        sent = batch.select(*SEQUENCE_KEYS)
+        scores = engine.compute_scores(sent)[SCORES]
+        if tuple(scores.shape) != (len(batch),) or scores.dtype != torch.float32 or scores.device.type != "cpu":
+            violated(backend_name, REWARD_HEAD, [f"'{SCORES}': {tuple(scores.shape)} {scores.dtype} on "
+                                                 f"{scores.device}, expected ({len(batch)},) float32 on cpu"])
+        problems = [] if torch.isfinite(scores).all() else [f"scores not finite: {scores.tolist()}"]
+        problems += self._row_alone_problems(lambda b: engine.compute_scores(b)[SCORES][:, None], sent,
+                                             self.logprob_atol)
+        changed, last = self._last_token_changed(batch, kit_models.vocab_size)
+        if float((engine.compute_scores(changed)[SCORES][0] - scores[0]).abs()) == 0.0:
+            problems.append(f"row 0: changing its last response token ({last}) left its score as it was")
+        check(backend_name, REWARD_HEAD, problems)
 
     # --- updates ----------------------------------------------------------------------------------------
     def test_zero_lr_update_changes_nothing(self, backend_name: str, make_trainer: Callable[..., Any],
