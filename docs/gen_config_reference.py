@@ -35,6 +35,20 @@ whose default is `auto` is resolved before any process starts and recorded under
 `<trainer.out>/config.json` ([memory-and-auto.md](memory-and-auto.md)). `roles.<role>.options` holds the
 backend's own settings, checked by the backend at pre-flight ([vllm.md](vllm.md), [sglang.md](sglang.md),
 [memory-and-auto.md](memory-and-auto.md) for FSDP's). `<name>` in a path stands for a name you choose.
+
+## Checked before the run
+
+`hybridrl train` and `hybridrl plan` report every problem at once, with its key path, before any process starts
+and before anything is written: bad keys, wrong types, an override that is not YAML, a key given twice in the
+YAML file (key path and lines), unknown backends or pools, a pool larger than the cluster, a `cluster.address`
+that does not answer (one short try), a model folder that is missing or holds no weights or no tokenizer,
+`algorithm.n_samples: 1` with a group-relative advantage, a missing, empty or malformed data file (file and
+line), prompts over `data.max_prompt_len` (unless `data.long_prompts=drop`), a prompt plus
+`roles.rollout.max_new_tokens` longer than the model's positions, a reward function that cannot be imported,
+raises or returns something other than a number on the first prompt, a data source without a reward, a reward
+that needs a reference answer on rows without one, a tracker whose package is missing, a `trainer.out` that is a
+file, is not writable or holds another run, and a `trainer.resume` that is not a checkpoint or does not fit the
+run.
 """
 
 
