@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One measurement on the GPU host, after the engine's wheels were unpacked into SITE (see benchmarks/gpu/README.md).
-#   bash benchmarks/gpu/session.sh SITE STEP [ARGS...]     STEP: env | install | gen-profile | megatron | grpo | model-sizes | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests
+#   bash benchmarks/gpu/measure.sh SITE STEP [ARGS...]     STEP: env | install | gen-profile | megatron | grpo | model-sizes | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests
 # Figures and logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 site=$1 step=$2; shift 2
@@ -19,17 +19,17 @@ case $step in
   grpo) backend=${1:-vllm}; shift
         python3 benchmarks/grpo_step.py --backend "$backend" --log "$OUT/grpo_$backend.log" \
           --out "$OUT/grpo_step_$backend${TAG:-}.json" "$@" ;;
-  model-sizes)  # issue 20: the workload at 0.5B/1.5B/3B/7B with the README defaults (or --variant tuned)
+  model-sizes)  # the workload at 0.5B/1.5B/3B/7B with the README defaults (or --variant tuned)
         python3 benchmarks/model_sizes.py --out-dir "$OUT" --log-dir "$OUT" "$@" ;;
-  lora-7b)  # issue 27: the 7B shape with the README defaults plus roles.actor.lora (add roles.actor.lora.sync=adapter)
+  lora-7b)  # the 7B shape with the README defaults plus roles.actor.lora (add roles.actor.lora.sync=adapter)
         python3 benchmarks/model_sizes.py --sizes 7b --variant lora --budget 585 --timeout 580 --out-dir "$OUT" \
           --log-dir "$OUT" "$@" ;;
-  packing|ragged)  # issue 23: packed against padded micro-batches on the FSDP engine (one process, no rollout)
+  packing|ragged)  # packed against padded micro-batches on the FSDP engine (one process, no rollout)
         if [ "$step" = ragged ]; then size=${1:-0.5b}; workload=ragged; shift $(( $# < 1 ? $# : 1 ))
         else size=${1:-0.5b}; workload=${2:-ragged}; shift $(( $# < 2 ? $# : 2 )); fi
         python3 benchmarks/packing_step.py --size "$size" --workload "$workload" \
           --out "$OUT/packing_step_${size}_${workload}.json" "$@" 2>&1 | tee "$OUT/packing_step_${size}_${workload}.log" ;;
-  gen-profile)  # issues 20/23: where vLLM's generation time goes at the standard step's shape, per engine setting
+  gen-profile)  # where vLLM's generation time goes at the standard step's shape, per engine setting
         python3 benchmarks/gen_profile.py --out "$OUT/gen_profile_${SIZE:-0.5b}.json" --size "${SIZE:-0.5b}" "$@" \
           2>&1 | tee "$OUT/gen_profile.log" | grep -v "^(EngineCore\|^INFO\|^WARNING" ;;
   install) ;;  # only the editable installs above (do it once before running steps side by side)
