@@ -10,6 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from hybridrl.config.schema import ConfigError, RunConfig
+from hybridrl.config.secrets import resolve_env
 
 
 class DuplicateKeyError(yaml.YAMLError):
@@ -126,6 +127,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None,
             raise ConfigError([("<file>", f"{p} must hold a mapping at the top level")])
         data.update(loaded)
     data = apply_overrides(data, list(overrides or []))
+    data, missing = resolve_env(data)  # ${VAR}: the variable's value (hybridrl.config.secrets)
+    if missing:
+        raise ConfigError(missing)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:

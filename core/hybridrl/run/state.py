@@ -42,8 +42,9 @@ class Checkpointer:
     besides the step (backends of the trained roles, model path, dtype, options), read by export and by the
     pre-flight check of a resume."""
 
-    def __init__(self, out: str | Path, keep: int, summary: dict[str, Any]) -> None:
+    def __init__(self, out: str | Path, keep: int, summary: dict[str, Any], allow_unverified: bool = False) -> None:
         self.out = Path(out)
+        self.allow_unverified = allow_unverified  # trainer.resume_unverified: older driver states load too
         self.keep = keep
         self.summary = summary
         self.last_saved_step: int | None = None
@@ -70,7 +71,7 @@ class Checkpointer:
         if missing:
             raise ckpt.CheckpointError(f"checkpoint '{folder}' has no state for role(s) {', '.join(missing)} "
                                        "(saved by a run with another algorithm?)")
-        state = ckpt.load_driver_state(folder)
+        state = ckpt.load_driver_state(folder, self.allow_unverified)
         for role in roles:
             groups[role].broadcast(role, "load_checkpoint", str((folder / role).resolve()))
         driver.load_state_dict(state)

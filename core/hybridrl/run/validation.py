@@ -218,9 +218,11 @@ class Validator:
         best = self.out / BEST
         keeper = Checkpointer(best, 1, {**trainer.checkpointer.summary, "best": {"metric": name, "value": value}})
         folder = keeper.save(trainer.step, trainer, trainer.groups)
-        (best / "config.json").write_text(json.dumps(trainer.cfg.model_dump(mode="json", by_alias=True), indent=2))
-        (best / BEST_RECORD).write_text(json.dumps({"metric": name, "value": value, "step": trainer.step,
-                                                    "checkpoint": str(folder)}, indent=2) + "\n")
+        from hybridrl.run.file_modes import write_config, write_private
+
+        write_config(best / "config.json", trainer.cfg.model_dump(mode="json", by_alias=True))
+        write_private(best / BEST_RECORD, json.dumps({"metric": name, "value": value, "step": trainer.step,
+                                                      "checkpoint": str(folder)}, indent=2) + "\n")
         previous = "" if self.best_value is None else f" (was {self.best_value:.4g} at step {self.best_step})"
         self.best_value, self.best_step = value, trainer.step
         log.info("trainer.keep_best: %s=%.4g at step %d is the best so far%s: kept in %s", name, value,
