@@ -562,3 +562,6 @@ class Trainer:
         for pg in self.placement_groups:
             remove_placement_group(pg)
         self.groups, self.placement_groups = {}, []
+        from hybridrl.run.run_lock import release
+
+        release(self.cfg.trainer.out)  # the run has ended: its folder's lock (hybridrl.run.run_lock) goes
