@@ -112,6 +112,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybridrl.run.faults import signals_deferred, signals_raise
     from hybridrl.runtime.local_ray import stop_local_ray
 
+    from hybridrl.run.run_lock import release
+
     cfg = load_config(args.config, args.overrides)
     with signals_raise():  # SIGTERM unwinds like Ctrl-C: the workers and the run's Ray are stopped
         try:
@@ -119,6 +121,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         finally:
             with signals_deferred():  # a second Ctrl-C cannot cut the shutdown short
                 stop_local_ray()
+                release(cfg.trainer.out)  # the run folder's lock (hybridrl.run.run_lock), once all has stopped
 
 
 def _train(cfg: RunConfig, overwrite: bool) -> int:
@@ -174,7 +177,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from hybridrl.run.export import export_checkpoint
 
     out = export_checkpoint(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force,
-                            adapter=args.adapter)  # an ExportError: exit 2 (``main``)
+                            adapter=args.adapter, unverified=args.unverified)  # an ExportError: exit 2 (``main``)
     print(f"exported to {out}")
     return 0
 
@@ -222,6 +225,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                 problem = registry.backend(kind, name).engine_problem()  # type: ignore[arg-type]
                 item += " (engine available)" if problem is None else f" ({problem})"
             items.append(item)
+        if row.error is not None:  # installed, but its import raised: skipped by runs (hybridrl.plugins.discovery)
+            items = [f"FAILED TO IMPORT: {row.error}"]
         print(f"{row.name:<18} {row.distribution:<20} {row.version:<9} {', '.join(items) or '-'}")
     return 0
 
@@ -262,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--force", action="store_true", help="replace --out when it holds a previous export")
     export.add_argument("--adapter", action="store_true",
                         help="a LoRA actor's adapters alone, as a peft adapter folder (default: the merged model)")
+    export.add_argument("--unverified", action="store_true",
+                        help="export a checkpoint that has no manifest.json (its files cannot be verified)")
     export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the saved weights (default: the run's model.dtype)")
     export.set_defaults(func=cmd_export)

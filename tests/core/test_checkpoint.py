@@ -138,12 +138,14 @@ def test_a_fallback_never_jumps_to_a_later_abandoned_checkpoint(tmp_path: Path) 
     assert found == root / "step_000002" and [p.name for p, _ in passed] == ["step_000004"]
 
 
-def test_a_checkpoint_from_before_manifests_is_checked_by_loading_its_state(tmp_path: Path) -> None:
+def test_a_checkpoint_without_manifest_is_trusted_only_when_asked(tmp_path: Path) -> None:
     folder = save(tmp_path, 2)
     (folder / ckpt.MANIFEST).unlink()
-    assert ckpt.damage(folder) is None
+    assert ckpt.damage(folder) == ckpt.UNVERIFIED  # its files cannot be verified: not trusted by default
+    assert ckpt.damage(folder, allow_unverified=True) is None  # trainer.resume_unverified: checked by loading
     (folder / "driver.pt").write_bytes(b"\x80\x02random bytes" * 8)
-    assert ckpt.damage(folder).startswith("driver.pt does not load")
+    why = ckpt.damage(folder, allow_unverified=True)
+    assert str(folder / "driver.pt") in why and "refused" in why  # not a torch file: never unpickled
 
 
 def test_rng_and_metrics_rows_after_the_checkpoint(tmp_path: Path) -> None:

@@ -77,7 +77,8 @@ def test_overwrite_moves_the_old_run_aside_whole(tmp_path: Path) -> None:
     assert "trainer.resume" in reasons(plan_run_folder(out, str(out / "checkpoints"), overwrite=True))
     moved = move_aside(out)
     assert moved.parent == tmp_path and moved.name.startswith("r1.old-") and not out.exists()
-    assert sorted(p.relative_to(moved).as_posix() for p in moved.rglob("*")) == before
+    moved_entries = sorted(p.relative_to(moved).as_posix() for p in moved.rglob("*"))
+    assert moved_entries == sorted([*before, ".lock"])  # held while it was moved (hybridrl.run.run_lock)
     out.mkdir()
     assert move_aside(out) != moved  # a second one in the same second gets a name of its own
 

@@ -212,7 +212,8 @@ def test_a_resume_with_another_model_shape_is_refused_before_anything_is_written
     cfg = load_config(QUICKSTART, [*RUN, "trainer.steps=8", f"trainer.out={out}"])
     setup = prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster))
     assert setup.resume_from == checkpoints_root(out) / "step_000004"  # the unchanged model resumes it
-    assert folder_state(out) == before
+    assert {k: v for k, v in folder_state(out).items() if k != ".lock"} == \
+        {k: v for k, v in before.items() if k != ".lock"}  # the .lock now names this process (run_lock)
 
 
 def test_resume_never_refuses_a_run_folder_and_overwrite_moves_it_aside(full_run, tmp_path) -> None:
@@ -231,7 +232,7 @@ def test_resume_never_refuses_a_run_folder_and_overwrite_moves_it_aside(full_run
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
     assert len(aside) == 1 and folder_state(aside[0]) == before  # the old run, whole, where the note says
     assert any(str(aside[0]) in note for note in setup.notes), setup.notes
-    assert setup.resume_from is None and sorted(p.name for p in out.iterdir()) == ["init_model"]  # a fresh start
+    assert setup.resume_from is None and sorted(p.name for p in out.iterdir()) == [".lock", "init_model"]  # fresh
 
 
 def test_a_new_run_never_replaces_a_run_that_has_no_checkpoint(full_run, tmp_path) -> None:

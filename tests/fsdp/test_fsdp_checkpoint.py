@@ -49,3 +49,43 @@ def test_two_rank_checkpoint_resumes_exactly_on_two_and_one_ranks(tiny_model: Pa
         for name, tensor in continued["state"].items():  # same AdamW moments and lr: the same step
             torch.testing.assert_close(resumed["state"][name], tensor, atol=1e-6, rtol=0, msg=f"w{world} {name}")
         assert resumed["metrics"]["lr"] == continued["metrics"]["lr"]  # the warmup schedule resumed too
+
+
+class _Forged:
+    """Unpickling this runs a shell command that creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_forged_rank_file_or_index_is_refused_without_running(process_group, tiny_model: Path, tmp_path: Path) -> None:
+    """What a checkpoint's engine files hold loads with ``weights_only=True``; a forged rank file or DCP index
+    is refused naming it, and what it would run never runs."""
+    import pickle
+
+    import pytest
+    from _fsdp_helpers import context
+    from hybridrl.run.trusted_files import UntrustedFileError, unsafe_files
+    from hybridrl_fsdp.engine import FSDPEngine
+
+    engine = FSDPEngine(context(tiny_model, lr=1e-2))
+    saved = tmp_path / "actor"
+    engine.save_checkpoint(str(saved))
+    assert unsafe_files(saved) == []  # the rank file (lr schedule, RNG) and the DCP index are plain data
+    engine.load_checkpoint(str(saved))
+    marker = tmp_path / "MARKER"
+    rank_file = saved / "engine_rank0.pt"
+    torch.save({"scheduler": None, "rng": _Forged(marker)}, rank_file)
+    with pytest.raises(UntrustedFileError, match="could run code") as info:
+        engine.load_checkpoint(str(saved))
+    assert str(rank_file) in str(info.value) and "\n" not in str(info.value)
+    engine.save_checkpoint(str(saved))
+    index = saved / "dcp" / ".metadata"
+    index.write_bytes(pickle.dumps(_Forged(marker)))
+    with pytest.raises(UntrustedFileError, match="could run code") as info:
+        engine.load_checkpoint(str(saved))
+    assert str(index) in str(info.value)
+    assert not marker.exists()

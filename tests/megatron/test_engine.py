@@ -166,6 +166,9 @@ def test_checkpoint_resume_continues_the_run(engine_cls, qwen2_tied: Path, tmp_p
     engine = engine_cls(context(qwen2_tied, lr=1e-2))
     engine.update(first, PolicyGradient())
     engine.save_checkpoint(str(tmp_path / "ckpt"))
+    from hybridrl.run.trusted_files import unsafe_files
+
+    assert unsafe_files(tmp_path / "ckpt") == []  # plain data: it loads with weights_only=True
     saved = engine.full_state_dict()
     engine.update(second, PolicyGradient())
     continued = engine.full_state_dict()

@@ -10,6 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from hybridrl.config.schema import ConfigError, RunConfig
+from hybridrl.config.secrets import resolve_env
 
 
 class DuplicateKeyError(yaml.YAMLError):
@@ -128,6 +129,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None,
         data.update(loaded)
     overrides = list(overrides or [])
     data = apply_overrides(data, overrides)
+    data, missing = resolve_env(data)  # ${VAR}: the variable's value (hybridrl.config.secrets)
+    if missing:
+        raise ConfigError(missing)
     return _validate(data, _null_overrides(data, overrides))
 
 

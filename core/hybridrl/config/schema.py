@@ -276,7 +276,9 @@ class HttpRewardConfig(Strict):
     timeout_s: float = Field(60.0, gt=0, description="seconds per POST")
     backoff_s: float = Field(0.5, ge=0, description="wait before the first retry, doubled for each next one")
     coef: float = Field(1.0, description="weight of the service's score in the reward")
-    headers: dict[str, str] = Field(default_factory=dict)
+    headers: dict[str, str] = Field(default_factory=dict, description="HTTP headers of each POST (Authorization: "
+                                                                       "Bearer ${TOKEN}); their values are redacted "
+                                                                       "in config.json and in logs")
 
 
 class RewardConfig(RoleBase):
@@ -349,6 +351,10 @@ class TrainerConfig(Strict):
     keep_checkpoints: int = Field(2, ge=0, description="complete checkpoints kept, newest first (0: all)")
     resume: str = Field("auto", min_length=1, description="auto: from the latest checkpoint in trainer.out, if any; "
                                                           "never; or a checkpoint / run folder")
+    resume_unverified: bool = Field(False, description="resume from a checkpoint that has no manifest.json (its "
+                                                       "files cannot be checked against what was saved), or one "
+                                                       "saved before checkpoints held plain data only; off: such "
+                                                       "a checkpoint is refused (auto passes over it)")
     max_bad_steps: int = Field(3, ge=0, description="stop after this many steps in a row whose update was skipped "
                                                     "(non-finite loss or gradient); 0: never stop")
     pipelined: bool = Field(False, description="generate the next step's batch while this step trains (actor and "

@@ -33,9 +33,11 @@ class JsonlTracker:
     loses nothing already logged."""
 
     def __init__(self, out_dir: str, config: dict[str, Any] | None = None, resume: bool = False) -> None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        from hybridrl.run.file_modes import open_private, private_dir
+
+        private_dir(out_dir)
         self.path = Path(out_dir) / "metrics.jsonl"
-        self._file = self.path.open("a" if resume else "w")
+        self._file = open_private(self.path, "a" if resume else "w")  # 0600: the run's owner reads it
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -215,6 +217,9 @@ def build_trackers(registry: Any, names: list[str], out_dir: str, config: dict[s
                    resume: bool) -> list[Tracker]:
     """The configured trackers (``trainer.trackers``); a resumed run appends to what they already logged.
     Every registered tracker takes ``(out_dir, config)``; one that also takes ``resume`` is told so."""
+    from hybridrl.config.secrets import redacted
+
+    config = redacted(config)  # a tracker may upload it (W&B, MLflow): never a secret in clear
     trackers = []
     for name in names:
         cls = registry.get("tracker", name)

@@ -77,6 +77,23 @@ def load_object(target: str | Any) -> Any:
 
 
 @dataclass(frozen=True)
+class FailedPlugin:
+    """An installed plugin whose entry point raised when imported: skipped, and named where it matters."""
+
+    entry_point: str
+    distribution: str
+    version: str
+    error: str  # 'ImportError: ...', one line
+
+    def warning(self) -> str:
+        return (f"plugin '{self.entry_point}' of distribution '{self.distribution}' {self.version} failed "
+                f"to import and is skipped ({self.error})")
+
+    def describe(self) -> str:
+        return f"plugin '{self.entry_point}' of distribution '{self.distribution}' failed to import ({self.error})"
+
+
+@dataclass(frozen=True)
 class BackendSpec:
     """One train or rollout backend as a plugin registered it, with what it knows about itself: its
     capabilities, its option checks and ``auto`` options, its memory model, the keys that answer an out of
@@ -198,6 +215,7 @@ class Registry:
     bridges: list[BridgeEntry] = field(default_factory=list)
     named: dict[tuple[str, str], NamedEntry] = field(default_factory=dict)
     current_plugin: str = "<direct>"
+    failed_plugins: list[FailedPlugin] = field(default_factory=list)  # installed but failed to import
 
     # --- backends -------------------------------------------------------------------------------
     def _add_backend(self, kind: BackendKind, name: str, target: Any, requires: str | list[str] | tuple[str, ...],
@@ -259,7 +277,8 @@ class Registry:
             return self.backends[(kind, name)]
         except KeyError:
             known = sorted(n for k, n in self.backends if k == kind)
-            raise RegistryError(f"unknown {kind} backend '{name}' (known: {', '.join(known) or 'none'})") from None
+            raise RegistryError(f"unknown {kind} backend '{name}' (known: {', '.join(known) or 'none'})"
+                                f"{self.failed_note()}") from None
 
     def bridge(self, trainer: str, rollout: str, transport: str) -> BridgeEntry:
         """Most specific bridge for the pair: exact, then one side wildcarded, then the general one."""
@@ -322,7 +341,14 @@ class Registry:
         except KeyError:
             raise RegistryError(
                 f"unknown {category.replace('_', ' ')} '{name}' (known: {', '.join(self.names(category)) or 'none'})"
-            ) from None
+                f"{self.failed_note()}") from None
+
+    def failed_note(self) -> str:
+        """What an unknown name's error adds when installed plugins failed to import: one may provide it."""
+        if not self.failed_plugins:
+            return ""
+        return "; it may come from a plugin that failed to import: " + "; ".join(
+            f.describe() for f in self.failed_plugins)
 
     def names(self, category: str) -> list[str]:
         return sorted(n for c, n in self.named if c == category)

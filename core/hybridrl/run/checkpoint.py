@@ -12,8 +12,11 @@ Layout under ``<trainer.out>/checkpoints/``::
 
 A crash, a full disk or Ctrl-C during a save therefore leaves the previous checkpoint and ``latest`` as they
 were. A checkpoint damaged later (a truncated shard, a file overwritten) is found by comparing its files with
-the manifest before it is loaded (``damage``); resuming then falls back to the newest intact one. The folder
-must be on a filesystem every worker can write (each rank writes its own shards).
+the manifest before it is loaded (``damage``); resuming then falls back to the newest intact one. A checkpoint
+without a manifest cannot be verified and is not trusted unless asked (``trainer.resume_unverified``,
+``hybridrl export --unverified``), and a file that holds more than tensors and plain data is never loaded
+(``hybridrl.run.trusted_files``). The folder must be on a filesystem every worker can write (each rank writes
+its own shards). Folders are 0700 and files 0600 (``hybridrl.run.file_modes``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 
 from hybridrl.errors import HybridRLError
 from hybridrl.run.faults import disk_problem
+from hybridrl.run.file_modes import make_private_tree, open_private, private_dir
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -40,6 +44,9 @@ DRIVER_SUMMARY = "driver.json"
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
+#: why a checkpoint without a manifest is not trusted (``damage``); the opt-in is ``trainer.resume_unverified``.
+UNVERIFIED = (f"{MANIFEST} is missing, so its files cannot be checked against what was saved "
+              "(trainer.resume_unverified=true, or export --unverified, trusts it)")
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -103,29 +110,32 @@ def find_checkpoint(out: str | Path, step: int | None = None) -> Path:
                           f"(steps: {', '.join(str(s) for s, _ in found)})")
 
 
-def resolve_resume(resume: str, out: str | Path, skipped: list[tuple[Path, str]] | None = None) -> Path | None:
+def resolve_resume(resume: str, out: str | Path, skipped: list[tuple[Path, str]] | None = None,
+                   allow_unverified: bool = False) -> Path | None:
     """What ``trainer.resume`` points at: ``never`` -> None; ``auto`` -> the newest intact checkpoint in
     ``out`` (None on a fresh run); a path -> that checkpoint folder, or the newest intact one of that run
     folder. Damaged checkpoints passed over are appended to ``skipped`` as ``(folder, why)``; a damaged
-    checkpoint named by its own path is an error, as is a run folder with no intact one."""
+    checkpoint named by its own path is an error, as is a run folder with no intact one. A checkpoint without a
+    manifest counts as damaged unless ``allow_unverified`` (``trainer.resume_unverified``)."""
     if resume == "never":
         return None
     if resume == "auto":
-        found, passed = newest_intact(out)
+        found, passed = newest_intact(out, allow_unverified=allow_unverified)
         _extend(skipped, passed)
         if found is None and passed:
             raise CheckpointError(f"every checkpoint under '{checkpoints_root(out)}' is damaged: {_listed(passed)}")
         return found
     path = Path(resume)
     if is_complete(path):
-        why = damage(path)
+        why = damage(path, allow_unverified=allow_unverified)
         if why:
-            raise CheckpointError(f"trainer.resume: checkpoint '{path}' is damaged: {why}")
+            raise CheckpointError(f"trainer.resume: checkpoint '{path}' "
+                                  f"{'cannot be trusted' if why == UNVERIFIED else 'is damaged'}: {why}")
         return path
     run = path if path.is_dir() and (path / CHECKPOINTS).is_dir() else \
         path.parent if path.is_dir() and path.name == CHECKPOINTS else None
     if run is not None:
-        found, passed = newest_intact(run)
+        found, passed = newest_intact(run, allow_unverified=allow_unverified)
         _extend(skipped, passed)
         if found is None:
             raise CheckpointError(f"trainer.resume: no intact checkpoint under '{checkpoints_root(run)}'"
@@ -146,7 +156,8 @@ def _listed(passed: list[tuple[Path, str]]) -> str:
     return "; ".join(f"{folder.name}: {why}" for folder, why in passed)
 
 
-def newest_intact(out: str | Path, checksums: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
+def newest_intact(out: str | Path, checksums: bool = True, allow_unverified: bool = False
+                  ) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The checkpoint to continue ``out``'s run from: the one ``latest`` names if intact, else the newest
     intact one of an earlier step (a folder of a later step than ``latest`` names belongs to a line of the run
     that was abandoned for an earlier checkpoint). Returns it (None if there is none) and the damaged ones
@@ -161,7 +172,7 @@ def newest_intact(out: str | Path, checksums: bool = True) -> tuple[Path | None,
     for step, path in sorted(found, reverse=True):
         if step > limit:
             continue
-        why = damage(path, checksums)
+        why = damage(path, checksums, allow_unverified)
         if why is None:
             return path, passed
         passed.append((path, why))
@@ -178,11 +189,12 @@ def save_checkpoint(out: str | Path, step: int, write: Callable[[Path], dict[str
     name = step_dir_name(step)
     tmp, final = root / f"{TMP_PREFIX}{name}", root / name
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        private_dir(root)
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save of the same step
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700)
         summary = write(tmp)
         summary = {"format_version": FORMAT_VERSION, "step": step, "saved_at": time.time(), **summary}
+        make_private_tree(tmp)  # what the workers wrote under their umask: the owner's only
         write_manifest(tmp)
         _write_atomic(tmp / DRIVER_SUMMARY, json.dumps(summary, indent=2))
         if final.exists():  # the same step saved again (a resumed run re-saving): the new one replaces it
@@ -259,10 +271,12 @@ def write_manifest(folder: Path) -> None:
     _write_atomic(folder / MANIFEST, json.dumps({"format": 1, "files": files}, indent=1))
 
 
-def damage(folder: Path, checksums: bool = True) -> str | None:
-    """Why a complete checkpoint cannot be trusted (None: intact): its summary does not parse, or a file of its
-    manifest is missing, of another size, or (``checksums``) of other contents than when it was saved.
-    A checkpoint saved before manifests existed is checked by loading its driver state."""
+def damage(folder: Path, checksums: bool = True, allow_unverified: bool = False) -> str | None:
+    """Why a complete checkpoint cannot be trusted (None: intact): its summary does not parse; it has no manifest
+    (``UNVERIFIED``, unless ``allow_unverified``); a file of its manifest is missing, of another size, or
+    (``checksums``) of other contents than when it was saved; or a file in it holds more than tensors and
+    plain data (``hybridrl.run.trusted_files``: checked without loading it; ``allow_unverified`` admits the
+    NumPy RNG state of checkpoints saved before the driver state was plain data)."""
     try:
         summary = json.loads((folder / DRIVER_SUMMARY).read_text())
         if not isinstance(summary, dict) or "step" not in summary:
@@ -272,12 +286,9 @@ def damage(folder: Path, checksums: bool = True) -> str | None:
     try:
         manifest = json.loads((folder / MANIFEST).read_text())["files"]
     except FileNotFoundError:
-        try:
-            load_driver_state(folder)
-        except Exception as exc:  # noqa: BLE001 - whatever unpickling raises, the checkpoint is unusable
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            return f"{DRIVER_STATE} does not load ({type(exc).__name__}: {first_line})"
-        return None
+        if not allow_unverified:
+            return UNVERIFIED
+        return _untrusted(folder, allow_unverified) or _driver_state_problem(folder, allow_unverified)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{MANIFEST} does not parse ({exc})"
     problems = []
@@ -300,14 +311,32 @@ def damage(folder: Path, checksums: bool = True) -> str | None:
         problems += [f"{n} has other contents than when saved (CRC-32 {crcs[n]}, {manifest[n]['crc32']} when saved)"
                      for n in sized if crcs[n] != manifest[n]["crc32"]]
     if not problems:
-        return None
+        return _untrusted(folder, allow_unverified)
     return "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+
+
+def _untrusted(folder: Path, allow_old: bool) -> str | None:
+    """The first file of ``folder`` that loading could make run code, as the refusal (None: none)."""
+    from hybridrl.run.trusted_files import refusal, unsafe_files
+
+    found = unsafe_files(folder, allow_old=allow_old)
+    return None if not found else refusal(found[0][0], found[0][1])
+
+
+def _driver_state_problem(folder: Path, allow_old: bool) -> str | None:
+    """A checkpoint without a manifest is checked by loading its driver state (plain data only)."""
+    try:
+        load_driver_state(folder, allow_old)
+    except Exception as exc:  # noqa: BLE001 - whatever loading raises, the checkpoint is unusable
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        return f"{DRIVER_STATE} does not load ({type(exc).__name__}: {first_line})"
+    return None
 
 
 def _write_atomic(path: Path, text: str) -> None:
     """Write to a sibling temporary file, fsync, rename over ``path``: readers see the old or the new text."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    with open(tmp, "w") as f:
+    with open_private(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -317,14 +346,17 @@ def _write_atomic(path: Path, text: str) -> None:
 # --- driver state ------------------------------------------------------------------------------------------
 
 def rng_state() -> dict[str, Any]:
-    """The driver's RNG states (Python, NumPy when present, torch CPU)."""
+    """The driver's RNG states (Python, NumPy when present, torch CPU), as plain data: NumPy's array of keys
+    becomes a tensor, so the file loads with ``weights_only=True``."""
     import random
 
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
         pass
     return state
@@ -333,20 +365,33 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     import random
 
-    random.setstate(state["python"])
+    python = state["python"]  # (version, tuple of ints, gauss): a list after a round trip through some loaders
+    random.setstate((python[0], tuple(python[1]), python[2]))
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        saved = state["numpy"]
+        if isinstance(saved, dict):
+            keys = saved["keys"].numpy().astype(np.uint32)
+            np.random.set_state((saved["kind"], keys, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]))
+        else:  # a checkpoint saved before the state was plain data (loaded under trainer.resume_unverified)
+            np.random.set_state(saved)
 
 
 def save_driver_state(folder: Path, state: dict[str, Any]) -> None:
     torch.save(state, folder / DRIVER_STATE)
 
 
-def load_driver_state(folder: Path) -> dict[str, Any]:
-    return torch.load(folder / DRIVER_STATE, map_location="cpu", weights_only=False)
+def load_driver_state(folder: Path, allow_old: bool = False) -> dict[str, Any]:
+    """The driver state of a checkpoint: tensors and plain data only (``CheckpointError`` naming the file for
+    anything else, before any of it is built; ``allow_old``: also the NumPy RNG state of older checkpoints)."""
+    from hybridrl.run.trusted_files import UntrustedFileError, load_plain
+
+    try:
+        return load_plain(folder / DRIVER_STATE, allow_old=allow_old)
+    except UntrustedFileError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def trim_metrics(out: str | Path, step: int) -> int:

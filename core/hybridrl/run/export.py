@@ -41,16 +41,23 @@ EXPORT_MARKER = "hybridrl_export.json"
 
 
 def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None, dtype: str | None = None,
-                      force: bool = False, adapter: bool = False) -> Path:
+                      force: bool = False, adapter: bool = False, unverified: bool = False) -> Path:
     """Write the actor of ``run``'s checkpoint of ``step`` (default: the latest) to ``out`` as an HF model
     (``adapter``: its LoRA adapters as a peft adapter). ``run`` is a run folder (``trainer.out``) or a checkpoint
     folder; ``dtype`` defaults to the run's ``model.dtype``. ``out`` must not exist or be empty, or (with
-    ``force``) hold a previous export; it is checked before anything is loaded. Returns ``out``."""
+    ``force``) hold a previous export; it is checked before anything is loaded. A checkpoint without a manifest
+    is refused unless ``unverified`` (``--unverified``), and so is a run folder a live run holds. Returns
+    ``out``."""
+    from hybridrl.run.run_lock import refuse_if_live
+
     run = Path(run)
-    problem = export_target_problem(run.parent.parent if ckpt.is_complete(run) else run, Path(out), force)
+    run_folder = run.parent.parent if ckpt.is_complete(run) else run
+    problem = refuse_if_live(run_folder, "its checkpoints may change while they are read; export once it has ended") \
+        or refuse_if_live(Path(out), "an export into it would mix with that run") \
+        or export_target_problem(run_folder, Path(out), force)
     if problem:
         raise ExportError(problem)
-    folder = _checkpoint_folder(run, step)
+    folder = _checkpoint_folder(run, step, unverified)
     summary = json.loads((folder / ckpt.DRIVER_SUMMARY).read_text())
     backend = summary.get("roles", {}).get("actor")
     if backend is None or not (folder / "actor").is_dir():
@@ -73,15 +80,16 @@ def export_checkpoint(run: str | Path, out: str | Path, step: int | None = None,
     return write_hf_model(weights, model_path, Path(out), target, meta)
 
 
-def _checkpoint_folder(run: Path, step: int | None) -> Path:
+def _checkpoint_folder(run: Path, step: int | None, unverified: bool = False) -> Path:
     """The checkpoint to export, verified against its manifest: the one named, or the newest intact one of
-    the run (a damaged latest one is passed over with a warning)."""
+    the run (a damaged latest one is passed over with a warning). ``unverified`` trusts one without a
+    manifest."""
     if ckpt.is_complete(run):
         if step is not None and summary_step(run) != step:
             raise ExportError(f"'{run}' is the checkpoint of step {summary_step(run)}, not {step}")
         folder = run
     elif step is None:
-        folder, passed = ckpt.newest_intact(run)
+        folder, passed = ckpt.newest_intact(run, allow_unverified=unverified)
         for skipped, why in passed:
             logger.warning("export: skipped the damaged checkpoint %s: %s", skipped, why)
         if folder is None:
@@ -93,7 +101,10 @@ def _checkpoint_folder(run: Path, step: int | None) -> Path:
             folder = ckpt.find_checkpoint(run, step)
         except ckpt.CheckpointError as exc:
             raise ExportError(str(exc)) from None
-    why = ckpt.damage(folder)
+    why = ckpt.damage(folder, allow_unverified=unverified)
+    if why == ckpt.UNVERIFIED:
+        raise ExportError(f"checkpoint '{folder}' cannot be trusted: {ckpt.MANIFEST} is missing, so its files "
+                          "cannot be checked against what was saved; pass --unverified to export it anyway")
     if why:
         raise ExportError(f"checkpoint '{folder}' is damaged: {why}")
     return folder
@@ -147,6 +158,7 @@ def actor_weights(state_dir: Path, backend: str, model_path: str, settings: dict
     from hybridrl.runtime.distributed import free_port, init_process_group
     from hybridrl.engines import EngineContext, TrainingOptions
     from hybridrl.plugins.discovery import get_registry
+    from hybridrl.run.trusted_files import UntrustedFileError
 
     engine_cls = get_registry().backend("train", backend).load()
     own_group = not dist.is_initialized()
@@ -166,6 +178,8 @@ def actor_weights(state_dir: Path, backend: str, model_path: str, settings: dict
                               f"({exc}); its checkpoint loads only on the layout it was saved with") from None
         try:
             engine.load_checkpoint(str(state_dir))
+        except UntrustedFileError as exc:  # checked before, by damage(): a file changed since
+            raise ExportError(str(exc)) from None
         except NotImplementedError as exc:
             raise ExportError(f"the '{backend}' backend cannot load checkpoints: {exc}") from None
         except ValueError as exc:  # e.g. a layout (tensor parallel ...) that one rank cannot take

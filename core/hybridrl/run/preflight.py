@@ -239,6 +239,7 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
     CLI's ``--overwrite``) and the tiny models are built."""
     from hybridrl.run import checks as run_checks
     from hybridrl.run.run_folder import move_aside, plan_run_folder
+    from hybridrl.run.run_lock import RunLocked, acquire as acquire_run_lock
     from hybridrl.data.loading import DataError, load_rows, tokenize_rows
     from hybridrl.rewards.checks import run_problems as reward_run_problems
     from hybridrl.rewards.rules import build_spec
@@ -250,7 +251,7 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
     run_cfg, lora_notes = with_lora(run_cfg, plan, backends)
     notes += lora_notes
     trained = {r: b.name for r, b in backends.items() if r in trainable_roles()}
-    folder = plan_run_folder(cfg.trainer.out, cfg.trainer.resume, overwrite)
+    folder = plan_run_folder(cfg.trainer.out, cfg.trainer.resume, overwrite, cfg.trainer.resume_unverified)
     problems += folder.problems + run_checks.tracker_problems(cfg, registry)
     problems += run_checks.checkpoint_problems(cfg, registry, trained, folder.resume_from)
     raw: dict[str, Any] = {}  # the raw rows of each split (train, and val when configured)
@@ -301,10 +302,16 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
     notes = notes + auto.notes()
     # --- every check has passed: from here on the run writes into trainer.out ---
     notes = folder.notes + notes
-    if folder.move_aside:
-        moved = move_aside(Path(cfg.trainer.out))
-        notes.insert(0, f"--overwrite: the previous run in {cfg.trainer.out} ({', '.join(folder.move_aside)}) was "
-                        f"moved to {moved}")
+    try:
+        if folder.move_aside:
+            moved = move_aside(Path(cfg.trainer.out))
+            notes.insert(0, f"--overwrite: the previous run in {cfg.trainer.out} ({', '.join(folder.move_aside)}) "
+                            f"was moved to {moved}")
+        lock = acquire_run_lock(cfg.trainer.out)  # held until this process ends (hybridrl.run.run_lock)
+    except RunLocked as exc:
+        raise ConfigError([("trainer.out", str(exc))]) from None
+    if lock.note():
+        notes.insert(0, lock.note())
     model_path, tokenizer = prepare_model(cfg)
     return RunSetup(run_cfg, registry, backends, plan, model_path, tokenizer, list(prompts), rules,
                     prompts.dropped, role_model_paths(run_cfg), notes, resume_from=folder.resume_from,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hybridrl.run import checkpoint as ckpt
 from hybridrl.run.faults import not_writable
+from hybridrl.run.run_lock import LOCK_FILE, refuse_if_live
 from hybridrl.runtime.device_map import DEVICE_MAP_FILE
 
 #: what a run writes before its first step; a folder holding only these has nothing to lose.
@@ -50,6 +51,8 @@ def previous_run(out: Path) -> list[str]:
             continue  # the tiny models: rebuilt from the config, or refused by their builder if foreign
         elif name == DEVICE_MAP_FILE:
             continue  # written anew at each start
+        elif name == LOCK_FILE:
+            continue  # who ran here last (hybridrl.run.run_lock): no record of its own
         else:
             held.append(f"{name}{'/' if entry.is_dir() else ''} (not a run's)")
     return held
@@ -83,9 +86,17 @@ def aside_name(out: Path) -> Path:
 
 
 def move_aside(out: Path) -> Path:
-    """Rename ``out`` to ``aside_name(out)`` (same parent, so one atomic rename; nothing is copied or removed)."""
+    """Rename ``out`` to ``aside_name(out)`` (same parent, so one atomic rename; nothing is copied or removed),
+    holding its lock meanwhile: a run that started in it since the pre-flight is not moved under its feet
+    (``RunLocked``)."""
+    from hybridrl.run.run_lock import acquire
+
+    old = acquire(out, "--overwrite would move it aside under its feet")
     target = aside_name(out)
-    os.rename(out, target)
+    try:
+        os.rename(out, target)
+    finally:
+        old.release()
     return target
 
 
@@ -100,14 +111,22 @@ class RunFolderPlan:
     move_aside: list[str] = field(default_factory=list)  # what is moved (empty: nothing)
     problems: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    allow_unverified: bool = False  # trainer.resume_unverified
 
 
-def plan_run_folder(out: str | Path, resume: str, overwrite: bool = False) -> RunFolderPlan:
-    """Decide, without writing anything, whether and how a run may use ``out`` (see the module docstring)."""
+def plan_run_folder(out: str | Path, resume: str, overwrite: bool = False,
+                    resume_unverified: bool = False) -> RunFolderPlan:
+    """Decide, without writing anything, whether and how a run may use ``out`` (see the module docstring);
+    ``resume_unverified`` (``trainer.resume_unverified``) trusts checkpoints without a manifest."""
     out = Path(out)
-    plan = RunFolderPlan(out)
+    plan = RunFolderPlan(out, allow_unverified=resume_unverified)
     if out.exists() and not out.is_dir():
         plan.problems.append(("trainer.out", f"'{out}' exists and is not a folder"))
+        return plan
+    live = refuse_if_live(out, "--overwrite would move it aside under its feet" if overwrite else
+                          "a second run in it would mix its metrics and checkpoints with the live one's")
+    if live:
+        plan.problems.append(("trainer.out", live))
         return plan
     for folder in (out, ckpt.checkpoints_root(out)):
         if folder == out or folder.is_dir():
@@ -143,13 +162,15 @@ def plan_run_folder(out: str | Path, resume: str, overwrite: bool = False) -> Ru
 def _resolve(resume: str, out: Path, plan: RunFolderPlan) -> Path | None:
     skipped: list[tuple[Path, str]] = []
     try:
-        found = ckpt.resolve_resume(resume, out, skipped)
+        found = ckpt.resolve_resume(resume, out, skipped, plan.allow_unverified)
     except ckpt.CheckpointError as exc:
         plan.problems.append(("trainer.resume", str(exc).removeprefix("trainer.resume: ")))
         found = None
-    plan.notes += [f"skipped the damaged checkpoint {path}: {why}" for path, why in skipped]
+    plan.notes += [f"skipped the {'unverified' if why == ckpt.UNVERIFIED else 'damaged'} checkpoint {path}: {why}"
+                   for path, why in skipped]
     if found is not None and skipped:
-        plan.notes.append(f"resuming from {found}, the newest intact checkpoint")
+        plan.notes.append(f"resuming from {found}, the newest intact checkpoint"
+                          + (" with a manifest" if any(why == ckpt.UNVERIFIED for _, why in skipped) else ""))
     return found
 
 

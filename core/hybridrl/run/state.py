@@ -44,8 +44,9 @@ class Checkpointer:
     when asked, ``save``)."""
 
     def __init__(self, out: str | Path, keep: int, summary: dict[str, Any], every: int = 0,
-                 last: int | None = None) -> None:
+                 last: int | None = None, allow_unverified: bool = False) -> None:
         self.out = Path(out)
+        self.allow_unverified = allow_unverified  # trainer.resume_unverified: older driver states load too
         self.keep = keep
         self.summary = summary
         self.every, self.last = every, last
@@ -81,7 +82,7 @@ class Checkpointer:
         if missing:
             raise ckpt.CheckpointError(f"checkpoint '{folder}' has no state for role(s) {', '.join(missing)} "
                                        "(saved by a run with another algorithm?)")
-        state = ckpt.load_driver_state(folder)
+        state = ckpt.load_driver_state(folder, self.allow_unverified)
         for role in roles:
             groups[role].broadcast(role, "load_checkpoint", str((folder / role).resolve()))
         driver.load_state_dict(state)

@@ -26,6 +26,7 @@ from hybridrl.batch import (ADVANTAGES, BASELINE_SCORES, GROUP_INDEX, LOG_PROBS,
                             PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, REF_LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK,
                             RESPONSE_TEXT, RETURNS, ROLLOUT_LOG_PROBS, SCORES, TOKEN_REWARDS, VALUES, Batch,
                             first_row_of_each_group, left_pad, response_attention_mask, sequence_keys)
+from hybridrl.config.secrets import redacted
 from hybridrl.engines import SamplingParams
 from hybridrl.environments.driver import Episodes
 from hybridrl.observe.flops import shared_prompt_roles, step_perf_metrics
@@ -40,6 +41,7 @@ from hybridrl.run import checkpoint as ckpt
 from hybridrl.run.pipeline import GenerationJob, needs_sync, staleness_of
 from hybridrl.run.preflight import RunSetup
 from hybridrl.run.faults import signal_name
+from hybridrl.run.file_modes import open_private, private_dir, write_config, write_private
 from hybridrl.run.state import Checkpointer, StepGuard, trained_roles
 from hybridrl.runtime.group import Result, WorkerGroup, average_metrics, unique_groups
 from hybridrl.runtime.launch import build_engines, role_options, start_worker_groups
@@ -130,7 +132,7 @@ class Trainer:
             "actor_options": role_options(cfg, "actor"), "actor_backend_options": dict(cfg.roles.actor.options),
             "seed": cfg.trainer.seed,
             "model_signatures": setup.model_signatures, "data_rows": self.loader.num_rows},
-            every=cfg.trainer.save_every, last=cfg.trainer.steps)
+            every=cfg.trainer.save_every, last=cfg.trainer.steps, allow_unverified=cfg.trainer.resume_unverified)
         self.guard = StepGuard(cfg.trainer.max_bad_steps, setup.plan, self.checkpointer)
         #: roles whose engine computes each distinct prompt once (their FLOPs count it once: observe.flops)
         self.shared_prompt_roles = shared_prompt_roles(cfg, setup.plan, self.registry)
@@ -155,12 +157,11 @@ class Trainer:
     def start(self) -> None:
         """Start the workers and engines, restore a checkpoint when resuming, and give the rollout the
         actor's weights."""
-        out = Path(self.cfg.trainer.out)
-        out.mkdir(parents=True, exist_ok=True)
+        out = private_dir(self.cfg.trainer.out)  # 0700: the run's files are its owner's (hybridrl.run.file_modes)
         resume_from = self.setup.resume_from  # chosen, verified and fitted to this run by the pre-flight
         if resume_from is None:
-            (out / "samples.jsonl").write_text("")
-        (out / "config.json").write_text(json.dumps(self.cfg.model_dump(mode="json", by_alias=True), indent=2))
+            write_private(out / "samples.jsonl", "")
+        write_config(out / "config.json", self.cfg.model_dump(mode="json", by_alias=True))  # secrets redacted
         log.info("%s", self.setup.plan.render())
         for note in self.setup.notes:
             log.info("note: %s", note)
@@ -197,7 +198,7 @@ class Trainer:
                                        self.save_copy)
         resumed = self.checkpointer.resumed_from is not None
         self.trackers = build_trackers(self.registry, self.cfg.trainer.trackers, self.cfg.trainer.out,
-                                       self.cfg.model_dump(mode="json"), resume=resumed)
+                                       redacted(self.cfg.model_dump(mode="json")), resume=resumed)
 
     def sync_weights(self) -> dict[str, float]:
         return self.bridge.sync(self.groups["actor"], "actor", self.groups["rollout"], "rollout", self.bucket_bytes)
@@ -222,7 +223,7 @@ class Trainer:
         if batch is None or n == 0:
             return
         stride = max(1, len(batch) // n)
-        with (Path(self.cfg.trainer.out) / "samples.jsonl").open("a") as f:
+        with open_private(Path(self.cfg.trainer.out) / "samples.jsonl") as f:
             for i in range(0, len(batch), stride)[:n]:
                 f.write(json.dumps({"step": self.step, "prompt": batch[PROMPT_TEXT][i],
                                     "response": batch[RESPONSE_TEXT][i], "score": float(batch[SCORES][i])}) + "\n")
@@ -566,3 +567,6 @@ class Trainer:
         for pg in self.placement_groups:
             remove_placement_group(pg)
         self.groups, self.placement_groups = {}, []
+        from hybridrl.run.run_lock import release
+
+        release(self.cfg.trainer.out)  # the run has ended: its folder's lock (hybridrl.run.run_lock) goes

@@ -229,10 +229,13 @@ class Validator:
             return
         assert self.save_copy is not None, "trainer.keep_best needs save_copy"
         best = self.out / BEST
+        from hybridrl.run.file_modes import write_config, write_private
+
         folder = self.save_copy(best, {"best": {"metric": name, "value": value}})
-        (best / "config.json").write_text(json.dumps(self.cfg.model_dump(mode="json", by_alias=True), indent=2))
-        (best / BEST_RECORD).write_text(json.dumps({"metric": name, "value": value, "step": step,
-                                                    "checkpoint": str(folder)}, indent=2) + "\n")
+        write_config(best / "config.json", self.cfg.model_dump(mode="json", by_alias=True))
+        write_private(best / BEST_RECORD, json.dumps({"metric": name, "value": value, "step": step,
+                                                      "checkpoint": str(folder)}, indent=2) + "
+")
         previous = "" if self.best_value is None else f" (was {self.best_value:.4g} at step {self.best_step})"
         self.best_value, self.best_step = value, step
         log.info("trainer.keep_best: %s=%.4g at step %d is the best so far%s: kept in %s", name, value,

@@ -510,9 +510,15 @@ class FSDPEngine(TrainEngine):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
+        from hybridrl.run.trusted_files import UntrustedFileError, load_plain, metadata_problem, refusal
+
         src = Path(path)
         if not (src / DCP_DIR).is_dir():
             raise FileNotFoundError(f"no FSDP checkpoint in '{src}' (missing {DCP_DIR}/)")
+        index = src / DCP_DIR / ".metadata"  # DCP unpickles it: checked first, as plain data only
+        problem = metadata_problem(index) if index.is_file() else None
+        if problem:
+            raise UntrustedFileError(refusal(index, problem))
         with self._state_on_device():
             state = self._dcp_state()
             dcp.load(state, checkpoint_id=str(src / DCP_DIR))
@@ -529,7 +535,7 @@ class FSDPEngine(TrainEngine):
                                                       self.optimizer)
         rank_file = src / _rank_file(self.ctx.rank)
         if rank_file.is_file():  # absent when resuming on more ranks than were saved: keep the fresh RNG
-            extra = torch.load(rank_file, map_location="cpu", weights_only=False)
+            extra = load_plain(rank_file)  # tensors and plain data only: a forged file runs nothing
             if self.scheduler is not None and extra.get("scheduler") is not None:
                 self.scheduler.load_state_dict(extra["scheduler"])
             _set_rng_state(extra["rng"])

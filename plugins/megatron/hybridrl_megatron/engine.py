@@ -386,7 +386,9 @@ class MegatronEngine(TrainEngine):
         meta = json.loads((src / CHECKPOINT_META).read_text())
         if meta != self._layout_meta():
             raise ValueError(f"checkpoint {src} was saved with {meta}, this engine runs {self._layout_meta()}")
-        state = torch.load(src / _rank_file(self.ctx.rank), map_location="cpu", weights_only=False)
+        from hybridrl.run.trusted_files import load_plain
+
+        state = load_plain(src / _rank_file(self.ctx.rank))  # tensors and plain data only: a forged file runs nothing
         with torch.no_grad():
             for entry in self.table:
                 entry.param.data.copy_(state["model"][entry.local_name])
