@@ -49,7 +49,7 @@ def guarded_probe_problems(spec: RuleSpec, first_rows: dict[Any, tuple[str, dict
     if spec.bundled() or not spec.picklable():
         return probe_problems(spec, first_rows)
     try:
-        return call_in_child(probe_problems, (spec, first_rows), timeout_s)
+        return call_in_child(probe_problems, (spec, first_rows), timeout_s, noted=True)
     except ChildFailure as exc:
         where = exc.last_note or next((f"{t.key} '{t.name}'" for t in spec.all_terms()), "roles.reward.fn")
         key, _, name = where.partition(" ")

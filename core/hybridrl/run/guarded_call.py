@@ -7,10 +7,11 @@ are) and returns its value, or raises ``ChildFailure`` with a short reason: ``ti
 ``called sys.exit(3)``, ``ended its process with exit status 3``, ``was killed by signal 9 (SIGKILL)``,
 ``raised KeyError: 'x'``. ``fn`` and ``args`` must pickle (a module-level function, plain data).
 
-Deadlines: the child has ``start_timeout_s`` to start (import and unpickle ``fn``, which is not the user code's
-time), then ``timeout_s`` for ``fn``. The child can say what it is about to call with ``note(text)``: each note
-starts a fresh ``timeout_s`` (one per user call) and the last one comes back with a failure, so a hang inside the
-second of several functions is blamed on that one.
+Deadlines: the child has ``start_timeout_s`` to start (import and unpickle ``fn`` and its arguments, which is
+not the user code's time), then ``timeout_s`` for ``fn``. The child can say what it is about to call with
+``note(text)``: each note starts a fresh ``timeout_s`` (one per user call) and the last one comes back with a
+failure, so a hang inside the second of several functions is blamed on that one. With ``noted``, the work of
+``fn`` before its first note is set-up too (building a registry), under ``start_timeout_s``.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def describe_exit(code: int | None) -> str:
 
 
 def call_in_child(fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float,
-                  start_timeout_s: float = 60.0) -> Any:
+                  start_timeout_s: float = 60.0, noted: bool = False) -> Any:
     """``fn(*args)`` in a spawned child; its value, or ``ChildFailure`` once the child fails, exits, does not
     start within ``start_timeout_s`` or runs past ``timeout_s`` (see the module's docstring). The child is always
     gone on return."""
@@ -81,24 +82,26 @@ def call_in_child(fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: floa
     process = ctx.Process(target=_child_main, args=(child, fn, args), daemon=True, name="hybridrl-guarded")
     process.start()
     child.close()
-    started = False
+    in_call = False  # the deadline is timeout_s (else start_timeout_s)
     deadline = time.monotonic() + start_timeout_s
     last_note: str | None = None
     try:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not parent.poll(remaining):
-                raise ChildFailure(f"timed out after {timeout_s:g}s" if started else
+                raise ChildFailure(f"timed out after {timeout_s:g}s" if in_call else
                                    f"did not start within {start_timeout_s:g}s", last_note)
             try:
                 kind, payload = parent.recv()
             except (EOFError, OSError):
                 process.join(timeout=5)
                 raise ChildFailure(describe_exit(process.exitcode), last_note) from None
-            if kind in ("started", "note"):
-                started = True
+            if kind == "note" or (kind == "started" and not noted):
+                in_call = True
                 deadline = time.monotonic() + timeout_s
                 last_note = payload if kind == "note" else last_note
+            elif kind == "started":
+                deadline = time.monotonic() + start_timeout_s
             elif kind == "ok":
                 return payload
             else:
