@@ -89,3 +89,25 @@ def test_the_calc_example_passes_and_plays_batched_on_the_hf_rollout(tmp_path):
 def test_some_reward_is_needed_without_an_environment(tmp_path):
     with pytest.raises(ConfigError, match="or an environment whose episodes reward themselves"):
         load_config(TOOL_CALC, ["environment.name=single_turn", "environment.max_turns=1"])
+
+
+@pytest.mark.parametrize("name, how", [
+    ("hangs_on_reset", "timed out after 1s"),
+    ("exits_on_reset", "called sys.exit(3)"),
+    ("dies_on_reset", "ended its process with exit status 5"),
+])
+def test_a_user_environment_that_hangs_or_ends_its_process_is_one_problem(tmp_path, monkeypatch, name, how):
+    from hybridrl.environments import checks
+
+    monkeypatch.setattr(checks, "PROBE_TIMEOUT_S", 1.0)
+    found = problems(tmp_path, ["plugins=[_env_guard_helpers]", f"environment.name={name}",
+                                "environment.tools=[]", "environment.options={}", "environment.tool_parser=null"])
+    assert found["environment.name"].startswith(f"environment '{name}' {how} while its first episode was built "
+                                                "and reset on the longest prompt, in a process of its own"), found
+
+
+def test_a_user_environment_that_resets_passes_the_probe_in_its_process(tmp_path):
+    cfg = load_config(TOOL_CALC, [f"trainer.out={tmp_path / 'run'}", "plugins=[_env_guard_helpers]",
+                                  "environment.name=user_echo", "environment.tools=[]", "environment.options={}",
+                                  "environment.tool_parser=null"])
+    assert prepare_run(cfg, get_registry(tuple(cfg.plugins)), CPU2).cfg.environment.name == "user_echo"

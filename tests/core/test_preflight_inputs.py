@@ -82,6 +82,10 @@ CASES = {
                                 "trainer.resume", "holds no critic state"),
     "GRPO with one sample per prompt": (lambda t: ["algorithm.n_samples=1"], "algorithm.n_samples",
                                         "nothing to compare within a prompt's group"),
+    "GRPO sampling greedily": (lambda t: ["roles.rollout.temperature=0", "algorithm.n_samples=16"],
+                               "roles.rollout.temperature", "temperature=0 samples greedily: the 16 samples of each "
+                                                            "prompt would be the same response"),
+    "GRPO with top_k 1": (lambda t: ["roles.rollout.top_k=1"], "roles.rollout.top_k", "top_k=1 samples greedily"),
     "trainer.out is a file": (lambda t: [f"trainer.out={a_file(t)}"], "trainer.out", "exists and is not a folder"),
     "model folder without weights": (lambda t: ["model.tiny=null", f"model.path={model_folder(t, '*.safetensors')}"],
                                      "model.path", "holds no weights"),

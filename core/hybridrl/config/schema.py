@@ -288,11 +288,17 @@ class RewardConfig(RoleBase):
                                                                                "other sources get fn")
     runner: Literal["auto", "inline", "process"] = Field(
         "auto", description="where rule rewards run: process (a pool with a timeout per call), inline (in the "
-                            "driver: no timeout), auto (inline for the bundled trivial rewards, else process)")
+                            "driver's process: a user function's call past timeout_s is left on its thread), auto "
+                            "(inline for the bundled trivial rewards, else process)")
     workers: int | None = Field(None, gt=0, description="processes of the reward pool (default: min(4, CPUs))")
-    timeout_s: float = Field(10.0, gt=0, description="seconds one rule-reward call may take in the pool")
+    timeout_s: float = Field(10.0, gt=0, description="seconds one rule-reward call may take (the pool, a user "
+                                                     "function inline, the pre-flight probe)")
     max_failed_fraction: float = Field(0.5, ge=0, le=1, description="stop the run when more than this share of a "
                                                                     "batch's rewards raise, hang or return no number")
+    max_consecutive_failures: int = Field(
+        32, ge=0, description="stop the run when this many rule-reward calls in a row fail the same way (time out, "
+                              "raise or return no number, or end their process), rather than pay the timeout for "
+                              "every response; 0: never")
     url: str | None = Field(None, description="a reward service: responses POSTed in batches, scores returned")
     http: HttpRewardConfig = Field(default_factory=HttpRewardConfig)
     model: RewardModelConfig | None = None

@@ -1,7 +1,8 @@
 """Pre-flight checks of the ``environment`` section, each problem under its key path (``hybridrl.run.preflight``
 calls them): registered names, the rollout's capability for the per-request mode, what the episode loop does
-not support, and, once the model and prompts are there, an episode opened in the driver on the longest prompt
-(so bad options or a failing ``reset`` are reported before any worker starts) and the context it needs."""
+not support, and, once the model and prompts are there, an episode opened on the longest prompt (in a child
+process for user code, so bad options, a failing ``reset`` or one that hangs or exits are reported before any
+worker starts) and the context it needs."""
 
 from __future__ import annotations
 
@@ -75,17 +76,42 @@ def multi_turn(cfg: Any, registry: Registry) -> bool:
         return cfg.environment.name != "single_turn"
 
 
+#: seconds an environment's first episode may take to build and reset at pre-flight, in its own process.
+PROBE_TIMEOUT_S = 60.0
+
+
 def probe_problems(cfg: Any, registry: Registry, tokenizer: Any, prompts: Sequence[Any],
                    max_positions: int | None) -> Problems:
-    """Open an episode on the longest prompt in the driver (with the policy's tokenizer; nothing is written):
-    the environment builds with its options and resets, and its opening plus ``max_total_tokens`` fits the
-    model's positions."""
+    """Open an episode on the longest prompt (with the policy's tokenizer; nothing is written): the environment
+    builds with its options and resets, and its opening plus ``max_total_tokens`` fits the model's positions.
+    An environment of hybridrl's own opens in the driver; any other in a spawned child with a deadline of
+    ``PROBE_TIMEOUT_S`` (``hybridrl.run.guarded_call``), so that one that hangs, exits or kills its process is
+    one problem under ``environment.name``, not a driver that never returns or ends without a word."""
     from hybridrl.environments.base import EpisodeRow
-    from hybridrl.environments.runner import EpisodeError, build_runner
-    from hybridrl.environments.spec import EnvironmentSpec
+    from hybridrl.run.guarded_call import ChildFailure, call_in_child
 
     if not prompts or not multi_turn(cfg, registry):
         return []
+    longest = max(prompts, key=lambda p: len(p.token_ids))
+    row = EpisodeRow(0, longest.prompt, list(longest.token_ids), dict(longest.meta), longest.messages)
+    entry = registry.named.get(("environment", cfg.environment.name))
+    if entry is not None and isinstance(entry.target, str) and entry.target.startswith("hybridrl."):
+        return probe_episode(cfg, registry, tokenizer, row, max_positions)
+    try:
+        return call_in_child(probe_episode, (cfg, None, tokenizer, row, max_positions), PROBE_TIMEOUT_S, noted=True)
+    except ChildFailure as exc:
+        return [("environment.name", f"environment '{cfg.environment.name}' {exc.reason} while its first episode "
+                                     "was built and reset on the longest prompt, in a process of its own; an "
+                                     "environment must return from reset, not hang or end its process")]
+
+
+def probe_episode(cfg: Any, registry: Registry | None, tokenizer: Any, row: Any, max_positions: int | None
+                  ) -> Problems:
+    """``probe_problems``'s episode, in the driver or in a child (``registry`` None: the child builds its own)."""
+    from hybridrl.environments.runner import EpisodeError, build_runner
+    from hybridrl.environments.spec import EnvironmentSpec
+    from hybridrl.run.guarded_call import note
+
     try:
         spec = EnvironmentSpec.from_config(cfg)
         stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -93,8 +119,7 @@ def probe_problems(cfg: Any, registry: Registry, tokenizer: Any, prompts: Sequen
                               tokenizer=tokenizer, stop_ids=stop)
     except (ValueError, TypeError, OSError) as exc:
         return [("environment", f"{type(exc).__name__}: {exc}")]
-    longest = max(prompts, key=lambda p: len(p.token_ids))
-    row = EpisodeRow(0, longest.prompt, list(longest.token_ids), dict(longest.meta), longest.messages)
+    note(f"environment '{cfg.environment.name}'")  # its build and reset: the user code's time from here
     try:
         env, trajectory = runner.start(row)
         env.close()

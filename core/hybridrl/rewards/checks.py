@@ -19,9 +19,12 @@ def probe_problems(spec: RuleSpec, first_rows: dict[Any, tuple[str, dict[str, An
     without one) -> ``(prompt, fields)``."""
     from hybridrl.plugins.registry import load_object
 
+    from hybridrl.run.guarded_call import note
+
     problems: Problems = []
     for source, (prompt, fields) in first_rows.items():
         for term in spec.terms_for(source) or ():
+            note(f"{term.key} '{term.name}'")
             try:
                 value = RewardCall(load_object(term.target))(prompt, "", fields, **term.args)
             except Exception as exc:  # noqa: BLE001 - whatever it raises, the run would score 0 for every row
@@ -33,6 +36,26 @@ def probe_problems(spec: RuleSpec, first_rows: dict[Any, tuple[str, dict[str, An
                 problems.append((term.key, f"'{term.name}' returned {type(value).__name__} {value!r:.60} for the "
                                            "first prompt; a reward must be a number"))
     return problems
+
+
+def guarded_probe_problems(spec: RuleSpec, first_rows: dict[Any, tuple[str, dict[str, Any]]], timeout_s: float
+                           ) -> Problems:
+    """``probe_problems`` in a spawned child with a deadline of ``timeout_s`` per call
+    (``hybridrl.run.guarded_call``): a reward that hangs, exits or kills its process is one problem under its key
+    instead of a driver that never returns or ends without a word. hybridrl's own rewards, and functions that
+    cannot be sent to a process (registered as objects: they run inline anyway), are probed in the driver."""
+    from hybridrl.run.guarded_call import ChildFailure, call_in_child
+
+    if spec.bundled() or not spec.picklable():
+        return probe_problems(spec, first_rows)
+    try:
+        return call_in_child(probe_problems, (spec, first_rows), timeout_s, noted=True)
+    except ChildFailure as exc:
+        where = exc.last_note or next((f"{t.key} '{t.name}'" for t in spec.all_terms()), "roles.reward.fn")
+        key, _, name = where.partition(" ")
+        how = (f"{exc.reason} (roles.reward.timeout_s)" if exc.reason.startswith("timed out") else exc.reason)
+        return [(key, f"{name} {how} when probed on the first prompt with an empty response, in a process of its "
+                      "own; a reward must return a number, not hang or end its process")]
 
 
 def data_problems(spec: RuleSpec, rows_by_split: dict[str, Sequence[tuple[str, dict[str, Any]]]]) -> Problems:
@@ -94,4 +117,4 @@ def run_problems(spec: RuleSpec, reward_cfg: Any, data_cfg: Any, raw: dict[str, 
         key = source if source in spec.by_source else None
         if key not in first and spec.terms_for(source) is not None:
             first[key] = (row.prompt, row.meta)
-    return problems + probe_problems(spec, first)
+    return problems + guarded_probe_problems(spec, first, reward_cfg.timeout_s)

@@ -51,6 +51,11 @@ class RuleSpec:
         terms = self.terms_for(source) or ()
         return " + ".join(t.name if t.weight == 1 else f"{t.weight:g}*{t.name}" for t in terms) or "none"
 
+    def bundled(self) -> bool:
+        """Whether every function is one of hybridrl's own (trusted: probed in the driver, run inline without a
+        deadline thread)."""
+        return all(isinstance(t.target, str) and t.target.startswith("hybridrl.") for t in self.all_terms())
+
     def picklable(self) -> bool:
         """Whether pool processes can receive it (functions registered as objects must pickle by reference)."""
         try:

@@ -6,7 +6,8 @@ added together (``score = rule + http.coef * service + roles.reward.model.coef *
 A rule or service reward that raises, hangs or returns no finite number scores 0 and is counted
 (``reward/errors``, ``reward/timeouts``), with a few samples logged; when more than
 ``roles.reward.max_failed_fraction`` of a batch fails, the run stops with a ``RewardError`` naming the key and
-the first failure.
+the first failure; ``roles.reward.max_consecutive_failures`` failures of one kind in a row stop it at once
+(``hybridrl.rewards.streak``), without waiting for the batch's end.
 
 Also builds the tiny random reward model the tests and examples use (no download).
 """
@@ -27,6 +28,7 @@ from hybridrl.batch import (META, PROMPT_TEXT, RESPONSE_IDS, SCORES, Batch, last
 from hybridrl.rewards.calling import RewardError
 from hybridrl.rewards.rules import RuleSpec, Term
 from hybridrl.rewards.runner import InlineRunner, Item, Outcome, ProcessRunner, default_workers
+from hybridrl.rewards.streak import FailureStreak
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,8 @@ class RewardScorer:
         self.model_coef = model_coef
         self.runner: InlineRunner | ProcessRunner | None = None
         self.service: Any = None
+        #: failures of one kind in a row stop the run (kept across batches and runner restarts)
+        self.streak = FailureStreak(reward_cfg.max_consecutive_failures) if reward_cfg is not None else None
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -115,10 +119,11 @@ class RewardScorer:
             mode = choose_runner(self.spec, cfg.runner if cfg is not None else "inline")
             if mode == "process":
                 workers = cfg.workers or default_workers()
-                self.runner = ProcessRunner(self.spec, workers, cfg.timeout_s).start()
+                self.runner = ProcessRunner(self.spec, workers, cfg.timeout_s, streak=self.streak).start()
                 log.info("rule rewards in a pool of %d processes (roles.reward.runner=%s)", workers, cfg.runner)
-            else:
-                self.runner = InlineRunner(self.spec)
+            else:  # user code inline gets a deadline per call (on a thread); hybridrl's own rewards need none
+                timeout = cfg.timeout_s if cfg is not None and not self.spec.bundled() else None
+                self.runner = InlineRunner(self.spec, timeout, self.streak)
         if cfg is not None and cfg.url is not None and self.service is None:
             from hybridrl.rewards.http import HttpRewardClient
 

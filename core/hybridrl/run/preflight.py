@@ -161,20 +161,39 @@ def _group_size_problems(cfg: RunConfig, registry: Registry, advantage: str) -> 
     """One sample per prompt leaves a group-relative advantage (GRPO's, RLOO's) without a baseline: each
     response would be pushed by its raw score. Refused as TRL refuses ``num_generations < 2`` (verl runs it
     silently with the raw score)."""
-    from hybridrl.algorithms.advantages import compares_within_group
-
+    if not _group_relative(registry, advantage):
+        return []
     if cfg.algorithm.n_samples > 1:
-        return []
-    try:
-        fn = registry.get("advantage", advantage)
-    except RegistryError:
-        return []
-    if not compares_within_group(fn):
-        return []
+        return _greedy_group_problems(cfg, advantage)
     return [("algorithm.n_samples", f"1 sample per prompt leaves advantage '{advantage}' nothing to compare within "
                                     "a prompt's group: each response's advantage would be its raw score. Set "
                                     "algorithm.n_samples to 2 or more (GRPO recipes use 8-64), or use an advantage "
                                     "with a baseline of its own (reinforce_pp, remax, ppo)")]
+
+
+def _group_relative(registry: Registry, advantage: str) -> bool:
+    """Whether the advantage compares each sample with the others of its prompt's group (GRPO's, RLOO's)."""
+    from hybridrl.algorithms.advantages import compares_within_group
+
+    try:
+        return compares_within_group(registry.get("advantage", advantage))
+    except RegistryError:
+        return False
+
+
+def _greedy_group_problems(cfg: RunConfig, advantage: str) -> list[tuple[str, str]]:
+    """Greedy sampling (temperature 0, or top_k 1) gives every sample of a group the same response, the same
+    score and an advantage of 0: a group-relative run would learn nothing, without a word."""
+    rollout, n = cfg.roles.rollout, cfg.algorithm.n_samples
+    for key, setting, greedy in (("roles.rollout.temperature", f"temperature={rollout.temperature:g}",
+                                  rollout.temperature == 0),
+                                 ("roles.rollout.top_k", f"top_k={rollout.top_k}", rollout.top_k == 1)):
+        if greedy:
+            return [(key, f"{setting} samples greedily: the {n} samples of each prompt would be the same response "
+                          f"with the same score, and advantage '{advantage}' (relative to the group) would be 0 for "
+                          "every one of them, so nothing would be learnt. Sample (temperature > 0, e.g. 1.0; top_k 0 "
+                          "or > 1), or use an advantage with a baseline of its own (reinforce_pp, remax, ppo)")]
+    return []
 
 
 def _reward_problems(cfg: RunConfig, registry: Registry) -> list[tuple[str, str]]:

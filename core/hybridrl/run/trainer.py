@@ -35,6 +35,7 @@ from hybridrl.observe.memory import peak_memory_metrics
 from hybridrl.observe.timing import PhaseTimer
 from hybridrl.observe.tracking import build_trackers
 from hybridrl.rewards.scorer import RewardScorer, on_last_token
+from hybridrl.rollout.identical_groups import IdenticalGroupsWarning, identical_groups_metrics
 from hybridrl.run.validation import Validator
 from hybridrl.roles import role_spec
 from hybridrl.run import checkpoint as ckpt
@@ -137,6 +138,7 @@ class Trainer:
         #: roles whose engine computes each distinct prompt once (their FLOPs count it once: observe.flops)
         self.shared_prompt_roles = shared_prompt_roles(cfg, setup.plan, self.registry)
         self.validator: Validator | None = None  # data.val: built by start, with the rollout it uses
+        self.identical_groups = IdenticalGroupsWarning()  # a rollout that does not sample (rollout/identical_groups)
 
     # --- Stateful: what a checkpoint keeps of the driver ------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -463,6 +465,8 @@ class Trainer:
         if "model" in scored.parts or len(scored.parts) > 1:
             metrics.update({f"reward/{name}_mean": part.mean().item() for name, part in scored.parts.items()})
         metrics.update(scored.metrics)  # reward/errors, reward/timeouts, reward/<data_source>/mean
+        metrics.update(identical_groups_metrics(batch, self.identical_groups, self.cfg.roles.rollout.temperature,
+                                                self.cfg.algorithm.n_samples))
         metrics.update(Episodes.metrics(batch, self.groups["rollout"].dp_size("rollout")))  # turns, tools, timing/env
         return metrics
 
