@@ -363,6 +363,10 @@ class TrainerConfig(Strict):
                                                        "a checkpoint is refused (auto passes over it)")
     max_bad_steps: int = Field(3, ge=0, description="stop after this many steps in a row whose update was skipped "
                                                     "(non-finite loss or gradient); 0: never stop")
+    step_timeout_s: float | Literal["auto"] = Field(
+        "auto", description="seconds the driver waits for a worker's answer (a stopped, deadlocked or hung worker is "
+                            "named and the run stops); auto: 1800 until a step has finished (start-up, first step), "
+                            "then 10 x the slowest step so far, at least 600 (docs/deadlines-and-cluster.md)")
     pipelined: bool = Field(False, description="generate the next step's batch while this step trains (actor and "
                                                "rollout on different pools)")
     max_staleness: int = Field(1, ge=1, description="pipelined: at most this many actor updates between the weights "
@@ -381,6 +385,13 @@ class TrainerConfig(Strict):
     keep_best: str | None = Field(None, description="a validation metric (val/reward/mean ...): keep the checkpoint "
                                                     "that scored best on it in <out>/best")
     keep_best_mode: Literal["max", "min"] = "max"
+
+    @field_validator("step_timeout_s")
+    @classmethod
+    def _positive_timeout(cls, value: float | str) -> float | str:
+        if value != "auto" and not float(value) > 0:
+            raise ValueError("expected auto or a number of seconds > 0")
+        return value
 
     @field_validator("trackers")
     @classmethod

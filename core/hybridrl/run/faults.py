@@ -40,6 +40,11 @@ class CollectiveError(RunFailure):
     """A collective operation (gloo, NCCL) failed or timed out while every worker still answers."""
 
 
+class WorkerHangError(RunFailure):
+    """Workers that did not answer within ``trainer.step_timeout_s``: stopped, deadlocked, or in a collective that
+    hangs (``hybridrl.runtime.deadline``)."""
+
+
 class DiskError(RunFailure):
     """The run could not write its metrics or samples: no space left, or a folder that is not writable."""
 
@@ -262,7 +267,13 @@ def explain_failure(exc: Exception, groups: dict[str, Any], device_kind: str, wh
                     last_checkpoint: str) -> RunFailure | None:
     """The fault behind ``exc`` as one message (None: not a fault of the run's environment, let it through):
     a worker that died, also when a peer's collective error is all that surfaced; a collective that failed
-    while every worker answers; a disk that is full or not writable. ``where``: 'during step 3'."""
+    while every worker answers; workers that did not answer within ``trainer.step_timeout_s``; a disk that is
+    full or not writable. ``where``: 'during step 3'."""
+    from hybridrl.runtime.deadline import WorkersNotAnswering
+
+    if isinstance(exc, WorkersNotAnswering):
+        return WorkerHangError(f"{exc.describe()} {where}: stopped, deadlocked or stuck in a collective, so the run "
+                               f"stops and its workers are torn down. {last_checkpoint}")
     if is_worker_death(exc) or is_collective_error(exc):
         found = dead_workers(groups, exc) if groups else []
         if found:

@@ -44,6 +44,7 @@ from hybridrl.run.preflight import RunSetup
 from hybridrl.run.faults import signal_name
 from hybridrl.run.file_modes import open_private, private_dir, write_config, write_private
 from hybridrl.run.state import Checkpointer, StepGuard, trained_roles
+from hybridrl.runtime.deadline import CallDeadline
 from hybridrl.runtime.group import Result, WorkerGroup, average_metrics, unique_groups
 from hybridrl.runtime.launch import build_engines, role_options, start_worker_groups
 from hybridrl.weights.bridges import resolve_transport
@@ -135,6 +136,7 @@ class Trainer:
             "model_signatures": setup.model_signatures, "data_rows": self.loader.num_rows},
             every=cfg.trainer.save_every, last=cfg.trainer.steps, allow_unverified=cfg.trainer.resume_unverified)
         self.guard = StepGuard(cfg.trainer.max_bad_steps, setup.plan, self.checkpointer)
+        self.deadline = CallDeadline(cfg.trainer.step_timeout_s)  # the waits on workers (trainer.step_timeout_s)
         #: roles whose engine computes each distinct prompt once (their FLOPs count it once: observe.flops)
         self.shared_prompt_roles = shared_prompt_roles(cfg, setup.plan, self.registry)
         self.validator: Validator | None = None  # data.val: built by start, with the rollout it uses
@@ -171,7 +173,7 @@ class Trainer:
             log.info("data: dropped %d prompt(s) longer than data.max_prompt_len", self.setup.dropped_prompts)
         log.info("starting workers ...")
         t0 = time.perf_counter()
-        self.groups, self.placement_groups = start_worker_groups(self.cfg, self.setup.plan)
+        self.groups, self.placement_groups = start_worker_groups(self.cfg, self.setup.plan, self.deadline)
         log.info("building engines from %s ...", self.setup.model_path)
         build_engines(self.cfg, self.setup.plan, self.groups, self.setup.model_path, self.setup.role_model_paths)
         if "reward" in self.groups:
@@ -359,6 +361,7 @@ class Trainer:
         self.last_batch = batch
         metrics.update(timer.metrics())
         metrics["timing/step"] = step_seconds
+        self.deadline.observe_step(step_seconds)
         metrics.update({f"compute/{k}": v for k, v in compute.items()})
         metrics["perf/overhead_fraction"] = max(0.0, 1.0 - sum(compute.values()) / step_seconds)
         metrics.update({f"reshard/{k}": float(v) for k, v in reshard.items()})

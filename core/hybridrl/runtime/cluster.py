@@ -91,32 +91,55 @@ def ensure_ray(cfg: ClusterConfig, env: dict[str, str] | None = None) -> None:
 GCS_PORT, CLIENT_PORT = 6379, 10001
 
 
+#: the whole budget of the check of a ``cluster.address``: one TCP connection, then one call to its GCS.
+ADDRESS_TIMEOUT_S = 5.0
+
+
 def gcs_problem(address: str, timeout_s: float) -> str | None:
-    """Why ``address`` (host:port, something accepts TCP there) is not a Ray head: one call to its GCS with a
-    short timeout. A firewall or proxy that accepts every connection answers it with an HTTP error; a GCS
-    answers, or refuses a client without its token (still a Ray head: ``ray.init`` reports that itself)."""
+    """Why ``address`` (host:port, something accepts TCP there) is not a Ray head: one call to its GCS, given
+    ``timeout_s`` in all. A firewall or proxy that accepts every connection answers it with an HTTP error; a GCS
+    answers, or refuses a client without its token (still a Ray head: ``ray.init`` reports that itself).
+    Ray's client waits about 40 s on a peer that accepts and never answers (its connect, pub-sub and cluster-id
+    timeouts, whatever the call's own), so the call runs in a thread that is abandoned at the deadline."""
+    import threading
+
     try:
         from ray._raylet import GcsClient
     except ImportError:  # pragma: no cover - another Ray layout: the TCP check alone
         return None
-    try:
-        GcsClient(address=address).internal_kv_keys(b"", namespace=None, timeout=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - whatever the client raises says something about the peer
-        text = str(exc).lower()
-        if any(word in text for word in ("auth", "token", "permission")):
-            return None
-        return f"no Ray head replied there ({str(exc).strip().splitlines()[0][:200]})"
-    return None
+    outcome: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            GcsClient(address=address).internal_kv_keys(b"", namespace=None, timeout=timeout_s)
+            outcome.append(None)
+        except Exception as exc:  # noqa: BLE001 - whatever the client raises says something about the peer
+            outcome.append(exc)
+
+    thread = threading.Thread(target=call, name="gcs-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        return f"it accepts connections, but no Ray head replied there within {timeout_s:.0f}s"
+    exc = outcome[0]
+    if exc is None:
+        return None
+    text = str(exc).lower()
+    if any(word in text for word in ("auth", "token", "permission")):
+        return None
+    return f"no Ray head replied there ({str(exc).strip().splitlines()[0][:200]})"
 
 
-def address_problem(address: str, timeout_s: float = 3.0) -> str | None:
-    """Why ``address`` cannot be joined, found by one TCP connection and one call to its GCS, each with a short
-    timeout (``ray.init`` would retry for about 25 s and end in a traceback); None when a Ray head answers.
+def address_problem(address: str, timeout_s: float = ADDRESS_TIMEOUT_S) -> str | None:
+    """Why ``address`` cannot be joined, found by one TCP connection and one call to its GCS within ``timeout_s``
+    in all (``ray.init`` would retry for about 40 s and end in a traceback); None when a Ray head answers.
     ``auto`` and ``local`` are left to Ray (they look for a cluster started on this machine)."""
     import socket
+    import time
 
     if address in ("auto", "local"):
         return None
+    deadline = time.monotonic() + timeout_s
     client = address.startswith("ray://")
     hostport = address.removeprefix("ray://").rstrip("/")
     host, sep, port = hostport.rpartition(":")
@@ -126,7 +149,8 @@ def address_problem(address: str, timeout_s: float = 3.0) -> str | None:
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             pass
-        why = None if client else gcs_problem(f"{host}:{port}", timeout_s)
+        left = max(1.0, deadline - time.monotonic())
+        why = None if client else gcs_problem(f"{host}:{port}", left)
         if why is None:
             return None
     except socket.gaierror:

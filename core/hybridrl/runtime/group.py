@@ -8,6 +8,9 @@ tell model compute from overhead without reading anything off the group afterwar
   runs the method on each and gathers the results in order (``submit``/``wait``: the same without waiting);
 * ``broadcast`` runs an engine method with the same arguments on every rank (sleep, wake, checkpoints);
 * ``call_all`` runs a method of the worker itself on every rank (set-up, weight transfer, memory figures).
+
+Every wait on the workers' results has the group's deadline (``trainer.step_timeout_s``,
+``hybridrl.runtime.deadline``): ranks that do not answer in time raise ``WorkersNotAnswering``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 from hybridrl.batch import Batch, token_balanced_order
 from hybridrl.engines import DataParallelInfo
 from hybridrl.placement.plan import ProcessGroupPlan
+from hybridrl.runtime.deadline import CallDeadline, Waited, wait_all
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class PendingCall:
     futures: list[Any]
     pad: int
     order: Any = None  # the rows' order in the scatter (token balancing), undone in ``wait``; None: as given
+    method: str = ""
 
 
 @dataclass
@@ -45,12 +50,15 @@ class WorkerGroup:
     workers: list[Any]  # Ray actor handles of RoleWorker, in rank order
     dp: dict[str, list[DataParallelInfo]] = field(default_factory=dict)
     locations: list[Any] = field(default_factory=list)  # WorkerLocation of each rank (runtime.device_map)
+    deadline: CallDeadline | None = None  # how long a wait on the workers may take (None: no limit)
+
+    def gather(self, futures: list[Any], what: str, ranks: list[int] | None = None) -> list[Any]:
+        """The results of ``futures`` (one per rank, in rank order, or of ``ranks``) within the deadline."""
+        return wait_all([Waited(self, futures, what, ranks)], self.deadline)[0]
 
     def call_all(self, worker_method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """A method of ``RoleWorker`` itself on every rank, waited for; the per-rank results in rank order."""
-        import ray
-
-        return ray.get([getattr(w, worker_method).remote(*args, **kwargs) for w in self.workers])
+        return self.gather([getattr(w, worker_method).remote(*args, **kwargs) for w in self.workers], worker_method)
 
     def build(self, role: str, backend: str, ctx_fields: dict[str, Any]) -> None:
         self.dp[role] = self.call_all("build", role, backend, ctx_fields)
@@ -64,9 +72,7 @@ class WorkerGroup:
 
     def broadcast(self, role: str, method: str, *args: Any, **kwargs: Any) -> Result:
         """``engine.method(*args, **kwargs)`` on every rank of ``role``; the value is the per-rank list."""
-        import ray
-
-        timed = ray.get([w.call.remote(role, method, *args, **kwargs) for w in self.workers])
+        timed = self.gather([w.call.remote(role, method, *args, **kwargs) for w in self.workers], f"{role}.{method}")
         return Result([r for r, _ in timed], max(t for _, t in timed))
 
     def call(self, role: str, method: str, batch: Batch, *args: Any, zero_pad_keys: tuple[str, ...] = (),
@@ -92,14 +98,12 @@ class WorkerGroup:
         payload = chunks if len(self.workers) == 1 else [ray.put(c) for c in chunks]
         futures = [w.call.remote(role, method, payload[info.dp_rank], *args, **kwargs)
                    for w, info in zip(self.workers, infos)]
-        return PendingCall(role, futures, pad, order)
+        return PendingCall(role, futures, pad, order, method)
 
     def wait(self, pending: PendingCall) -> Result:
         """Wait for a submitted call and assemble its results (see ``call``)."""
-        import ray
-
         infos = self.dp[pending.role]
-        timed = ray.get(pending.futures)
+        timed = self.gather(pending.futures, f"{pending.role}.{pending.method}")
         compute_s = max(t for _, t in timed)
         outputs = sorted(((info.dp_rank, r) for info, (r, _) in zip(infos, timed) if info.returns_output),
                          key=lambda x: x[0])

@@ -13,6 +13,7 @@ from hybridrl.lora import LoraSpec, reference_is_actor_base
 from hybridrl.placement.plan import STRICT_PACK, PlacementPlan, PoolPlacement
 from hybridrl.roles import role_spec
 from hybridrl.runtime.cluster import create_placement_group, ensure_ray
+from hybridrl.runtime.deadline import CallDeadline
 from hybridrl.runtime.device_map import render_device_map, write_device_map
 from hybridrl.runtime.group import WorkerGroup, unique_groups
 from hybridrl.runtime.worker import RoleWorker
@@ -66,9 +67,10 @@ def role_settings(cfg: RunConfig, role: str) -> tuple[TrainingOptions, dict[str,
     return training, dict(getattr(cfg.roles, role).options)
 
 
-def start_worker_groups(cfg: RunConfig, plan: PlacementPlan) -> tuple[dict[str, WorkerGroup], list[Any]]:
-    """One ``WorkerGroup`` per process group of the plan; returns role -> its group, and the placement
-    groups (to remove at shutdown)."""
+def start_worker_groups(cfg: RunConfig, plan: PlacementPlan, deadline: CallDeadline | None = None
+                        ) -> tuple[dict[str, WorkerGroup], list[Any]]:
+    """One ``WorkerGroup`` per process group of the plan, its waits given ``deadline``; returns role -> its
+    group, and the placement groups (to remove at shutdown)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -96,9 +98,9 @@ def start_worker_groups(cfg: RunConfig, plan: PlacementPlan) -> tuple[dict[str, 
                 options["num_gpus"] = share
             workers.append(remote_worker.options(**options).remote(rank, gplan.world_size, device, threads,
                                                                    tuple(cfg.plugins)))
-        group = WorkerGroup(gplan, workers)
-        group.locations = ray.get([w.location.remote() for w in workers])
-        addr, port = ray.get(workers[0].rendezvous_address.remote())
+        group = WorkerGroup(gplan, workers, deadline=deadline)
+        group.locations = group.call_all("location")
+        addr, port = group.gather([workers[0].rendezvous_address.remote()], "rendezvous_address", [0])[0]
         group.call_all("init_distributed", addr, port)
         for role in gplan.roles:
             role_groups[role] = group

@@ -1,12 +1,17 @@
-"""``python -m hybridrl.runtime.watchdog DRIVER_PID SESSION_DIR``: stops what a run's local Ray started once
-the run's driver is gone, however it went, and removes the Ray session folder of the run.
+"""``python -m hybridrl.runtime.watchdog DRIVER_PID RAY_TEMP_ROOT [TOKEN_DIR]``: stops what a run's local Ray
+started once the run's driver is gone, however it went, and removes the run's Ray session folder and token.
 
 Ray's head processes die with a killed driver, but their children (the dashboard and runtime-env agents,
 workers) used to stay for minutes, and the session folder for good. The driver starts this process in a
 session of its own (a Ctrl-C in the terminal does not reach it) with a pipe on its stdin; it notes the
-driver's descendants every second, and when the pipe closes (the driver exited, or was killed) it sends
+driver's descendants twice a second, and when the pipe closes (the driver exited, or was killed) it sends
 SIGTERM to those still running, SIGKILL to what is left after a grace period, and removes the folder.
 Processes are matched by pid and start time, so a reused pid is never signalled.
+
+The driver starts it before ``ray.init``, so a Ctrl-C while Ray starts is covered too: the run's session
+folders are those named after the driver's pid (``session_<date>_<pid>``) made since, and a Ray process that
+left the driver's tree (an agent whose raylet died first) is still found: by the session folder on its command
+line, or by the run's token path in its environment.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-POLL_S = 1.0
+POLL_S = 0.5
 GRACE_S = 3.0
 
 
@@ -100,8 +105,46 @@ def remove_session(session: Path) -> None:
         time.sleep(0.5)
 
 
+def run_sessions(ray_root: Path, driver: int, since: float) -> list[Path]:
+    """The session folders of the run: named after the driver's pid, made after ``since`` (an older one of a
+    reused pid is left alone)."""
+    found = []
+    for path in ray_root.glob(f"session_*_{driver}"):
+        try:
+            if path.is_dir() and not path.is_symlink() and path.stat().st_mtime >= since:
+                found.append(path)
+        except OSError:
+            continue
+    return found
+
+
+def marked(psutil: Any, sessions: list[Path], token: str | None, spare: set[int]) -> dict[int, float]:
+    """pid -> start time of every process (but ``spare``) with one of ``sessions`` on its command line or the
+    run's token path ``token`` in its environment: Ray's processes of the run, also those no longer below the
+    driver."""
+    names = [str(s) for s in sessions]
+    marker = f"RAY_AUTH_TOKEN_PATH={token}" if token else None
+    found = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "create_time"]):
+        if proc.info["pid"] in spare:
+            continue
+        cmdline = " ".join(proc.info["cmdline"] or ())
+        hit = any(name in cmdline for name in names)
+        if not hit and marker is not None:
+            try:
+                hit = proc.environ().get("RAY_AUTH_TOKEN_PATH") == token
+            except (psutil.Error, OSError):
+                hit = False
+        if hit and proc.info["create_time"] is not None:
+            found[proc.info["pid"]] = proc.info["create_time"]
+    return found
+
+
 def main(argv: list[str]) -> int:
-    driver, session = int(argv[1]), Path(argv[2])
+    driver, ray_root = int(argv[1]), Path(argv[2])
+    token_dir = Path(argv[3]) if len(argv) > 3 else None
+    token = str(token_dir / "auth_token") if token_dir is not None else None
+    since = time.time() - 2.0
     psutil = _psutil()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the pipe ends this process
     known: dict[int, float] = {}
@@ -110,8 +153,14 @@ def main(argv: list[str]) -> int:
         ready, _, _ = select.select([sys.stdin], [], [], POLL_S)
         if ready and not os.read(sys.stdin.fileno(), 4096):
             break  # the driver closed the pipe: it is done, or gone
+    sessions = run_sessions(ray_root, driver, since)
+    known.update(marked(psutil, sessions, token, {os.getpid(), driver}))
+    known.pop(driver, None)
     stop(psutil, known)
-    remove_session(session)
+    for session in sessions:
+        remove_session(session)
+    if token_dir is not None:
+        shutil.rmtree(token_dir, ignore_errors=True)
     return 0
 
 

@@ -102,27 +102,31 @@ class BroadcastBridge:
         self.specs: list | None = None
 
     def _open(self, trainer: "WorkerGroup", trainer_role: str, rollout: "WorkerGroup", bucket_bytes: int) -> None:
-        import ray
+        from hybridrl.runtime.deadline import Waited, wait_all
 
         manifests = trainer.call_all("weight_manifest", trainer_role, bucket_bytes)
         self.specs = next(m for m in manifests if m is not None)
         exports = trainer.call_all("exports", trainer_role)
-        sender = trainer.workers[exports.index(True)]
-        host, port = ray.get(sender.rendezvous_address.remote())
+        rank = exports.index(True)
+        sender = trainer.workers[rank]
+        host, port = trainer.gather([sender.rendezvous_address.remote()], "rendezvous_address", [rank])[0]
         world = 1 + len(rollout.workers)
-        ray.get([sender.open_weight_channel.remote(host, port, 0, world)] +
-                [w.open_weight_channel.remote(host, port, 1 + i, world) for i, w in enumerate(rollout.workers)])
+        wait_all([Waited(trainer, [sender.open_weight_channel.remote(host, port, 0, world)], "open_weight_channel",
+                         [rank]),
+                  Waited(rollout, [w.open_weight_channel.remote(host, port, 1 + i, world)
+                                   for i, w in enumerate(rollout.workers)], "open_weight_channel")],
+                 trainer.deadline)
 
     def sync(self, trainer: "WorkerGroup", trainer_role: str, rollout: "WorkerGroup", rollout_role: str,
              bucket_bytes: int) -> dict[str, float]:
-        import ray
+        from hybridrl.runtime.deadline import Waited, wait_all
 
         if self.specs is None:
             self._open(trainer, trainer_role, rollout, bucket_bytes)
         sends = [w.send_weights.remote(trainer_role, bucket_bytes, self.specs) for w in trainer.workers]
         receives = [w.receive_weights.remote(rollout_role, self.specs) for w in rollout.workers]
-        sent = ray.get(sends)
-        ray.get(receives)
+        sent, _ = wait_all([Waited(trainer, sends, f"{trainer_role}.send_weights"),
+                            Waited(rollout, receives, f"{rollout_role}.receive_weights")], trainer.deadline)
         return {"bytes": max(sent), "buckets": float(len(self.specs or []))}
 
 
