@@ -66,18 +66,36 @@ def system_args() -> list[str]:
     return args
 
 
+@lru_cache(maxsize=8)
+def bwrap_options(bwrap: str) -> frozenset[str]:
+    """The options this bwrap knows (``--disable-userns`` came with 0.8, ``--size`` with 0.7): older ones still
+    sandbox, without those two layers."""
+    import subprocess
+
+    try:
+        text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return frozenset()
+    return frozenset(word for word in text.split() if word.startswith("--"))
+
+
 def bwrap_args(bwrap: str, disk_mb: int, passwd_fd: int, group_fd: int, network: bool) -> list[str]:
     """The ``bwrap`` command line up to the program to run (see the module docstring)."""
-    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-            "--cap-drop", "ALL", "--uid", str(UID), "--gid", str(GID), "--hostname", "sandbox", "--clearenv"]
+    known = bwrap_options(bwrap)
+    args = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--uid", str(UID), "--gid", str(GID), "--hostname", "sandbox", "--clearenv"]
+    if "--disable-userns" in known:
+        args.append("--disable-userns")
     if network:
         args.append("--share-net")
     args += system_args()
     for root in interpreter_roots():
         args += ["--ro-bind", root, root]
     args += ["--ro-bind-data", str(passwd_fd), "/etc/passwd", "--ro-bind-data", str(group_fd), "/etc/group",
-             "--proc", "/proc", "--dev", "/dev", "--size", str(disk_mb * 2**20), "--tmpfs", WORKDIR,
-             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKDIR, "--"]
+             "--proc", "/proc", "--dev", "/dev"]
+    if "--size" in known:
+        args += ["--size", str(disk_mb * 2**20)]
+    args += ["--tmpfs", WORKDIR, "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKDIR, "--"]
     return args
 
 

@@ -167,19 +167,20 @@ def _process_limit(bwrap: str, network: bool) -> tuple[str | None, int | None]:
     if os.geteuid() != 0:
         return None, None
     parent = bw.pids_cgroup_parent()
-    if parent is not None:
+    if parent is not None and _probe(bwrap, network, cgroup_parent=parent) is None:
         return parent, None
-    if _probe(bwrap, network, bw.UID) is None:
+    if _probe(bwrap, network, user=bw.UID) is None:
         return None, bw.UID
     return None, None
 
 
 @lru_cache(maxsize=8)
-def _probe(bwrap: str, network: bool, user: int | None = None) -> str | None:
+def _probe(bwrap: str, network: bool, cgroup_parent: str | None = None, user: int | None = None) -> str | None:
     """None when a trivial program runs in the sandbox and prints what it should, else what went wrong."""
     lim = SandboxLimits(timeout_s=20)
     try:
-        outcome = run_in_bwrap(bwrap, "import os; print(os.getuid(), os.getcwd())", lim, network, None, user)
+        outcome = run_in_bwrap(bwrap, "import os; print(os.getuid(), os.getcwd())", lim, network, cgroup_parent,
+                               user)
     except OSError as exc:
         return f"{type(exc).__name__}: {exc}"
     expected = f"{bw.UID} {bw.WORKDIR}"
