@@ -384,3 +384,13 @@ def test_a_hanging_tool_fails_its_call_not_the_step():
     with pytest.raises(ValueError, match="tool_deadline_s must be > 0"):
         ToolBox({}, deadline_s=0)
     assert tools.call(ToolCall("nope")).error
+
+
+def test_plan_prints_the_unconfined_tool_as_a_warning(capsys):
+    from hybridrl.cli import main
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "tool-calc.yaml"
+    assert main(["plan", str(config), "--cluster", "1x2", "--device", "cpu", "environment.tools=[calculator,python]",
+                 "environment.tool_options={python: {isolation: none}}"]) == 0
+    out = capsys.readouterr().out
+    assert f"WARNING: {KEY}: none" in out and out.index("WARNING") > out.index("cluster:")
