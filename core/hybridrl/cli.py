@@ -40,6 +40,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hybridrl.runtime.cluster import detect_cluster
     from hybridrl.run.lora_setup import with_lora
     from hybridrl.run.preflight import check_config, with_algorithm_roles
+    from hybridrl.tools.sandbox import isolation_warnings
 
     cfg = load_config(args.config, args.overrides)
     registry = _registry(cfg)
@@ -57,6 +58,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.skip_engine_check:
         for warning in engine_warnings(backends):
             print(f"WARNING: {warning}")
+    for warning in isolation_warnings(cfg.environment.tools, cfg.environment.tool_options):
+        print(f"WARNING: {warning}")
     return 0
 
 
@@ -135,8 +138,11 @@ def _train(cfg: RunConfig, overwrite: bool) -> int:
     from hybridrl.run.trainer import Trainer
     from hybridrl.runtime.cluster import detect_cluster
     from hybridrl.runtime.launch import EngineStartError
+    from hybridrl.tools.sandbox import isolation_warnings
 
     setup = prepare_run(cfg, _registry(cfg), detect_cluster(cfg.cluster), overwrite=overwrite)
+    for warning in isolation_warnings(cfg.environment.tools, cfg.environment.tool_options):
+        print(f"WARNING: {warning}", file=sys.stderr)
     trainer = Trainer(setup)
     try:
         with trainer.guard.explaining(lambda: trainer.groups, lambda: "during start-up"):

@@ -424,7 +424,15 @@ class EnvironmentConfig(Strict):
                                 "(the trained rows' response width); default max_turns * roles.rollout.max_new_tokens")
     tools: list[str] = Field(default_factory=list, description="registered tools the episodes may call "
                                                                 "(calculator, python ...)")
-    tool_options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="options per tool, by name")
+    tool_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="options per tool, by name; python: isolation (bwrap, the default: Linux "
+                                          "namespaces through bubblewrap, refused where it does not work; http: a "
+                                          "SandboxFusion run_code service at url; none: rlimits only, unconfined, "
+                                          "printed as a warning), url, network, timeout_s, cpu_s, memory_mb, "
+                                          "file_mb, disk_mb, processes ... (docs/sandbox.md)")
+    tool_deadline_s: float = Field(60.0, gt=0, description="seconds a tool call may take before the episode's call "
+                                                           "is failed as timed out (counted in env/tool_timeouts); "
+                                                           "the step never waits longer")
     tool_parser: str | None = Field("hermes", description="a registered tool-call parser (hermes: <tool_call> JSON)")
     plain_template: str = Field("{content}", description="how an observation message is written when there is no "
                                                          "chat template ({role}, {name}, {content})")

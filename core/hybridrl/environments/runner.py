@@ -259,7 +259,7 @@ def build_runner(spec: EnvironmentSpec, model_path: str | None, max_new_tokens: 
     tokenizer = tokenizer if tokenizer is not None else _tokenizer(model_path)
     eos = tuple(stop_ids) if stop_ids is not None else _special_ids(model_path)[0]
     chat = ChatFormat(tokenizer, eos, spec.plain_template, spec.use_chat_template, spec.chat_template)
-    tools = ToolBox.build(registry, spec.tools, spec.tool_options)
+    tools = ToolBox.build(registry, spec.tools, spec.tool_options, spec.tool_deadline_s)
     parser = registry.get("tool_parser", spec.tool_parser) if spec.tool_parser else None
     context = EnvironmentContext(tokenizer, chat, spec.limits(max_new_tokens), tools, parser, seed)
     return EpisodeRunner(factory, context, spec.options, spec.name, eos)

@@ -25,6 +25,7 @@ class EnvironmentSpec:
     tools: tuple[str, ...] = ()
     tool_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     tool_parser: str | None = "hermes"
+    tool_deadline_s: float = 60.0  # a tool call not answered by then is failed (timed out), never waited for
     use_chat_template: bool = True  # off: data.chat_template is none
     chat_template: str | None = None  # Jinja text of data.chat_template=PATH (None: the tokenizer's own)
     plain_template: str = "{content}"  # how a message is written without a chat template
@@ -66,6 +67,7 @@ class EnvironmentSpec:
         return cls(name=env.name, options=dict(env.options), max_turns=env.max_turns,
                    max_total_tokens=env.max_total_tokens, tools=tuple(env.tools),
                    tool_options={k: dict(v) for k, v in env.tool_options.items()}, tool_parser=env.tool_parser,
+                   tool_deadline_s=env.tool_deadline_s,
                    use_chat_template=data_template != "none", chat_template=template,
                    plain_template=env.plain_template, mode=env.mode, env_workers=env.env_workers,
                    plugins=tuple(cfg.plugins))
