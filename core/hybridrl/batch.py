@@ -38,6 +38,7 @@ ADVANTAGES = "advantages"
 RETURNS = "returns"  # the critic's targets
 TOKEN_REWARDS = "token_rewards"  # the reward placed on tokens (the score on the last real one, KL as reward)
 SCORES = "scores"  # (B,) one reward per sequence
+TRUNCATED = "truncated"  # (B,) bool: the response reached max_new_tokens without stopping
 GROUP_INDEX = "group_index"  # (B,) which prompt of the step a row samples (a GRPO group shares it)
 BASELINE_SCORES = "baseline_scores"  # (B,) the score of one greedy response per prompt, per row of its group
 #: multi-turn rows: 1 on every real response token (model and observation); see the module docstring.

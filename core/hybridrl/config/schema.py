@@ -114,6 +114,25 @@ class KLConfig(Strict):
         return self
 
 
+class OverlongConfig(Strict):
+    """What a truncated response (it reached ``roles.rollout.max_new_tokens`` without stopping) does to the loss.
+
+    Given as a word (``overlong: mask``) or a mapping (``overlong: {mode: penalty, buffer: 256}``)."""
+
+    mode: Literal["keep", "mask", "penalty"] = Field(
+        "keep", description="keep: trained like any response; mask: left out of the actor's loss (its score still "
+                            "counts in its group's baseline; DAPO's overlong filtering); penalty: DAPO's soft "
+                            "length penalty, added to the score")
+    buffer: int | None = Field(None, gt=0, description="penalty: the last `buffer` tokens before max_new_tokens, over "
+                                                       "which the penalty grows linearly from 0 to max_penalty")
+    max_penalty: float = Field(1.0, ge=0, description="penalty: what a response of max_new_tokens loses")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _word(cls, value: Any) -> Any:
+        return {"mode": value} if isinstance(value, str) else value
+
+
 class AlgorithmConfig(Strict):
     name: str = "grpo"
     n_samples: int = Field(8, gt=0)
@@ -135,6 +154,15 @@ class AlgorithmConfig(Strict):
                                 "trainer (trainer.pipelined) or an engine that computes differently; null: off "
                                 "(a pipelined run defaults to 2.0)")
     kl: KLConfig | None = Field(default_factory=KLConfig)
+    filter_groups: bool = Field(
+        False, description="dynamic sampling (DAPO): drop a prompt's group when all its samples score the same (its "
+                           "advantages are all zero) and generate more prompts until the step holds "
+                           "data.prompts_per_step groups")
+    max_refills: int = Field(8, ge=0, description="filter_groups: extra prompt batches a step may generate; a step "
+                                                  "they cannot fill stops the run")
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig,
+                                     description="truncated responses: keep | mask | {mode: penalty, buffer, "
+                                                 "max_penalty}")
     old_log_probs: Literal["auto", "recompute"] = Field(
         "auto", description="auto: skip the actor's old-log-prob pass where it provably equals the update's own "
                             "log-probs (one optimizer step per batch, KL not folded into the reward)")

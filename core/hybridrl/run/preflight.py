@@ -112,6 +112,7 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
             except RegistryError as exc:
                 problems.append((key, str(exc)))
         problems += _group_size_problems(cfg, registry, algo.advantage)
+        problems += sampling_filter_problems(cfg, algo.greedy_baseline)
         if cfg.algorithm.kl is not None and cfg.algorithm.kl.coef > 0:
             try:
                 registry.get("kl_estimator", cfg.algorithm.kl.estimator)
@@ -155,6 +156,26 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
         problems += capability_problems(plan, backends) + option_problems(cfg, backends)
         problems += bridge_placement_problems(cfg, plan, registry)
     return backends, plan, problems
+
+
+def sampling_filter_problems(cfg: RunConfig, greedy_baseline: bool) -> list[tuple[str, str]]:
+    """``algorithm.filter_groups`` and ``algorithm.overlong`` asked of a run that cannot honour them."""
+    algo, problems = cfg.algorithm, []
+    if algo.filter_groups:
+        if algo.n_samples < 2:
+            problems.append(("algorithm.filter_groups", "needs algorithm.n_samples >= 2: a group of one sample always "
+                                                        "scores uniformly, so every group would be dropped"))
+        if cfg.trainer.pipelined:
+            problems.append(("algorithm.filter_groups", "is not supported with trainer.pipelined (a refill would "
+                                                        "wait for the generation running ahead)"))
+        if greedy_baseline:
+            problems.append(("algorithm.filter_groups", "is not supported with a greedy baseline (ReMax): the "
+                                                        "refills would have no baseline"))
+    overlong, cap = algo.overlong, cfg.roles.rollout.max_new_tokens
+    if overlong.mode == "penalty" and (overlong.buffer is None or overlong.buffer > cap):
+        problems.append(("algorithm.overlong.buffer", f"penalty needs a buffer of 1 to roles.rollout.max_new_tokens="
+                                                      f"{cap} tokens (got {overlong.buffer})"))
+    return problems
 
 
 def _group_size_problems(cfg: RunConfig, registry: Registry, advantage: str) -> list[tuple[str, str]]:

@@ -22,9 +22,11 @@ import torch
 from hybridrl.algorithms.advantages import AdvantageInputs
 from hybridrl.algorithms.kl_control import build_kl_controller
 from hybridrl.algorithms.objective import PolicyObjective, ValueObjective, resolve_algorithm
+from hybridrl.algorithms.overlong import soft_overlong_penalty, truncated_rows
 from hybridrl.batch import (ADVANTAGES, BASELINE_SCORES, GROUP_INDEX, LOG_PROBS, MESSAGES, META, OLD_LOG_PROBS,
                             PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, REF_LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK,
-                            RESPONSE_TEXT, RETURNS, ROLLOUT_LOG_PROBS, SCORES, TOKEN_REWARDS, VALUES, Batch,
+                            RESPONSE_TEXT, RETURNS, ROLLOUT_LOG_PROBS, SCORES, TOKEN_REWARDS, TRUNCATED, VALUES,
+                            Batch,
                             first_row_of_each_group, left_pad, response_attention_mask, sequence_keys)
 from hybridrl.config.secrets import redacted
 from hybridrl.engines import SamplingParams
@@ -39,6 +41,7 @@ from hybridrl.rollout.identical_groups import IdenticalGroupsWarning, identical_
 from hybridrl.run.validation import Validator
 from hybridrl.roles import role_spec
 from hybridrl.run import checkpoint as ckpt
+from hybridrl.run.dynamic_sampling import GroupFilter, merge_batch_metrics
 from hybridrl.run.pipeline import GenerationJob, needs_sync, staleness_of
 from hybridrl.run.preflight import RunSetup
 from hybridrl.run.faults import signal_name
@@ -280,9 +283,10 @@ class Trainer:
         return metrics
 
     # --- the pieces of a step -------------------------------------------------------------------------
-    def submit_generation(self, batch: Batch, step: int) -> GenerationJob:
-        """Dispatch the generation of ``batch`` (the prompts of ``step``) without waiting for it."""
-        params = dataclasses.replace(self.sampling, seed=self.cfg.trainer.seed * 100_003 + step)
+    def submit_generation(self, batch: Batch, step: int, salt: int = 0) -> GenerationJob:
+        """Dispatch the generation of ``batch`` (the prompts of ``step``; ``salt`` numbers a step's further
+        batches) without waiting for it."""
+        params = dataclasses.replace(self.sampling, seed=self.cfg.trainer.seed * 100_003 + step + 7_919 * salt)
         rollout = self.groups["rollout"]
         if self.episodes is not None:  # multi-turn: one episode per row, played next to the engine
             pending = self.episodes.submit(rollout, batch, params)
@@ -312,12 +316,39 @@ class Trainer:
         if self.algo.greedy_baseline:
             with timer.phase("gen_baseline"):
                 metrics.update(self.greedy_baseline(batch, log))
+        if self.cfg.algorithm.filter_groups:  # scored while the engine is awake: a refill may follow
+            batch = self.fill_with_informative_groups(batch, log)
         if self.rollout_sleeps:
             with timer.phase("sleep"):
                 rollout.broadcast("rollout", "sleep")
-        with timer.phase("reward"):
-            metrics.update(self.score(batch, log))
+        if not self.cfg.algorithm.filter_groups:
+            with timer.phase("reward"):
+                metrics.update(self.score(batch, log))
         return batch
+
+    def fill_with_informative_groups(self, batch: Batch, log: StepLog) -> Batch:
+        """Dynamic sampling: score, keep the groups whose samples disagree, and generate further prompt
+        batches until the step holds ``data.prompts_per_step`` of them (``hybridrl.run.dynamic_sampling``).
+        The step's metrics describe the groups it trains on."""
+        timer = log.timer
+        groups = GroupFilter(self.cfg.data.prompts_per_step, self.cfg.algorithm.max_refills, self.pad_id)
+        refill, scored = 0, []
+        while True:
+            with timer.phase("reward"):
+                scored.append(self.score(batch, log))
+            groups.add(batch)
+            if groups.full:
+                break
+            groups.check_refill()
+            refill += 1
+            with timer.phase("data"):
+                batch = self.prompt_batch()
+            with timer.phase("gen"):
+                job = self.submit_generation(batch, self.step, salt=refill)
+                batch = self.collect_generation(job, log)
+        log.metrics.update(merge_batch_metrics(scored))  # every sample generated, the dropped groups' too
+        log.metrics.update(groups.metrics())
+        return groups.batch()
 
     def train_on(self, batch: Batch, log: StepLog) -> bool:
         """Reference and old log-probs (values), advantages, critic and actor updates on a scored batch.
@@ -397,8 +428,16 @@ class Trainer:
 
     def update_actor(self, batch: Batch, log: StepLog) -> dict[str, float]:
         optional = [k for k in (OLD_LOG_PROBS, REF_LOG_PROBS, ROLLOUT_LOG_PROBS) if k in batch]
+        masked: dict[str, float] = {}
+        if self.cfg.algorithm.overlong.mode == "mask" and TRUNCATED in batch:
+            # truncated rows leave the loss; their scores already served their groups' baselines
+            kept = torch.nonzero(~batch[TRUNCATED]).flatten()
+            masked["overlong/masked_share"] = 1.0 - len(kept) / max(len(batch), 1)
+            if len(kept) == 0:
+                return masked
+            batch = batch.index(kept)
         batch = batch.select(*sequence_keys(batch), ADVANTAGES, *optional)
-        return self._mini_batch_updates(
+        return masked | self._mini_batch_updates(
             "actor", batch, self.cfg.roles.actor.mini_batch, log,
             lambda group, mini: group.call("actor", "update", mini, self.policy_objective,
                                            zero_pad_keys=(RESPONSE_MASK,)))
@@ -457,14 +496,21 @@ class Trainer:
         batch.set(SCORES, scores)
         batch.set(TOKEN_REWARDS, on_last_token(scores, mask))
         lengths = response_attention_mask(batch).sum(-1)  # a multi-turn row's observations included
-        max_len = batch[RESPONSE_IDS].shape[1]
-        finished = ((batch[RESPONSE_IDS] == self.eos_id) & mask.bool() if self.eos_id is not None
-                    else torch.zeros_like(mask).bool())
-        clipped = (lengths >= max_len) & ~finished.any(-1)
+        clipped = truncated_rows(batch[RESPONSE_IDS], mask, lengths, self.eos_id)
+        batch.set(TRUNCATED, clipped)
+        overlong = self.cfg.algorithm.overlong
+        if overlong.mode == "penalty":
+            penalty = soft_overlong_penalty(lengths, self.sampling.max_new_tokens, overlong.buffer,
+                                            overlong.max_penalty)
+            scores = scores + penalty
+            batch.set(SCORES, scores)
+            batch.set(TOKEN_REWARDS, on_last_token(scores, mask))
         metrics = {"reward/mean": scores.mean().item(), "reward/max": scores.max().item(),
                    "reward/min": scores.min().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
                    "response_length/mean": lengths.float().mean().item(), "response_length/max": lengths.max().item(),
                    "response_length/clip_ratio": clipped.float().mean().item()}
+        if overlong.mode == "penalty":
+            metrics["overlong/penalty_mean"] = penalty.mean().item()
         if "model" in scored.parts or len(scored.parts) > 1:
             metrics.update({f"reward/{name}_mean": part.mean().item() for name, part in scored.parts.items()})
         metrics.update(scored.metrics)  # reward/errors, reward/timeouts, reward/<data_source>/mean

@@ -1,0 +1,60 @@
+"""Dynamic sampling and truncated responses in a real run (Ray, the FSDP actor, the transformers rollout):
+a step trains on exactly ``data.prompts_per_step`` informative groups, masked truncated rows leave the update,
+and a task whose groups never differ stops the run with its sentence instead of looping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridrl.batch import GROUP_INDEX, SCORES
+from hybridrl.config import load_config
+from hybridrl.plugins.discovery import get_registry
+from hybridrl.run.dynamic_sampling import GroupsNeverDiffer
+from hybridrl.run.preflight import prepare_run
+from hybridrl.run.trainer import Trainer
+from hybridrl.runtime.cluster import detect_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+SMALL = ["data.prompts_per_step=4", "algorithm.n_samples=4", "trainer.progress=false", "trainer.trackers=[jsonl]",
+         "roles.reward.runner=inline"]
+
+
+def started(tmp_path: Path, overrides: list[str]) -> Trainer:
+    cfg = load_config(QUICKSTART, [*SMALL, *overrides, f"trainer.out={tmp_path}"])
+    trainer = Trainer(prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster)))
+    trainer.start()
+    return trainer
+
+
+def test_a_step_trains_on_informative_groups_only(tmp_path, ray_local):
+    # 3 new tokens for a 2-digit reversal plus its stop: many responses run out of tokens and are masked
+    trainer = started(tmp_path, ["algorithm.filter_groups=true", "algorithm.max_refills=20", "algorithm.overlong=mask",
+                                 "roles.rollout.max_new_tokens=3"])
+    try:
+        for _ in range(2):
+            metrics = trainer.train_step()
+            batch = trainer.last_batch
+            assert len(batch) == 16 and batch[GROUP_INDEX].tolist() == torch.arange(4).repeat_interleave(4).tolist()
+            for group in range(4):
+                scores = batch[SCORES][batch[GROUP_INDEX] == group]
+                assert scores.max() > scores.min()  # every trained group's samples disagree
+            assert 0.0 <= metrics["filter/dropped_share"] < 1.0
+            assert metrics["filter/refills"] >= 0
+            assert 0.0 <= metrics["overlong/masked_share"] <= 1.0
+            assert metrics["response_length/clip_ratio"] >= 0.0
+    finally:
+        trainer.shutdown()
+
+
+def test_groups_that_never_differ_stop_the_run(tmp_path, ray_local):
+    trainer = started(tmp_path, ["algorithm.filter_groups=true", "algorithm.max_refills=1",
+                                 "roles.reward.fn=_constant_reward:zero"])
+    try:
+        with pytest.raises(GroupsNeverDiffer, match="algorithm.filter_groups: 2 prompt batches"):
+            trainer.train_step()
+    finally:
+        trainer.shutdown()
