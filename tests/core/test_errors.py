@@ -24,6 +24,8 @@ INTERNAL = {
     "hybridrl.rewards.calling.RewardFailure": "one failed reward call: the runner counts it and scores 0",
     "hybridrl.tools.calculator.CalculatorError": "the calculator tool's answer to the model, not to the user",
     "hybridrl.run.faults.Terminated": "SIGTERM as an exception (a BaseException, like KeyboardInterrupt)",
+    "hybridrl.run.guarded_call.ChildFailure": "a guarded call's failure: its caller reports it under the user's key",
+    "hybridrl.runtime.deadline.WorkersNotAnswering": "the run's guard turns it into a WorkerHangError",
 }
 
 

@@ -10,6 +10,8 @@ gone, and is taken over (said in one line). ``hybridrl export`` only looks (``ho
 
 from __future__ import annotations
 
+from hybridrl.errors import HybridRLError
+
 import errno
 import fcntl
 import json
@@ -22,8 +24,10 @@ from pathlib import Path
 LOCK_FILE = ".lock"
 
 
-class RunLocked(RuntimeError):
+class RunLocked(HybridRLError, RuntimeError):
     """The folder is held by a live run."""
+
+    exit_status = 2
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ builds nothing outside a short list. Anything else is refused with its path, in 
 
 from __future__ import annotations
 
+from hybridrl.errors import HybridRLError
+
 import io
 import pickle
 import zipfile
@@ -27,7 +29,7 @@ _DCP_ALLOWED = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib"
 _DCP_MODULE = "torch.distributed.checkpoint.metadata"
 
 
-class UntrustedFileError(ValueError):
+class UntrustedFileError(HybridRLError, ValueError):
     """A checkpoint file holds more than tensors and plain data: loading it could run code."""
 
 

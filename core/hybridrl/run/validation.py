@@ -234,8 +234,7 @@ class Validator:
         folder = self.save_copy(best, {"best": {"metric": name, "value": value}})
         write_config(best / "config.json", self.cfg.model_dump(mode="json", by_alias=True))
         write_private(best / BEST_RECORD, json.dumps({"metric": name, "value": value, "step": step,
-                                                      "checkpoint": str(folder)}, indent=2) + "
-")
+                                                      "checkpoint": str(folder)}, indent=2) + "\n")
         previous = "" if self.best_value is None else f" (was {self.best_value:.4g} at step {self.best_step})"
         self.best_value, self.best_step = value, step
         log.info("trainer.keep_best: %s=%.4g at step %d is the best so far%s: kept in %s", name, value,

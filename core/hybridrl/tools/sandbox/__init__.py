@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol, Sequence
 
 from hybridrl.tools.base import Tool, ToolResult, argument
-from hybridrl.tools.sandbox.limits import SandboxLimits
+from hybridrl.tools.sandbox.limits import SandboxLimits, SandboxUnavailable
 from hybridrl.tools.sandbox.process import shorten
 
 __all__ = ["ISOLATIONS", "KEY", "PythonTool", "Sandbox", "SandboxLimits", "SandboxUnavailable",
@@ -31,10 +31,6 @@ __all__ = ["ISOLATIONS", "KEY", "PythonTool", "Sandbox", "SandboxLimits", "Sandb
 ISOLATIONS = ("bwrap", "http", "none")
 #: where the isolation is configured (what errors and warnings name).
 KEY = "environment.tool_options.python.isolation"
-
-
-class SandboxUnavailable(ValueError):
-    """The configured isolation cannot work on this machine (a pre-flight error under the tool's key)."""
 
 
 class Backend(Protocol):

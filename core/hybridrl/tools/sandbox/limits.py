@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hybridrl.errors import HybridRLError
+
 from dataclasses import dataclass
 
 
@@ -26,3 +28,7 @@ class SandboxLimits:
             if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or value <= 0:
                 kind = "a whole number" if whole else "a number"
                 raise ValueError(f"{name} must be {kind} > 0, got {value!r}")
+
+
+class SandboxUnavailable(HybridRLError, ValueError):
+    """The configured isolation cannot work on this machine (a pre-flight error under the tool's key)."""

@@ -18,7 +18,7 @@ import tempfile
 from functools import lru_cache
 
 from hybridrl.tools.base import ToolResult
-from hybridrl.tools.sandbox import bwrap as bw
+import hybridrl.tools.sandbox.bwrap as bw
 from hybridrl.tools.sandbox.limits import SandboxLimits
 from hybridrl.tools.sandbox.process import Outcome, run_child
 
@@ -117,7 +117,7 @@ class BwrapBackend:
     name = "bwrap"
 
     def __init__(self, limits: SandboxLimits, bwrap: str | None = None, network: bool = False) -> None:
-        from hybridrl.tools.sandbox import SandboxUnavailable
+        from hybridrl.tools.sandbox.limits import SandboxUnavailable
 
         self.limits = limits
         self.network = network
