@@ -60,6 +60,7 @@ RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 
 from model_sizes import ensure_model  # noqa: E402  (benchmarks/ is not a package)
+
 from hybridrl.observe.profile import profile_call  # noqa: E402
 from hybridrl_fsdp.memory import TRAIN_TOKEN_BUDGETS  # noqa: E402
 

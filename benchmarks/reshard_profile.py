@@ -42,9 +42,9 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from hybridrl.weights.bridges import sync_in_process
-    from hybridrl.runtime.distributed import free_port, init_process_group
     from hybridrl.engines import EngineContext, TrainingOptions
+    from hybridrl.runtime.distributed import free_port, init_process_group
+    from hybridrl.weights.bridges import sync_in_process
     from hybridrl_fsdp.engine import FSDPEngine
     from hybridrl_vllm.engine import VLLMRollout
 

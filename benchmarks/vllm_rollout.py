@@ -33,8 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
@@ -190,7 +191,7 @@ def _paired_ratio(samples: dict[str, list[float]], num: str, den: str) -> dict[s
             "median_of_paired_ratios": statistics.median(pairs), "paired_ratios": pairs}
 
 
-def _cycles(rollout: Any, actor: Any, mem: "Memory", device: str, bucket: int, small: Any, short: Any, count: int,
+def _cycles(rollout: Any, actor: Any, mem: Memory, device: str, bucket: int, small: Any, short: Any, count: int,
             label: str, large: bool = True, flat_copy: Callable[[], Any] | None = None,
             train: Callable[[], Any] | None = None) -> dict[str, Any]:
     """``count`` cycles in the trainer's order: wake, generate a little, sleep, ``train`` (an actor update:
@@ -274,9 +275,9 @@ def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     import torch
 
     from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, left_pad
-    from hybridrl.weights.bridges import sync_in_process
-    from hybridrl.runtime.distributed import free_port, init_process_group
     from hybridrl.engines import EngineContext, SamplingParams, TrainingOptions
+    from hybridrl.runtime.distributed import free_port, init_process_group
+    from hybridrl.weights.bridges import sync_in_process
     from hybridrl_fsdp.engine import FSDPEngine
 
     backend = args.backend
@@ -477,13 +478,21 @@ def grpo_in_process(args: argparse.Namespace, actor: Any, rollout: Any, mem: Mem
 
     from hybridrl.algorithms.advantages import AdvantageInputs
     from hybridrl.algorithms.objective import PolicyObjective, resolve_algorithm
-    from hybridrl.batch import (ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK,
-                                Batch, left_pad)
-    from hybridrl.weights.bridges import sync_in_process
+    from hybridrl.batch import (
+        ADVANTAGES,
+        OLD_LOG_PROBS,
+        PROMPT_IDS,
+        PROMPT_MASK,
+        RESPONSE_IDS,
+        RESPONSE_MASK,
+        Batch,
+        left_pad,
+    )
     from hybridrl.config import AlgorithmConfig
+    from hybridrl.data.tokenizer import build_char_tokenizer
     from hybridrl.engines import SamplingParams
     from hybridrl.plugins.discovery import get_registry
-    from hybridrl.data.tokenizer import build_char_tokenizer
+    from hybridrl.weights.bridges import sync_in_process
 
     registry = get_registry()
     algo_cfg = AlgorithmConfig(name="grpo", n_samples=args.n_samples, kl=None)
@@ -504,7 +513,7 @@ def grpo_in_process(args: argparse.Namespace, actor: Any, rollout: Any, mem: Mem
         t: dict[str, float] = {}
         t["wake"], _ = timed(rollout.wake, device)
         params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=100 + step)
-        t["gen"], gen = timed(lambda: rollout.generate(batch, params), device)
+        t["gen"], gen = timed(lambda b=batch, p=params: rollout.generate(b, p), device)
         batch.update(gen)
         t["sleep"], _ = timed(rollout.sleep, device)
         mem.mark(f"grpo_step{step}_asleep")
@@ -518,12 +527,12 @@ def grpo_in_process(args: argparse.Namespace, actor: Any, rollout: Any, mem: Mem
         token_rewards[torch.arange(len(batch)), (lengths - 1).clamp(min=0)] = scores
         seq = batch.select(PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
         seq.info["temperature"] = 1.0
-        t["old_log_prob"], old = timed(lambda: actor.compute_log_probs(seq), device)
+        t["old_log_prob"], old = timed(lambda s=seq: actor.compute_log_probs(s), device)
         adv, _ = advantage_fn(AdvantageInputs(token_rewards=token_rewards * batch[RESPONSE_MASK],
                                               response_mask=batch[RESPONSE_MASK], group_index=group))
         seq.set(OLD_LOG_PROBS, old["log_probs"])
         seq.set(ADVANTAGES, adv)
-        t["update_actor"], update = timed(lambda: actor.update(seq, objective), device)
+        t["update_actor"], update = timed(lambda s=seq: actor.update(s, objective), device)
         t["reshard"], stats = timed(lambda: sync_in_process(actor, rollout, bucket), device)
         mem.mark(f"grpo_step{step}_end")
         tokens = float(batch[RESPONSE_MASK].sum())

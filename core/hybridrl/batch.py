@@ -16,8 +16,9 @@ observations included, which are context the model attends to. A batch without `
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -56,7 +57,7 @@ _NUMPY_INCOMPATIBLE = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
 
 
 def _rebuild_batch(arrays: dict[str, Any], size: int, non_tensors: dict[str, list[Any]],
-                   info: dict[str, Any]) -> "Batch":
+                   info: dict[str, Any]) -> Batch:
     # Arrays from Ray's object store are read-only views; copy those so tensors stay safely writable.
     tensors = {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(v if v.flags.writeable else v.copy())
                for k, v in arrays.items()}
@@ -88,7 +89,7 @@ class Batch:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], non_tensors: dict[str, list[Any]] | None = None,
-                     info: dict[str, Any] | None = None) -> "Batch":
+                     info: dict[str, Any] | None = None) -> Batch:
         """A batch from ``{key: (B, ...) tensor}`` (all of one ``B``), optional per-row lists and info: how an
         engine builds what it returns, e.g. ``Batch.from_tensors({LOG_PROBS: lp})``."""
         sizes = {t.shape[0] for t in tensors.values()}
@@ -132,7 +133,7 @@ class Batch:
                 raise ValueError(f"field '{key}' has {len(value)} entries for a batch of {len(self)}")
             self.non_tensors[key] = list(value)
 
-    def update(self, other: "Batch") -> "Batch":
+    def update(self, other: Batch) -> Batch:
         """Add (or overwrite) the fields of ``other``, which must have the same length."""
         if len(other) != len(self):
             raise ValueError(f"cannot merge a batch of {len(other)} into one of {len(self)}")
@@ -141,11 +142,11 @@ class Batch:
         self.info.update(other.info)
         return self
 
-    def to(self, device: str | torch.device) -> "Batch":
+    def to(self, device: str | torch.device) -> Batch:
         """The same batch with its tensors on ``device`` (non-tensor fields are shared)."""
         return Batch(self.tensors.to(device), self.non_tensors, self.info)
 
-    def select(self, *keys: str) -> "Batch":
+    def select(self, *keys: str) -> Batch:
         """A new batch with only ``keys`` (tensors are shared, not copied; ``info`` is copied);
         ``KeyError`` names the missing ones."""
         tensor_keys = [k for k in keys if k in self.tensors.keys()]
@@ -155,25 +156,25 @@ class Batch:
             raise KeyError(f"batch has no field(s) {sorted(missing)}")
         return Batch(self.tensors.select(*tensor_keys), other, dict(self.info))
 
-    def index(self, idx: torch.Tensor | Sequence[int]) -> "Batch":
+    def index(self, idx: torch.Tensor | Sequence[int]) -> Batch:
         """A new batch of the rows ``idx``, in that order (tensors gathered, so copies)."""
         idx_t = torch.as_tensor(idx, dtype=torch.long)
         idx_l = idx_t.tolist()
         return Batch(self.tensors[idx_t], {k: [v[i] for i in idx_l] for k, v in self.non_tensors.items()},
                      dict(self.info))
 
-    def repeat_interleave(self, n: int) -> "Batch":
+    def repeat_interleave(self, n: int) -> Batch:
         """Each sample ``n`` times in a row (the n samples of one prompt stay adjacent)."""
         return self.index(torch.arange(len(self)).repeat_interleave(n))
 
-    def chunk(self, parts: int) -> list["Batch"]:
+    def chunk(self, parts: int) -> list[Batch]:
         """Split into ``parts`` equal batches; the length must divide (see ``pad_to_multiple``)."""
         if len(self) % parts:
             raise ValueError(f"batch of {len(self)} does not split into {parts} equal parts")
         size = len(self) // parts
         return [self.index(range(i * size, (i + 1) * size)) for i in range(parts)]
 
-    def pad_to_multiple(self, divisor: int, zero_keys: Sequence[str] = ()) -> tuple["Batch", int]:
+    def pad_to_multiple(self, divisor: int, zero_keys: Sequence[str] = ()) -> tuple[Batch, int]:
         """Append copies of the first rows so the length divides ``divisor``; returns (batch, pad count).
         ``zero_keys`` (e.g. the response mask before an update) are zeroed in the copies so that they
         weigh nothing."""
@@ -187,12 +188,12 @@ class Batch:
                 padded.tensors[key][len(self):] = 0
         return padded, pad
 
-    def unpad(self, pad: int) -> "Batch":
+    def unpad(self, pad: int) -> Batch:
         """Undo ``pad_to_multiple``: the batch without its last ``pad`` rows."""
         return self if pad == 0 else self.index(range(len(self) - pad))
 
     @staticmethod
-    def concat(batches: Iterable["Batch"]) -> "Batch":
+    def concat(batches: Iterable[Batch]) -> Batch:
         """The rows of ``batches`` one after the other (the same keys in each; ``info`` merged, later wins)."""
         batches = list(batches)
         if not batches:
@@ -281,7 +282,7 @@ def balanced_order(lengths: Sequence[int], parts: int) -> list[int]:
     return [row for part in members for row in sorted(part)]
 
 
-def token_balanced_order(batch: "Batch", parts: int) -> torch.Tensor | None:
+def token_balanced_order(batch: Batch, parts: int) -> torch.Tensor | None:
     """``balanced_order`` of a batch of prompt+response rows by their real tokens, for a scatter over
     ``parts`` data-parallel ranks (a rank's forward and backward cost its tokens, not its rows). None when
     there is nothing to balance: one part, or no responses yet (a generation batch)."""

@@ -11,9 +11,8 @@ from typing import Any
 
 from hybridrl.config import ConfigError, RunConfig, load_config
 from hybridrl.errors import HybridRLError
-from hybridrl.run.faults import Terminated
 from hybridrl.placement.plan import ClusterSpec
-
+from hybridrl.run.faults import Terminated
 
 #: what the CLI says before the traceback of an exception that is not a ``HybridRLError``.
 BUG_LINE = ("hybridrl: internal error: this is a bug in hybridrl or in a plugin, not a problem with your config or "
@@ -37,9 +36,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """The device map, the auto choices and the memory per device. Needs no engine installed: a backend whose
     engine is missing here is a warning (``hybridrl train`` refuses it)."""
     from hybridrl.placement.plan import engine_warnings
-    from hybridrl.runtime.cluster import detect_cluster
     from hybridrl.run.lora_setup import with_lora
     from hybridrl.run.preflight import check_config, with_algorithm_roles
+    from hybridrl.runtime.cluster import detect_cluster
     from hybridrl.tools.sandbox import isolation_warnings
 
     cfg = load_config(args.config, args.overrides)
@@ -69,8 +68,14 @@ def _plan_memory(args: argparse.Namespace, cfg: RunConfig, plan, registry, backe
     from pathlib import Path
 
     from hybridrl.placement.auto import resolve_auto
-    from hybridrl.placement.memory import (GIB, MemoryEstimateError, device_memory_bytes, model_shape,
-                                           model_shapes_by_role, render_memory)
+    from hybridrl.placement.memory import (
+        GIB,
+        MemoryEstimateError,
+        device_memory_bytes,
+        model_shape,
+        model_shapes_by_role,
+        render_memory,
+    )
 
     here = Path(args.config).resolve().parent
     bases = (here, here.parent)  # model.path relative to the config's folder, or to the project holding it
@@ -113,9 +118,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from hybridrl.run.faults import signals_deferred, signals_raise
-    from hybridrl.runtime.local_ray import stop_local_ray
-
     from hybridrl.run.run_lock import release
+    from hybridrl.runtime.local_ray import stop_local_ray
 
     cfg = load_config(args.config, args.overrides)
     with signals_raise():  # SIGTERM unwinds like Ctrl-C: the workers and the run's Ray are stopped

@@ -5,14 +5,15 @@ agreement that keeps collectives from hanging, and metric averaging over micro-b
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hybridrl.batch import Batch
-from hybridrl.runtime.distributed import all_reduce_sum
 from hybridrl.engines import EngineContext
+from hybridrl.runtime.distributed import all_reduce_sum
 
 
 def require_process_group(ctx: EngineContext, engine: str) -> None:

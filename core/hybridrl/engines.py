@@ -10,8 +10,9 @@ The core never imports a backend; it only calls these methods, inside the worker
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -55,7 +56,7 @@ class TrainingOptions:
             raise ValueError(f"max_tokens_per_micro_batch must be a positive integer, got {budget!r}")
 
     @classmethod
-    def split(cls, options: Mapping[str, Any]) -> tuple["TrainingOptions", dict[str, Any]]:
+    def split(cls, options: Mapping[str, Any]) -> tuple[TrainingOptions, dict[str, Any]]:
         """A flat mapping of role settings as ``(TrainingOptions, the backend's own settings)``; unset or None
         shared keys keep their defaults (for tests and tools that build an engine from one dict)."""
         shared = {f.name for f in fields(cls)}
@@ -206,7 +207,7 @@ class TrainEngine(ABC):
         the adapters merged in, under HF names. Collective."""
         raise NotImplementedError(f"{type(self).__name__} (backend '{self.ctx.backend}') has no LoRA adapters")
 
-    def reference_view(self, ctx: EngineContext) -> "TrainEngine":
+    def reference_view(self, ctx: EngineContext) -> TrainEngine:
         """LoRA engines: the reference role (``ctx``) served by this engine in its own process: the frozen base
         with the adapters disabled, computing log-probs with the reference's own micro-batching, holding no copy
         of the weights. Called by the worker instead of building a second engine when the reference shares the
@@ -267,7 +268,7 @@ class RolloutEngine(ABC):
 
         return asyncio.run(coroutine)
 
-    def generate_episodes(self, batch: Batch, params: SamplingParams, environment: "EnvironmentSpec") -> Batch:
+    def generate_episodes(self, batch: Batch, params: SamplingParams, environment: EnvironmentSpec) -> Batch:
         """Play one episode of ``environment`` per row (``prompt_ids``/``prompt_mask``, and the rows'
         ``prompt``/``meta`` fields) and return the trainer's rows (``hybridrl.environments.trajectory``).
         Runs in the rollout worker, next to the engine; engines inherit it and need not override it."""

@@ -24,9 +24,10 @@ This module imports torch only; peft lives in the train backends (``hybridrl_fsd
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ class LoraSpec:
         return self.sync == "adapter"
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "LoraSpec | None":
+    def from_config(cls, cfg: Any) -> LoraSpec | None:
         """From ``roles.actor.lora`` (the pydantic model or its dict); None without one. ``alpha`` unset is
         twice the rank (scaling 2); ``sync`` must be resolved already (``resolve_sync``)."""
         if cfg is None:

@@ -12,8 +12,8 @@ from hybridrl.algorithms.plugin import PRESETS
 from hybridrl.config import AlgorithmConfig, ConfigError, load_config
 from hybridrl.placement.plan import ClusterSpec
 from hybridrl.plugins.discovery import get_registry
-from hybridrl.run.preflight import check_config, with_algorithm_roles
 from hybridrl.plugins.registry import Registry, RegistryError
+from hybridrl.run.preflight import check_config, with_algorithm_roles
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 CPU2 = ClusterSpec(1, 2, "cpu", declared=True)

@@ -9,12 +9,18 @@ import math
 import pytest
 import torch
 
-from hybridrl.algorithms.advantages import (AdvantageInputs, gae, grpo, reinforce_pp, reinforce_pp_baseline, remax,
-                                            rloo)
+from hybridrl.algorithms.advantages import AdvantageInputs, gae, grpo, reinforce_pp, reinforce_pp_baseline, remax, rloo
 from hybridrl.algorithms.kl import k1, k2, k3
 from hybridrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
-from hybridrl.algorithms.losses import (PolicyLossSettings, clipped_value_loss, gspo, ppo_clip, seq_mean_token_mean,
-                                        seq_mean_token_sum, token_mean)
+from hybridrl.algorithms.losses import (
+    PolicyLossSettings,
+    clipped_value_loss,
+    gspo,
+    ppo_clip,
+    seq_mean_token_mean,
+    seq_mean_token_sum,
+    token_mean,
+)
 from hybridrl.algorithms.objective import PolicyObjective, ValueObjective
 from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.config import AlgorithmConfig

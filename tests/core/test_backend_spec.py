@@ -92,7 +92,9 @@ def test_lora_adapter_slots_are_the_rollouts_own_rank():
 
 def test_megatron_splits_state_over_tensor_and_pipeline_not_data_parallel():
     registry = registry_with()
-    megatron = ["roles.actor.backend=megatron", "roles.ref.backend=megatron"]
+    # Megatron's model offers no token budget to search: the micro-batches are given, as a Megatron user does
+    megatron = ["roles.actor.backend=megatron", "roles.ref.backend=megatron", "roles.actor.micro_batch=4",
+                "roles.ref.micro_batch=8", "roles.actor.options.gradient_checkpointing=true"]
     _, _, flat = plan_and_auto(registry, COLOCATED, megatron, ClusterSpec(1, 8, "cuda", declared=True))
     _, _, split = plan_and_auto(registry, COLOCATED, [*megatron, "roles.actor.options.tensor_parallel=2",
                                                      "roles.actor.options.pipeline_parallel=2"],
@@ -115,7 +117,7 @@ def test_megatron_splits_state_over_tensor_and_pipeline_not_data_parallel():
 def test_megatron_offers_recompute_to_the_search_only_when_asked():
     registry = registry_with()
     megatron = ["roles.actor.backend=megatron", "roles.ref.backend=megatron", "roles.actor.options.tensor_parallel=2",
-                "roles.actor.options.pipeline_parallel=2"]
+                "roles.actor.options.pipeline_parallel=2", "roles.actor.micro_batch=4", "roles.ref.micro_batch=8"]
     gpus = ClusterSpec(1, 8, "cuda", declared=True)
     _, _, asked = plan_and_auto(registry, COLOCATED, [*megatron, "roles.actor.options.gradient_checkpointing=auto"],
                                 gpus)
@@ -125,7 +127,8 @@ def test_megatron_offers_recompute_to_the_search_only_when_asked():
     _, _, tight = plan_and_auto(registry, COLOCATED, [*megatron, "roles.actor.options.gradient_checkpointing=auto"],
                                 gpus, device_gib=48)
     assert next(c for c in tight.choices if c.key.endswith("gradient_checkpointing")).value is True
-    _, _, given = plan_and_auto(registry, COLOCATED, megatron, gpus)  # the example's true is kept
+    _, _, given = plan_and_auto(registry, COLOCATED, [*megatron, "roles.actor.options.gradient_checkpointing=true"],
+                                gpus)  # a given true is kept
     assert not [c for c in given.choices if c.key.startswith("roles.actor.")]
 
 

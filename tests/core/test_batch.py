@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridrl.batch import (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch, left_pad, right_pad,
-                            sequence_tensors)
+from hybridrl.batch import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    Batch,
+    left_pad,
+    right_pad,
+    sequence_tensors,
+)
 
 
 def make(n: int) -> Batch:

@@ -6,8 +6,13 @@ from __future__ import annotations
 import json
 
 from hybridrl.placement.plan import Device, ProcessGroupPlan
-from hybridrl.runtime.device_map import (WorkerLocation, describe_lost_nodes, lost_node_ranks, render_device_map,
-                                         write_device_map)
+from hybridrl.runtime.device_map import (
+    WorkerLocation,
+    describe_lost_nodes,
+    lost_node_ranks,
+    render_device_map,
+    write_device_map,
+)
 from hybridrl.runtime.group import WorkerGroup
 
 A = "a" * 56

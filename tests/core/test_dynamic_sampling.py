@@ -14,8 +14,13 @@ from hybridrl.batch import GROUP_INDEX, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, R
 from hybridrl.config import ConfigError, load_config
 from hybridrl.placement.plan import ClusterSpec
 from hybridrl.plugins.discovery import get_registry
-from hybridrl.run.dynamic_sampling import (GroupFilter, GroupsNeverDiffer, concat_padded, informative_groups,
-                                           merge_batch_metrics)
+from hybridrl.run.dynamic_sampling import (
+    GroupFilter,
+    GroupsNeverDiffer,
+    concat_padded,
+    informative_groups,
+    merge_batch_metrics,
+)
 from hybridrl.run.preflight import prepare_run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,8 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.batch import (PROMPT_IDS, PROMPT_MASK, RESPONSE_ATTENTION_MASK, RESPONSE_IDS, RESPONSE_MASK,
-                            ROLLOUT_LOG_PROBS, Batch, left_pad)
+from hybridrl.batch import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_ATTENTION_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    Batch,
+    left_pad,
+)
 from hybridrl.data.tokenizer import build_char_tokenizer
 from hybridrl.engines import EngineContext, SamplingParams
 from hybridrl.environments.base import Environment, EpisodeRow, ModelTurn, StepResult
@@ -18,8 +26,14 @@ from hybridrl.environments.chat import ChatFormat, ChatFormatError
 from hybridrl.environments.metrics import episode_metrics
 from hybridrl.environments.runner import EpisodeError, build_runner, run_episodes
 from hybridrl.environments.spec import EnvironmentSpec
-from hybridrl.environments.trajectory import (ENV_REWARD, NUM_TURNS, REWARD_PARTS, TRUNCATED, Trajectory,
-                                              pack_trajectories)
+from hybridrl.environments.trajectory import (
+    ENV_REWARD,
+    NUM_TURNS,
+    REWARD_PARTS,
+    TRUNCATED,
+    Trajectory,
+    pack_trajectories,
+)
 from hybridrl.plugins.registry import Registry
 from hybridrl.tasks.calc import arith, call_credit, make_calc_rows, positional_match
 from hybridrl.testing.environment_contract import build_policy_model, play, row_segments

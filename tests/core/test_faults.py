@@ -15,8 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.run.faults import (DiskError, Terminated, disk_problem, explain_failure, signals_deferred,
-                                 signals_raise, stop_on_interrupt)
+from hybridrl.run.faults import (
+    DiskError,
+    Terminated,
+    disk_problem,
+    explain_failure,
+    signals_deferred,
+    signals_raise,
+    stop_on_interrupt,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"

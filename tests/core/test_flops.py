@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hybridrl.observe.flops import (PEAK_ENV, forward_flops, peak_flops, phase_perf, shared_prompt_savings,
-                                    train_flops)
+from hybridrl.observe.flops import PEAK_ENV, forward_flops, peak_flops, phase_perf, shared_prompt_savings, train_flops
 from hybridrl.placement.memory import shape_from_hf_config
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
+import _user_code_helpers as helpers
 import pytest
 
-import _user_code_helpers as helpers
 from hybridrl.run.guarded_call import ChildFailure, call_in_child, describe_exit
 
 

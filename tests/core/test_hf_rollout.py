@@ -1,13 +1,12 @@
 import pytest
 import torch
 
-from hybridrl.batch import (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch,
-                            left_pad)
+from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch, left_pad
 from hybridrl.config import TinyModelConfig
+from hybridrl.data.tokenizer import load_tokenizer
 from hybridrl.engines import EngineContext, SamplingParams
 from hybridrl.rollout.hf import HFRollout, filter_logits
 from hybridrl.tasks.tiny_model import build_tiny_model
-from hybridrl.data.tokenizer import load_tokenizer
 
 CFG = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
                       max_position=64, seed=0)

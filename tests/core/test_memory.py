@@ -10,8 +10,14 @@ import torch
 
 from hybridrl.cli import main
 from hybridrl.config import TinyModelConfig, load_config
-from hybridrl.placement.memory import (GIB, estimate_memory, model_shape, read_hf_config, shape_from_hf_config,
-                             tiny_shape)
+from hybridrl.placement.memory import (
+    GIB,
+    estimate_memory,
+    model_shape,
+    read_hf_config,
+    shape_from_hf_config,
+    tiny_shape,
+)
 from hybridrl.placement.plan import ClusterSpec, plan_placement, resolve_backends
 from hybridrl.plugins.discovery import get_registry
 

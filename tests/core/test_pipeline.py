@@ -8,9 +8,9 @@ import pytest
 
 from hybridrl.cli import main
 from hybridrl.config import load_config
-from hybridrl.run.pipeline import GenerationJob, StalenessError, needs_sync, staleness_of
 from hybridrl.placement.plan import ClusterSpec
 from hybridrl.plugins.discovery import get_registry
+from hybridrl.run.pipeline import GenerationJob, StalenessError, needs_sync, staleness_of
 from hybridrl.run.preflight import check_config, with_algorithm_roles
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ import pytest
 from hybridrl.config import load_config
 from hybridrl.placement.plan import ClusterSpec
 from hybridrl.plugins.discovery import build_registry, describe_plugins, plugin_manager
-from hybridrl.run.preflight import check_config
 from hybridrl.plugins.registry import Registry, RegistryError, check_requirement
+from hybridrl.run.preflight import check_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = Path(__file__).parent / "sample_plugin"

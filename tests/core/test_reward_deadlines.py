@@ -14,13 +14,13 @@ import torch
 from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, Batch
 from hybridrl.config import ConfigError, RewardConfig, load_config
 from hybridrl.data.tokenizer import build_char_tokenizer
+from hybridrl.placement.plan import ClusterSpec
+from hybridrl.plugins.discovery import get_registry
 from hybridrl.rewards.calling import RewardError
 from hybridrl.rewards.rules import RuleSpec, Term
 from hybridrl.rewards.runner import MAX_HUNG_THREADS, InlineRunner, Outcome, ProcessRunner, timed_out
 from hybridrl.rewards.scorer import RewardScorer
 from hybridrl.rewards.streak import ConsecutiveFailures, FailureStreak
-from hybridrl.placement.plan import ClusterSpec
-from hybridrl.plugins.discovery import get_registry
 from hybridrl.run.preflight import prepare_run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from hybridrl.data.tokenizer import build_char_tokenizer
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.rewards.calling import RewardError
 from hybridrl.rewards.checks import probe_problems, runner_problems
-from hybridrl.rewards.rules import RuleSpec, Rules, Term, build_spec
+from hybridrl.rewards.rules import Rules, RuleSpec, Term, build_spec
 from hybridrl.rewards.runner import InlineRunner, ProcessRunner
 from hybridrl.rewards.scorer import RewardScorer, choose_runner
 

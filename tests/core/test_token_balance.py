@@ -8,8 +8,15 @@ import random
 import pytest
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch, balanced_order, \
-    token_balanced_order
+from hybridrl.batch import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    Batch,
+    balanced_order,
+    token_balanced_order,
+)
 
 
 def chunk_loads(lengths: list[int], order: list[int], parts: int) -> list[int]:

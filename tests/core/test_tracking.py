@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.plugins.discovery import get_registry
 from hybridrl.observe.tracking import MlflowTracker, TensorBoardTracker, WandbTracker, flatten
+from hybridrl.plugins.discovery import get_registry
 
 CONFIG = {"model": {"tiny": {"hidden_size": 32}, "dtype": "float32"}, "trainer": {"trackers": ["console", "jsonl"]},
           "algorithm": {"name": "grpo", "kl": None}}

@@ -9,17 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_data_formats import QUICKSTART
 
+from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, Batch
 from hybridrl.config import ConfigError, load_config
 from hybridrl.data.loading import PromptRow
-from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, Batch
 from hybridrl.engines import SamplingParams
 from hybridrl.placement.plan import ClusterSpec
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.run.preflight import prepare_run
 from hybridrl.run.validation import Validator, metric_names
-
-from test_data_formats import QUICKSTART
 
 
 def _validator(tmp_path, k=1, **trainer):

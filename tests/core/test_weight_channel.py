@@ -7,9 +7,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from hybridrl.weights.channel import WeightChannel
 from hybridrl.runtime.distributed import free_port
 from hybridrl.weights.buckets import ALIGN, describe_bucket, pack_bucket, unpack_bucket
+from hybridrl.weights.channel import WeightChannel
 
 
 def sample_bucket(seed: int = 0) -> list[tuple[str, torch.Tensor]]:

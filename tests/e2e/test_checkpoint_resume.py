@@ -21,18 +21,17 @@ from typing import Any
 
 import pytest
 import torch
-
-from hybridrl.run.checkpoint import LATEST, checkpoints_root, is_complete, latest_checkpoint
-from hybridrl.runtime.cluster import detect_cluster
-from hybridrl.config import load_config
-from hybridrl.run.faults import BadStepsError, WorkerDiedError
-from hybridrl.plugins.discovery import get_registry
-from hybridrl.run.preflight import prepare_run
-from hybridrl.observe.tracking import build_trackers
-from hybridrl.run.trainer import Trainer
-
 from _folder_state import folder_state
 from _mounts import fill, read_only, small_disk
+
+from hybridrl.config import load_config
+from hybridrl.observe.tracking import build_trackers
+from hybridrl.plugins.discovery import get_registry
+from hybridrl.run.checkpoint import LATEST, checkpoints_root, is_complete, latest_checkpoint
+from hybridrl.run.faults import BadStepsError, WorkerDiedError
+from hybridrl.run.preflight import prepare_run
+from hybridrl.run.trainer import Trainer
+from hybridrl.runtime.cluster import detect_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.runtime.cluster import detect_cluster
 from hybridrl.config import load_config
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.run.preflight import prepare_run
 from hybridrl.run.trainer import Trainer
+from hybridrl.runtime.cluster import detect_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"

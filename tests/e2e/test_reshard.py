@@ -3,16 +3,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from hybridrl.runtime.cluster import detect_cluster
 from hybridrl.config import load_config
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.run.preflight import prepare_run
 from hybridrl.run.trainer import Trainer
-
-from pathlib import Path
+from hybridrl.runtime.cluster import detect_cluster
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 

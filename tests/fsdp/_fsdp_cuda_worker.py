@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _fsdp_helpers import PolicyGradient, grouped, make_batch, save_tiny_qwen2  # noqa: E402
+
 from hybridrl.batch import LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK  # noqa: E402
 from hybridrl.engines import EngineContext, TrainingOptions  # noqa: E402
 

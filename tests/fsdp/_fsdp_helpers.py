@@ -10,8 +10,7 @@ from pathlib import Path
 
 import torch
 
-from hybridrl.batch import (ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch, left_pad,
-                            right_pad)
+from hybridrl.batch import ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch, left_pad, right_pad
 from hybridrl.engines import EngineContext, LossScale, TrainingOptions
 
 VOCAB = 40

@@ -68,6 +68,7 @@ def test_forged_rank_file_or_index_is_refused_without_running(process_group, tin
 
     import pytest
     from _fsdp_helpers import context
+
     from hybridrl.run.trusted_files import UntrustedFileError, unsafe_files
     from hybridrl_fsdp.engine import FSDPEngine
 

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import torch
-
 from _fsdp_worker import GLOBAL_BATCH, OPTIONS, STEPS, global_batch
+
 from hybridrl.batch import ADVANTAGES, RESPONSE_MASK, sequence_tensors
 from hybridrl.runtime.distributed import free_port
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _fsdp_helpers import context, make_batch
+
 from hybridrl.batch import ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
 from hybridrl_fsdp.engine import FSDPEngine
 from hybridrl_fsdp.logprobs import entropy_from_logits, token_log_probs

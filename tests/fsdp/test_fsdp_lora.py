@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _fsdp_helpers import PolicyGradient, context, make_batch
+
 from hybridrl.lora import LoraSpec, adapter_name, parse_adapter_name, write_adapter
 from hybridrl_fsdp.engine import FSDPEngine
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fsdp_helpers import NaNObjective, PolicyGradient, context, local_tensor, make_batch
 
 import hybridrl_fsdp.engine as engine_module
-from _fsdp_helpers import NaNObjective, PolicyGradient, context, local_tensor, make_batch
 from hybridrl.batch import ADVANTAGES, LOG_PROBS, RESPONSE_MASK
 from hybridrl.engine_support import raise_if_counts_differ
 from hybridrl_fsdp.engine import FSDPEngine

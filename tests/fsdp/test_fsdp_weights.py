@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _fsdp_helpers import PolicyGradient, context, local_tensor, make_batch
+
 from hybridrl_fsdp.engine import FSDPEngine
 
 

@@ -157,9 +157,8 @@ def test_log_prob_head_inside_the_model_matches_full_logits(tmp_path: Path, tie:
     """``install_log_prob_head`` keeps the parameters and their names; under ``computing`` the model's forward with
     ``logits_to_keep`` positions returns the log-probs and entropies of the full logits there, and the same
     gradients for every parameter (the tied embedding included)."""
-    from transformers import AutoModelForCausalLM
-
     from _fsdp_helpers import save_tiny_qwen2
+    from transformers import AutoModelForCausalLM
 
     path = save_tiny_qwen2(tmp_path / "m", tie=tie)
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -8,10 +8,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
 from _fsdp_helpers import VOCAB, PolicyGradient, context
-from hybridrl.batch import (ADVANTAGES, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_ATTENTION_MASK, RESPONSE_IDS,
-                            RESPONSE_MASK, Batch, left_pad, right_pad)
+
+from hybridrl.batch import (
+    ADVANTAGES,
+    LOG_PROBS,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_ATTENTION_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    Batch,
+    left_pad,
+    right_pad,
+)
 
 
 def multi_turn_batch(seed: int = 0, rows: int = 6) -> Batch:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fsdp_helpers import PolicyGradient, context, local_tensor, make_batch
 
 import hybridrl_fsdp.engine as engine_module
-from _fsdp_helpers import PolicyGradient, context, local_tensor, make_batch
 from hybridrl.batch import LOG_PROBS
 from hybridrl_fsdp.engine import FSDPEngine
 from hybridrl_fsdp.offload import HostCopy, OffloadPolicy, host_buffer
@@ -101,7 +101,7 @@ def test_actor_offload_optimizer_and_all_train_bit_for_bit_like_no_offload(proce
                for mode in ("none", "optimizer", "all")}
     assert storage_bytes(optimizer_tensors(engines["optimizer"])) == 0  # the moments start on the host
     assert storage_bytes(engines["optimizer"].model.parameters()) > 0  # the weights stay
-    for step in range(2):
+    for _step in range(2):
         metrics = {mode: e.update(batch, PolicyGradient()) for mode, e in engines.items()}
         assert metrics["optimizer"]["loss"] == metrics["none"]["loss"] == metrics["all"]["loss"]
         for mode in ("optimizer", "all"):

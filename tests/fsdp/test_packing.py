@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _fsdp_helpers import context, make_batch
 from torch.distributed.tensor import DTensor
 
-from _fsdp_helpers import context, make_batch
-from hybridrl_fsdp.settings import PACKED_ATTENTION
 from hybridrl.batch import ADVANTAGES, ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
+from hybridrl_fsdp.settings import PACKED_ATTENTION
 
 ATOL = 1e-5
 
@@ -169,6 +169,7 @@ def test_packed_and_padded_give_the_same_log_probs_loss_and_gradients(process_gr
 
 def test_packed_update_with_gradient_checkpointing_equals_without(process_group, tiny_model: Path):
     from _fsdp_helpers import PolicyGradient
+
     from hybridrl_fsdp.engine import FSDPEngine
 
     batch = ragged(seed=7)
@@ -183,6 +184,7 @@ def test_packed_update_with_gradient_checkpointing_equals_without(process_group,
 
 def test_packed_reward_scores_equal_padded(process_group, tmp_path: Path):
     from _fsdp_helpers import reward_context, save_tiny_reward_model
+
     from hybridrl.batch import SCORES
     from hybridrl_fsdp.engine import FSDPEngine
 

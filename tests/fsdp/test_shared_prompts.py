@@ -10,11 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _fsdp_helpers import context, grouped, make_batch
-from hybridrl.batch import (ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_ATTENTION_MASK, RESPONSE_IDS,
-                            RESPONSE_MASK, SCORES, VALUES)
 from test_packing import ATOL, _outputs_and_grads
+
+from hybridrl.batch import (
+    ADVANTAGES,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_ATTENTION_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    SCORES,
+    VALUES,
+)
 
 
 def test_shared_pack_holds_each_prompt_once_and_every_row_sees_its_own_sequence():
@@ -144,6 +152,7 @@ def test_multi_turn_rows_share_prompts_and_keep_their_observations(process_group
 def test_critic_values_and_reward_scores_equal_with_shared_prompts(process_group, tiny_model: Path,
                                                                    tmp_path: Path):
     from _fsdp_helpers import reward_context, save_tiny_reward_model
+
     from hybridrl_fsdp.engine import FSDPEngine
 
     batch = grouped(seed=13)

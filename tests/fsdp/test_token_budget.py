@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _fsdp_helpers import PolicyGradient, context, make_batch  # noqa: E402
+
 from hybridrl.batch import LOG_PROBS, PROMPT_MASK, RESPONSE_MASK, Batch  # noqa: E402
 
 BUDGET = 40

@@ -14,8 +14,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _mg_helpers import PolicyGradient  # noqa: E402
-from hybridrl.batch import (ADVANTAGES, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK,  # noqa: E402
-                            Batch, sequence_tensors)
+
+from hybridrl.batch import (  # noqa: E402
+    ADVANTAGES,
+    LOG_PROBS,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    Batch,
+    sequence_tensors,
+)
 from hybridrl.engines import EngineContext, TrainingOptions  # noqa: E402
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

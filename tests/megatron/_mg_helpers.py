@@ -11,8 +11,17 @@ from pathlib import Path
 
 import torch
 
-from hybridrl.batch import (ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch, left_pad,
-                            right_pad, sequence_tensors)
+from hybridrl.batch import (
+    ADVANTAGES,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    Batch,
+    left_pad,
+    right_pad,
+    sequence_tensors,
+)
 from hybridrl.engines import EngineContext, LossScale, TrainingOptions
 
 #: odd on purpose: with vocab_multiple=1 and tensor_parallel=2 the vocabulary is padded by one id.

@@ -19,8 +19,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _mg_helpers import PolicyGradient, ValueRegression, context, logits_input, make_batch  # noqa: E402
-from hybridrl.batch import ENTROPY, LOG_PROBS  # noqa: E402
-from hybridrl.batch import VALUES  # noqa: E402
+
+from hybridrl.batch import (  # noqa: E402
+    ENTROPY,
+    LOG_PROBS,
+    VALUES,  # noqa: E402
+)
 
 GLOBAL_BATCH = 8
 STEPS = 2

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _mg_helpers import logits_input
+
 from hybridrl_megatron import convert
 from hybridrl_megatron.convert import ConversionError, ModelSpec
 

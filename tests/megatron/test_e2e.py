@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _mg_markers import needs_megatron
 
 pytestmark = [*needs_megatron, pytest.mark.slow]

@@ -7,13 +7,23 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from _mg_helpers import (NaNObjective, PlainCritic, PolicyGradient, ValueRegression, assert_close, context,
-                         hf_model, hf_response_log_probs, logits_input, make_batch, plain_critic_training,
-                         plain_training)
+from _mg_helpers import (
+    NaNObjective,
+    PlainCritic,
+    PolicyGradient,
+    ValueRegression,
+    assert_close,
+    context,
+    hf_model,
+    hf_response_log_probs,
+    logits_input,
+    make_batch,
+    plain_critic_training,
+    plain_training,
+)
 from _mg_markers import needs_megatron
-from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_MASK
-from hybridrl.batch import VALUES
+
+from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_MASK, VALUES
 
 pytestmark = needs_megatron
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _mg_markers import needs_megatron
+
 from hybridrl.runtime.distributed import free_port
 
 pytestmark = [pytest.mark.gpu, *needs_megatron,

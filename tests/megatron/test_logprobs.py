@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import torch
-
 from _lp_cases import PADDED, case, reference
+
 from hybridrl.runtime.distributed import free_port
 from hybridrl_megatron.logprobs import vocab_parallel_greedy_margins, vocab_parallel_log_probs
 

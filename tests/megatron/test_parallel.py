@@ -19,11 +19,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from _mg_helpers import (PlainCritic, assert_close, context, hf_model, hf_response_log_probs, logits_input,
-                         make_batch, plain_critic_training, plain_training)
+from _mg_helpers import (
+    PlainCritic,
+    assert_close,
+    context,
+    hf_model,
+    hf_response_log_probs,
+    logits_input,
+    make_batch,
+    plain_critic_training,
+    plain_training,
+)
 from _mg_markers import needs_megatron
 from _mg_worker import BASE_OPTIONS, GLOBAL_BATCH, STEPS
+
 from hybridrl.runtime.distributed import free_port
 
 pytestmark = needs_megatron
@@ -146,6 +155,7 @@ def test_pipeline_parallel_2(two_rank_runs, references, family: str) -> None:
 def test_pipeline_parallel_2_loss_equals_pipeline_parallel_1(two_rank_runs, qwen2_tied: Path, process_group) -> None:
     """The brief's check, directly: the same engine with one stage in this process, the same batch."""
     from _mg_helpers import PolicyGradient
+
     from hybridrl_megatron.engine import MegatronEngine
 
     one_stage = MegatronEngine(context(qwen2_tied, **BASE_OPTIONS))

@@ -23,8 +23,8 @@ import torch
 from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, Batch
 from hybridrl.engines import EngineContext, SamplingParams
 from hybridrl.rollout.hf import HFRollout
-from hybridrl.testing.checks import reference_problems
 from hybridrl.testing.batches import prompt_batch
+from hybridrl.testing.checks import reference_problems
 from hybridrl.testing.models import set_eos
 from hybridrl.testing.reference import ReferenceModel
 from hybridrl.weights.buckets import describe_bucket, pack_bucket, unpack_bucket

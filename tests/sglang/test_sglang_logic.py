@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch, left_pad
-from hybridrl.runtime.distributed import free_port
 from hybridrl.engines import EngineContext, SamplingParams
+from hybridrl.rollout.common import ReplicaLayout, check_context, engine_seed, mix_seed, pack_responses, unpad_prompts
 from hybridrl.rollout.hf import filter_logits
+from hybridrl.runtime.distributed import free_port
+from hybridrl.runtime.group import Result
 from hybridrl.weights.buckets import describe_bucket, pack_bucket, unpack_bucket
-
 from hybridrl_sglang import buckets as bk
 from hybridrl_sglang import compat
 from hybridrl_sglang.distributed import SGLangBroadcastBridge, flat_nbytes, pack_flat, receive_layout
@@ -32,8 +33,6 @@ from hybridrl_sglang.packing import parse_output, renormalise
 from hybridrl_sglang.parallel import engine_devices
 from hybridrl_sglang.sampling import BAN, Phase, per_request, phase_sampling, phases, top_logprobs_wanted
 from hybridrl_sglang.sleep import KV_CACHE, WEIGHTS, MemoryState
-from hybridrl.rollout.common import (ReplicaLayout, check_context, engine_seed, mix_seed, pack_responses, unpad_prompts)
-from hybridrl.runtime.group import Result
 
 
 # --- options ------------------------------------------------------------------------------------------------
@@ -274,7 +273,7 @@ def test_views_of_one_receive_buffer_are_sent_without_a_copy():
     views = unpack_bucket(buffer, spec)
     flat, entries, shared = bk.flatten(views, torch.bfloat16, "cpu")
     assert shared and flat.data_ptr() == buffer.data_ptr() and flat.numel() == buffer.numel()
-    for (name, tensor), e in zip(bucket, entries):
+    for (_name, tensor), e in zip(bucket, entries):
         assert e.dtype == tensor.dtype  # sent as they are; SGLang casts on load
         assert torch.equal(flat[e.start:e.end].view(e.dtype).reshape(e.shape), tensor)
     assert bk.rebuild(flat, entries)[0][0] == "w"
@@ -682,8 +681,13 @@ from hybridrl.rollout.kv_budget import KVCacheTooSmall, KVDemand  # noqa: E402
 GIB = 2**30
 
 def test_sglang_auto_fraction_makes_the_pool_the_target():
-    from hybridrl_sglang.options import LOAD_EXTRA_BYTES, SCHEDULER_START_BYTES, SGLangOptions, auto_fraction, \
-        engine_kwargs
+    from hybridrl_sglang.options import (
+        LOAD_EXTRA_BYTES,
+        SCHEDULER_START_BYTES,
+        SGLangOptions,
+        auto_fraction,
+        engine_kwargs,
+    )
 
     assert SGLangOptions.from_options({}).gpu_memory_utilization == "auto"
     demand = KVDemand(512, 384, 28672)  # 1.5B

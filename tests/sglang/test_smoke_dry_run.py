@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from hybridrl.rollout.hf import filter_logits
-
 from hybridrl_sglang import compat
 
 SMOKE = Path(__file__).resolve().parents[2] / "plugins" / "sglang" / "benchmarks" / "sglang_smoke.py"

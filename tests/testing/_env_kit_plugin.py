@@ -46,7 +46,7 @@ class MisremembersResults(ToolEnvironment):
 
 
 @hookimpl
-def hybridrl_register_environments(registry: "Registry") -> None:
+def hybridrl_register_environments(registry: Registry) -> None:
     registry.add_tool_parser("colon", "_env_kit_plugin:colon")
     registry.add_environment("nan_reward", "_env_kit_plugin:NaNReward")
     registry.add_environment("misremembers_results", "_env_kit_plugin:MisremembersResults")

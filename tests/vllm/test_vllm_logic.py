@@ -10,9 +10,16 @@ import torch
 
 from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, left_pad
 from hybridrl.engines import SamplingParams
+from hybridrl.rollout.common import (
+    ReplicaLayout,
+    check_context,
+    engine_seed,
+    mix_seed,
+    pack_responses,
+    request_seeds,
+    unpad_prompts,
+)
 from hybridrl_vllm.options import VLLMOptions, llm_kwargs, resolve_weight_load
-from hybridrl.rollout.common import (ReplicaLayout, check_context, engine_seed, mix_seed, pack_responses, request_seeds,
-                                     unpad_prompts)
 from hybridrl_vllm.packing import sampled_logprobs
 from hybridrl_vllm.sampling import per_request_kwargs, sampling_kwargs
 from hybridrl_vllm.sleep import KV_CACHE, WEIGHTS, SleepState

@@ -181,11 +181,11 @@ def test_requests_in_flight_share_engine_steps(engine):
 
 @pytest.mark.vllm
 def test_episodes_per_request_equal_batched_rounds_and_the_hf_rollout(engine, chat_model):
+    from hybridrl.data.tokenizer import load_tokenizer
     from hybridrl.environments.runner import run_episodes
     from hybridrl.environments.spec import EnvironmentSpec
     from hybridrl.rollout.hf import HFRollout
     from hybridrl.tasks.calc import make_calc_rows
-    from hybridrl.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(chat_model)
     rows = make_calc_rows(2, 6, seed=1)

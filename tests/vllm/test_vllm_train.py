@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.runtime.cluster import detect_cluster
 from hybridrl.config import load_config
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.run.preflight import prepare_run
 from hybridrl.run.trainer import Trainer
+from hybridrl.runtime.cluster import detect_cluster
 
 pytestmark = pytest.mark.vllm
 

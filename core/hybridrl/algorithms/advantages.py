@@ -11,8 +11,9 @@ An estimator that needs more than the rewards declares it with ``@needs(...)``; 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

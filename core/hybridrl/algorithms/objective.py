@@ -7,20 +7,31 @@ the clipped value loss. Also: resolving an algorithm preset into the effective s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from pydantic import ValidationError
 
 from hybridrl.algorithms.advantages import estimator_needs
 from hybridrl.algorithms.losses import PolicyLossSettings, clipped_value_loss, masked_mean, truncated_is_weights
-from hybridrl.batch import (ADVANTAGES, BASELINE_SCORES, ENTROPY, LOG_PROBS, OLD_LOG_PROBS, REF_LOG_PROBS,
-                            RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, VALUES, Batch)
+from hybridrl.batch import (
+    ADVANTAGES,
+    BASELINE_SCORES,
+    ENTROPY,
+    LOG_PROBS,
+    OLD_LOG_PROBS,
+    REF_LOG_PROBS,
+    RESPONSE_MASK,
+    RETURNS,
+    ROLLOUT_LOG_PROBS,
+    VALUES,
+    Batch,
+)
 from hybridrl.config import AlgorithmConfig
 from hybridrl.engines import LossScale
 from hybridrl.plugins.registry import Registry, RegistryError
-
 
 #: preset keys that describe the algorithm rather than set an ``AlgorithmConfig`` field.
 PRESET_META_KEYS = frozenset({"uses_ref", "uses_critic", "description"})

@@ -2,10 +2,27 @@
 one (``loading``). Every bad value is a ``ConfigError`` naming its key path."""
 
 from hybridrl.config.loading import apply_overrides, load_config, parse_override
-from hybridrl.config.schema import (ActorConfig, AlgorithmConfig, ClusterConfig, ConfigError, CriticConfig, DataConfig,
-                                    EnvironmentConfig, KLConfig, ModelConfig, PoolConfig, RefConfig, RewardConfig,
+from hybridrl.config.schema import (
+                                    ActorConfig,
+                                    AlgorithmConfig,
+                                    ClusterConfig,
+                                    ConfigError,
+                                    CriticConfig,
+                                    DataConfig,
+                                    EnvironmentConfig,
+                                    KLConfig,
+                                    ModelConfig,
+                                    PoolConfig,
+                                    RefConfig,
+                                    RewardConfig,
                                     RewardModelConfig,
-                                    RoleBase, RolesConfig, RolloutConfig, RunConfig, TinyModelConfig, TrainerConfig)
+                                    RoleBase,
+                                    RolesConfig,
+                                    RolloutConfig,
+                                    RunConfig,
+                                    TinyModelConfig,
+                                    TrainerConfig,
+)
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "ClusterConfig", "ConfigError", "CriticConfig", "DataConfig",
            "EnvironmentConfig", "KLConfig",

@@ -53,7 +53,7 @@ class ModelConfig(Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ModelConfig":
+    def _one_source(self) -> ModelConfig:
         if (self.path is None) == (self.tiny is None):
             raise ValueError("give exactly one of model.path (an HF checkpoint folder) or model.tiny")
         return self
@@ -83,7 +83,7 @@ class DataConfig(Strict):
     shuffle: bool = True
 
     @model_validator(mode="after")
-    def _one_source(self) -> "DataConfig":
+    def _one_source(self) -> DataConfig:
         if (self.train is None) == (self.dataset is None):
             raise ValueError("give exactly one of data.train (a file) or data.dataset (a registered name)")
         if self.chat_template == "none" and self.system_prompt is not None:
@@ -105,7 +105,7 @@ class KLConfig(Strict):
     horizon: float = Field(10000, gt=0, description="adaptive: sequences over which the coefficient may move by ~20%")
 
     @model_validator(mode="after")
-    def _adaptive_needs_target(self) -> "KLConfig":
+    def _adaptive_needs_target(self) -> KLConfig:
         if self.controller == "adaptive":
             if self.target is None:
                 raise ValueError("kl.controller=adaptive needs kl.target (KL per sequence, in nats)")
@@ -278,7 +278,7 @@ class RewardModelConfig(Strict):
     micro_batch: int | None = Field(None, gt=0, description="default: the actor's")
 
     @model_validator(mode="after")
-    def _one_source(self) -> "RewardModelConfig":
+    def _one_source(self) -> RewardModelConfig:
         if (self.path is None) == (self.tiny is None):
             raise ValueError("give exactly one of roles.reward.model.path or roles.reward.model.tiny")
         return self
@@ -332,7 +332,7 @@ class RewardConfig(RoleBase):
     model: RewardModelConfig | None = None
 
     @model_validator(mode="after")
-    def _some_reward(self) -> "RewardConfig":
+    def _some_reward(self) -> RewardConfig:
         if self.by_source and "fn" not in self.model_fields_set:
             self.fn = None  # with a dispatch table, a source outside it has no reward unless fn is given
         if self.url is not None and not self.url.startswith(("http://", "https://")):
@@ -491,7 +491,7 @@ class RunConfig(Strict):
                                                                    "phase (a value given here is replaced)")
 
     @model_validator(mode="after")
-    def _some_reward(self) -> "RunConfig":
+    def _some_reward(self) -> RunConfig:
         reward = self.roles.reward
         if (reward.fn is None and reward.model is None and reward.url is None and not reward.by_source
                 and self.environment.name == "single_turn"):

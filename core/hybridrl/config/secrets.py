@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 #: what a redacted value is written as.
 REDACTED = "<redacted>"

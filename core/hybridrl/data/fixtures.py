@@ -19,8 +19,9 @@ import argparse
 import json
 import random
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 #: verl's GSM8K preprocessing appends this instruction to the question.
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
-from hybridrl.errors import HybridRLError
 from hybridrl.config import DataConfig
 from hybridrl.data import fields
 from hybridrl.data.chat import PromptFormatError, PromptFormatter, prompt_problem
+from hybridrl.errors import HybridRLError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hybridrl.environments.chat import ChatFormat
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from hybridrl.tools.toolbox import ToolBox
 
 #: token ids, or chat messages (``{"role": ..., "content": ...}`` dicts) rendered through the chat template.
-Context = Union[list[int], list[dict[str, Any]]]
+Context = list[int] | list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,10 @@ class EnvironmentContext:
     configured tools and tool-call parser, the limits, and the rollout call's seed."""
 
     tokenizer: Any
-    chat: "ChatFormat"
+    chat: ChatFormat
     limits: EpisodeLimits
-    tools: "ToolBox"
-    parser: "ToolParser | None" = None
+    tools: ToolBox
+    parser: ToolParser | None = None
     seed: int | None = None
 
 

@@ -14,10 +14,11 @@ Without a chat template (the bundled character tokenizer before it gets one) eac
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from hybridrl.errors import HybridRLError
 from hybridrl.environments.base import Context
+from hybridrl.errors import HybridRLError
 
 #: the conversation whose rendering is cut off every observation's (see the module docstring).
 BASE_CONVERSATION = ({"role": "user", "content": "1"}, {"role": "assistant", "content": "1"})

@@ -6,7 +6,8 @@ worker starts) and the context it needs."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError
 

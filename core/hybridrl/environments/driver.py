@@ -23,7 +23,7 @@ class Episodes:
     spec: EnvironmentSpec
 
     @classmethod
-    def for_run(cls, cfg: Any, registry: Any) -> "Episodes | None":
+    def for_run(cls, cfg: Any, registry: Any) -> Episodes | None:
         """None for single-turn runs; else the spec with its mode decided for the rollout backend."""
         if not multi_turn(cfg, registry):
             return None

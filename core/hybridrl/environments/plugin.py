@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 
 @hookimpl
-def hybridrl_register_environments(registry: "Registry") -> None:
+def hybridrl_register_environments(registry: Registry) -> None:
     registry.add_environment("single_turn", "hybridrl.environments.single_turn:SingleTurnEnvironment")
     registry.add_environment("tools", "hybridrl.environments.tool_env:ToolEnvironment")
     registry.add_tool("calculator", "hybridrl.tools.calculator:Calculator")

@@ -24,18 +24,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from hybridrl.errors import HybridRLError
-from hybridrl.batch import (MESSAGES, META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RESPONSE_IDS, RESPONSE_MASK,
-                            ROLLOUT_LOG_PROBS, Batch, left_pad)
+from hybridrl.batch import (
+    MESSAGES,
+    META,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    PROMPT_TEXT,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    Batch,
+    left_pad,
+)
 from hybridrl.environments.base import Environment, EnvironmentContext, EpisodeLimits, EpisodeRow, ModelTurn, StepResult
 from hybridrl.environments.chat import ChatFormat
 from hybridrl.environments.spec import EnvironmentSpec
 from hybridrl.environments.trajectory import Trajectory, pack_trajectories
+from hybridrl.errors import HybridRLError
 from hybridrl.rollout.common import mix_seed, special_ids, unpad_prompts
 
 if TYPE_CHECKING:  # types only: the engine contract runs this module (RolloutEngine.generate_episodes)

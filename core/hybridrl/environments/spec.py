@@ -39,7 +39,7 @@ class EnvironmentSpec:
         if self.env_workers < 1:
             raise ValueError(f"environment.env_workers must be >= 1, got {self.env_workers}")
 
-    def resolved(self, serves_requests: bool) -> "EnvironmentSpec":
+    def resolved(self, serves_requests: bool) -> EnvironmentSpec:
         """This spec with ``auto`` decided for a rollout backend that does (or does not) declare ``requests``;
         ``requests`` for one that does not is a ``ValueError``."""
         from dataclasses import replace
@@ -56,7 +56,7 @@ class EnvironmentSpec:
         return EpisodeLimits(self.max_turns, total)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "EnvironmentSpec":
+    def from_config(cls, cfg: Any) -> EnvironmentSpec:
         """From a run config (``hybridrl.config.RunConfig``): its ``environment`` section, the chat template
         of ``data.chat_template`` and the run's extra ``plugins``."""
         from pathlib import Path

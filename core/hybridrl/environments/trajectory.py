@@ -9,13 +9,21 @@ parts and summed metrics as per-row dicts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
-from hybridrl.batch import (PROMPT_IDS, PROMPT_MASK, RESPONSE_ATTENTION_MASK, RESPONSE_IDS, RESPONSE_MASK,
-                            ROLLOUT_LOG_PROBS, Batch, left_pad)
+from hybridrl.batch import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_ATTENTION_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    Batch,
+    left_pad,
+)
 
 #: (B,) float32: the sum of the episode's reward parts (the trainer adds it to the score).
 ENV_REWARD = "env_reward"

@@ -15,10 +15,10 @@ includes every overhead of the phase.
 from __future__ import annotations
 
 import logging
-
 import os
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from functools import lru_cache
-from typing import Any, Collection, Iterable, Mapping, Sequence
+from typing import Any
 
 from hybridrl.placement.memory import ModelShape
 

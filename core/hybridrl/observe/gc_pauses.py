@@ -11,8 +11,9 @@ from __future__ import annotations
 import gc
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 
 class GcPauseMeter:

@@ -15,8 +15,9 @@ carries the role, the phase, the device and what was in use, so the driver can a
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from hybridrl.errors import HybridRLError
 

@@ -87,7 +87,7 @@ def _total(rows: list[dict[str, Any]], key: str) -> float:
 def role_pools(config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, str]:
     """role -> pool as the run placed it: a role's ``pool``, else the first pool. A critic that the config
     left to the default sits with the actor when the run timed critic phases."""
-    pools = list((config.get("pools") or {"default": {}}))
+    pools = list(config.get("pools") or {"default": {}})
     roles = config.get("roles") or {}
     out: dict[str, str] = {}
     for role, rcfg in roles.items():
@@ -118,7 +118,7 @@ def device_time(config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str,
             driver[phase] = driver.get(phase, 0.0) + seconds
         for pool in pools:
             out.setdefault(pool, {})[phase] = seconds
-    for pool, spent in out.items():
+    for spent in out.values():
         spent[IDLE] = max(0.0, wall - sum(spent.values()))
     timed = sum(_total(rows, f"timing/{p}") for p in phases(rows))
     driver["untimed"] = max(0.0, wall - timed)

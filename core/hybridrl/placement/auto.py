@@ -27,9 +27,18 @@ from typing import Any
 from hybridrl.batch import ROLLOUT_LOG_PROBS
 from hybridrl.config import RunConfig
 from hybridrl.placement.host_memory import HOST_USABLE_SHARE, host_needs, host_problems
-from hybridrl.placement.memory import (GIB, OFFLOAD_MODES, MemoryEstimate, ModelShape, TrainSettings,
-                                       backend_hooks, estimate_memory, memory_models, role_context,
-                                       step_workload)
+from hybridrl.placement.memory import (
+    GIB,
+    OFFLOAD_MODES,
+    MemoryEstimate,
+    ModelShape,
+    TrainSettings,
+    backend_hooks,
+    estimate_memory,
+    memory_models,
+    role_context,
+    step_workload,
+)
 from hybridrl.placement.model_protocol import AutoChoice, Knobs
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.plugins.registry import Registry, RegistryError, load_object

@@ -15,15 +15,21 @@ phase (``memory/phase/<phase>/device_peak_mb``) by ``benchmarks/model_sizes.py``
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from hybridrl.errors import HybridRLError
 from hybridrl.config import RunConfig
+from hybridrl.errors import HybridRLError
 from hybridrl.placement.lora_memory import apply_lora, apply_lora_rollout
-from hybridrl.placement.model_protocol import OFFLOAD_MODES, RoleContext, RoleMemory, TrainSettings  # noqa: F401
-from hybridrl.placement.model_protocol import role_options  # noqa: F401  (its old home)
+from hybridrl.placement.model_protocol import (  # noqa: F401
+    OFFLOAD_MODES,
+    RoleContext,
+    RoleMemory,
+    TrainSettings,
+    role_options,  # noqa: F401  (its old home)
+)
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.roles import STEP_PHASES, phase_owner, role_spec
 from hybridrl.rollout.kv_budget import KVDemand

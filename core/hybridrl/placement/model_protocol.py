@@ -111,10 +111,10 @@ class RoleMemory:
 class RoleContext:
     """What a model is asked about: one role of ``cfg`` on ``world_size`` devices of ``pool``."""
 
-    cfg: "RunConfig"
+    cfg: RunConfig
     role: str
     pool: str
-    shape: "ModelShape"
+    shape: ModelShape
     world_size: int
     device: str  # "cuda" or "cpu"
     dtype_bytes: int  # the model's dtype (``model.dtype``)
@@ -134,7 +134,7 @@ class RoleContext:
         return role_options(self.cfg, self.role)
 
 
-def role_options(cfg: "RunConfig", role: str) -> dict[str, Any]:
+def role_options(cfg: RunConfig, role: str) -> dict[str, Any]:
     return dict(getattr(getattr(cfg.roles, role, None), "options", {}) or {})
 
 
@@ -146,13 +146,13 @@ class TrainMemoryModel(Protocol):
     #: by the ``fused_layer_kernels`` capability where installed); None when it offers none.
     fused_kernels: str | None
 
-    def settings(self, cfg: "RunConfig", role: str) -> TrainSettings:
+    def settings(self, cfg: RunConfig, role: str) -> TrainSettings:
         """The role's settings as the config gives them (an unresolved ``auto`` counts as off)."""
 
-    def knobs(self, cfg: "RunConfig", role: str) -> Knobs:
+    def knobs(self, cfg: RunConfig, role: str) -> Knobs:
         """Which settings are ``auto`` in the config and offered to the search."""
 
-    def candidates(self, cfg: "RunConfig", role: str, knobs: Knobs) -> list[TrainSettings]:
+    def candidates(self, cfg: RunConfig, role: str, knobs: Knobs) -> list[TrainSettings]:
         """The settings the search may try for ``knobs`` (head logits are decided after the search)."""
 
     def cost(self, ctx: RoleContext, settings: TrainSettings) -> float:
@@ -161,16 +161,16 @@ class TrainMemoryModel(Protocol):
     def role_memory(self, ctx: RoleContext, settings: TrainSettings) -> RoleMemory:
         """The bytes one device of the role holds with ``settings``."""
 
-    def option_problems(self, cfg: "RunConfig", role: str) -> list[tuple[str, str]]:
+    def option_problems(self, cfg: RunConfig, role: str) -> list[tuple[str, str]]:
         """``(key path, reason)`` for each value of a searched option that is not allowed."""
 
-    def choices(self, cfg: "RunConfig", role: str, knobs: Knobs, settings: TrainSettings | None, why: str
+    def choices(self, cfg: RunConfig, role: str, knobs: Knobs, settings: TrainSettings | None, why: str
                 ) -> tuple[dict[str, Any], dict[str, Any], list[AutoChoice]]:
         """The chosen settings as ``(role field updates, option updates, choices)``; ``why`` says why they
         were chosen (the search's reason with the pool's peak); with ``settings`` None, nothing could be planned
         (on a CPU, no device memory, no model config) and ``why`` says that."""
 
-    def advice(self, cfg: "RunConfig", mem: RoleMemory) -> str:
+    def advice(self, cfg: RunConfig, mem: RoleMemory) -> str:
         """What to change when the role holds the most of a device that does not fit."""
 
 
@@ -189,11 +189,11 @@ class RolloutMemoryModel(Protocol):
     def adapter_rank(self, rank: int) -> int | None:
         """The rank of the adapter slots it allocates for LoRA adapters of ``rank`` (None: it merges them)."""
 
-    def advice(self, cfg: "RunConfig", mem: RoleMemory) -> str:
+    def advice(self, cfg: RunConfig, mem: RoleMemory) -> str:
         """What to change when the rollout holds the most of a device that does not fit."""
 
 
-def token_budget_is_auto(cfg: "RunConfig", role: str) -> bool:
+def token_budget_is_auto(cfg: RunConfig, role: str) -> bool:
     """Neither the role (nor, for roles without one of their own, the actor) sets its micro-batch."""
     rcfg = getattr(cfg.roles, role)
     actor = cfg.roles.actor
@@ -206,7 +206,7 @@ def token_budget_is_auto(cfg: "RunConfig", role: str) -> bool:
             and actor_auto)
 
 
-def micro_batch_tokens(cfg: "RunConfig", role: str) -> tuple[float, float]:
+def micro_batch_tokens(cfg: RunConfig, role: str) -> tuple[float, float]:
     """(tokens, response tokens) of one micro-batch of ``role`` on one rank, at the longest sequence: the token
     budget when set, else the rows (the role's ``micro_batch``, else the actor's)."""
     micro_batch = _role_setting(cfg, role, "micro_batch")
@@ -219,7 +219,7 @@ def micro_batch_tokens(cfg: "RunConfig", role: str) -> tuple[float, float]:
     return float(mb * seq), float(mb * response)
 
 
-def _role_setting(cfg: "RunConfig", role: str, key: str) -> Any:
+def _role_setting(cfg: RunConfig, role: str, key: str) -> Any:
     value = getattr(getattr(cfg.roles, role, None), key, None)
     if value is None:
         value = getattr(cfg.roles.actor, key, None)

@@ -8,7 +8,7 @@ engine in the driver. A declared capability is a promise the kit checks; an unde
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from hybridrl.errors import HybridRLError
 

@@ -13,7 +13,7 @@ import importlib.metadata as md
 import logging
 import os
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 import pluggy
 
@@ -94,7 +94,7 @@ def build_registry(pm: pluggy.PluginManager) -> Registry:
     return registry
 
 
-@lru_cache(maxsize=None)
+@cache
 def get_registry(extra_modules: tuple[str, ...] = ()) -> Registry:
     """The process-wide registry (cached: entry points are read once per process); a plugin that failed to
     import is one warning line, here."""

@@ -11,9 +11,10 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as md
 import importlib.util
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Literal
 
 from packaging.requirements import Requirement
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hybridrl.errors import HybridRLError
 

@@ -5,7 +5,8 @@ reference answer finds one in every row, and a pool can receive the functions. E
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hybridrl.rewards.calling import RewardCall, describe_exception, is_number
 from hybridrl.rewards.rules import RuleSpec, needs_ground_truth
@@ -18,7 +19,6 @@ def probe_problems(spec: RuleSpec, first_rows: dict[Any, tuple[str, dict[str, An
     an empty response: it must not raise and must return a finite number. ``first_rows``: source (None: rows
     without one) -> ``(prompt, fields)``."""
     from hybridrl.plugins.registry import load_object
-
     from hybridrl.run.guarded_call import note
 
     problems: Problems = []

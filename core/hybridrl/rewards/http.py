@@ -19,10 +19,11 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
-from hybridrl.rewards.calling import checked_score, RewardFailure
+from hybridrl.rewards.calling import RewardFailure, checked_score
 from hybridrl.rewards.runner import Item, Outcome
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class HttpRewardClient:
         self.requests = 0  # POSTs sent, retries included
 
     @classmethod
-    def from_config(cls, reward_cfg: Any) -> "HttpRewardClient":
+    def from_config(cls, reward_cfg: Any) -> HttpRewardClient:
         h = reward_cfg.http
         return cls(reward_cfg.url, h.batch_size, h.retries, h.timeout_s, h.backoff_s, h.headers)
 
@@ -99,7 +100,7 @@ class HttpRewardClient:
             if exc.code >= 500 or exc.code == 429:
                 raise _Retryable(f"answered HTTP {exc.code} {detail}") from None
             raise RewardFailure(f"answered HTTP {exc.code} {detail}") from None
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             raise _Retryable(f"did not answer within {self.timeout_s:g}s (roles.reward.http.timeout_s)",
                              timeout=True) from None
         except urllib.error.URLError as exc:

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 
 @hookimpl
-def hybridrl_register_rewards(registry: "Registry") -> None:
+def hybridrl_register_rewards(registry: Registry) -> None:
     registry.add_reward("gsm8k", "hybridrl.rewards.math:gsm8k_reward")
     registry.add_reward("math", "hybridrl.rewards.math:math_reward")
     registry.add_reward("format", "hybridrl.rewards.math:format_reward")

@@ -9,8 +9,9 @@ config key and the function that failed.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from hybridrl.rewards.calling import RewardCall, RewardFailure, checked_score, describe_exception
 

@@ -25,9 +25,10 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Sequence
+from typing import Any
 
 from hybridrl.rewards.calling import RewardError, RewardFailure
 from hybridrl.rewards.rules import Rules, RuleSpec
@@ -128,7 +129,7 @@ class InlineRunner:
                 job.abandon()  # finished, past its deadline, or the run stops: it writes nothing more
         return [o if o is not None else Outcome(0.0, "not scored") for o in outcomes]
 
-    def _wait(self, job: "_InlineJob", items: Sequence[Item], outcomes: list[Outcome | None], observed: int,
+    def _wait(self, job: _InlineJob, items: Sequence[Item], outcomes: list[Outcome | None], observed: int,
               timeout_s: float) -> int:
         """Wait for ``job`` (started at ``observed``) until it finishes (returns the end) or a call passes its
         deadline (scored as timed out; returns the position after it)."""
@@ -277,7 +278,7 @@ class ProcessRunner:
         self.restarts = 0
 
     # --- lifecycle -------------------------------------------------------------------------------
-    def start(self) -> "ProcessRunner":
+    def start(self) -> ProcessRunner:
         """Wait until every worker has loaded the rewards (else the first batch pays for it)."""
         self.run([])
         return self

@@ -16,19 +16,28 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
-from hybridrl.run.atomic_dir import replaced_atomically
-from hybridrl.batch import (META, PROMPT_TEXT, RESPONSE_IDS, SCORES, Batch, last_positions, response_attention_mask,
-                            sequence_keys)
+from hybridrl.batch import (
+    META,
+    PROMPT_TEXT,
+    RESPONSE_IDS,
+    SCORES,
+    Batch,
+    last_positions,
+    response_attention_mask,
+    sequence_keys,
+)
 from hybridrl.rewards.calling import RewardError
 from hybridrl.rewards.rules import RuleSpec, Term
 from hybridrl.rewards.runner import InlineRunner, Item, Outcome, ProcessRunner, default_workers
 from hybridrl.rewards.streak import FailureStreak
+from hybridrl.run.atomic_dir import replaced_atomically
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ class FailureStreak:
         self.kind: str | None = None
         self.count = 0
 
-    def observe(self, outcome: "Outcome", who: str) -> None:
+    def observe(self, outcome: Outcome, who: str) -> None:
         """One call's outcome; ``who`` names the reward that made it (``roles.reward.fn 'name'``)."""
         kind = outcome.kind
         if kind is None:

@@ -8,12 +8,20 @@ vLLM or SGLang backend plugin.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from hybridrl.batch import (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch,
-                            distinct_prompts)
+from hybridrl.batch import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    Batch,
+    distinct_prompts,
+)
 from hybridrl.engines import EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
 from hybridrl.lora import MergedAdapters, is_adapter_name
 from hybridrl.rollout.common import eos_and_pad

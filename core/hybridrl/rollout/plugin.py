@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 
 @hookimpl
-def hybridrl_register_backends(registry: "Registry") -> None:
+def hybridrl_register_backends(registry: Registry) -> None:
     # Registered by import path: listing plugins never imports transformers' model code.
     registry.add_rollout("hf", "hybridrl.rollout.hf:HFRollout", process_family="any",
                          supports={"sleep", "named_weights", "lora_adapters"},

@@ -155,10 +155,10 @@ def actor_weights(state_dir: Path, backend: str, model_path: str, settings: dict
     alone, under peft's names)."""
     import torch.distributed as dist
 
-    from hybridrl.runtime.distributed import free_port, init_process_group
     from hybridrl.engines import EngineContext, TrainingOptions
     from hybridrl.plugins.discovery import get_registry
     from hybridrl.run.trusted_files import UntrustedFileError
+    from hybridrl.runtime.distributed import free_port, init_process_group
 
     engine_cls = get_registry().backend("train", backend).load()
     own_group = not dist.is_initialized()

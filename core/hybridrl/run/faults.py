@@ -12,9 +12,10 @@ import os
 import shutil
 import signal
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from hybridrl.errors import HybridRLError
 

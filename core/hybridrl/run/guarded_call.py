@@ -19,7 +19,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import signal
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _conn: Any = None  # the child's end of the pipe, while a guarded call runs in this process
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hybridrl.errors import HybridRLError
 from hybridrl.batch import Batch
+from hybridrl.errors import HybridRLError
 from hybridrl.runtime.group import PendingCall
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ def staleness_of(job: GenerationJob, actor_version: int, max_staleness: int) -> 
     return staleness
 
 
-def pipelining_problems(cfg: "RunConfig", plan: "PlacementPlan", greedy_baseline: bool) -> list[tuple[str, str]]:
+def pipelining_problems(cfg: RunConfig, plan: PlacementPlan, greedy_baseline: bool) -> list[tuple[str, str]]:
     """Why ``trainer.pipelined`` cannot run with this placement/algorithm (empty: it can)."""
     if not cfg.trainer.pipelined:
         return []

@@ -11,16 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.config import ConfigError, CriticConfig, RunConfig
-from hybridrl.run.checks import capability_problems, option_problems
-from hybridrl.weights.bridges import bridge_placement_problems
-from hybridrl.environments.checks import environment_problems, probe_problems as environment_probe_problems
-from hybridrl.run.lora_setup import lora_problems, resume_problems as lora_resume_problems, target_problems, with_lora
-from hybridrl.run.pipeline import pipelining_problems
+from hybridrl.environments.checks import environment_problems
+from hybridrl.environments.checks import probe_problems as environment_probe_problems
 from hybridrl.placement.plan import ClusterSpec, PlacementPlan, plan_placement, resolve_backends
 from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError
 from hybridrl.rewards.rules import RuleSpec
 from hybridrl.roles import trainable_roles
-
+from hybridrl.run.checks import capability_problems, option_problems
+from hybridrl.run.lora_setup import lora_problems, target_problems, with_lora
+from hybridrl.run.lora_setup import resume_problems as lora_resume_problems
+from hybridrl.run.pipeline import pipelining_problems
+from hybridrl.weights.bridges import bridge_placement_problems
 
 #: ``algorithm.tis_cap`` of a pipelined run that leaves it unset.
 DEFAULT_TIS_CAP = 2.0
@@ -277,12 +278,13 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
     the data (``hybridrl.rewards.checks``). Nothing is written into
     ``trainer.out`` before all of them have passed; then a previous run is moved aside (``overwrite``, the
     CLI's ``--overwrite``) and the tiny models are built."""
-    from hybridrl.run import checks as run_checks
-    from hybridrl.run.run_folder import move_aside, plan_run_folder
-    from hybridrl.run.run_lock import RunLocked, acquire as acquire_run_lock
     from hybridrl.data.loading import DataError, load_rows, tokenize_rows
     from hybridrl.rewards.checks import run_problems as reward_run_problems
     from hybridrl.rewards.rules import build_spec
+    from hybridrl.run import checks as run_checks
+    from hybridrl.run.run_folder import move_aside, plan_run_folder
+    from hybridrl.run.run_lock import RunLocked
+    from hybridrl.run.run_lock import acquire as acquire_run_lock
     from hybridrl.run.validation import validation_problems
 
     backends, plan, problems = check_config(cfg, registry, cluster)
@@ -366,8 +368,15 @@ def resolve_run_auto(cfg: RunConfig, plan: PlacementPlan, registry: Registry, ba
     is added to the printed device map, and the estimate kept with the plan (an out-of-memory answer quotes it)."""
     from hybridrl.placement.auto import resolve_auto
     from hybridrl.placement.host_memory import host_memory_bytes
-    from hybridrl.placement.memory import (GIB, MemoryEstimateError, device_memory_bytes, local_device_memory_bytes,
-                                           model_shape, model_shapes_by_role, render_memory)
+    from hybridrl.placement.memory import (
+        GIB,
+        MemoryEstimateError,
+        device_memory_bytes,
+        local_device_memory_bytes,
+        model_shape,
+        model_shapes_by_role,
+        render_memory,
+    )
 
     device = plan.cluster.device
     declared = declared_memory_gib if declared_memory_gib is not None else cfg.cluster.device_memory_gb

@@ -10,8 +10,6 @@ gone, and is taken over (said in one line). ``hybridrl export`` only looks (``ho
 
 from __future__ import annotations
 
-from hybridrl.errors import HybridRLError
-
 import errno
 import fcntl
 import json
@@ -20,6 +18,8 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from hybridrl.errors import HybridRLError
 
 LOCK_FILE = ".lock"
 

@@ -11,9 +11,10 @@ normal weight sync. ``Checkpointer`` writes and reads them (the layout is ``hybr
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.roles import trainable_roles

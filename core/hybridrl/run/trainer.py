@@ -13,9 +13,10 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -23,11 +24,33 @@ from hybridrl.algorithms.advantages import AdvantageInputs
 from hybridrl.algorithms.kl_control import build_kl_controller
 from hybridrl.algorithms.objective import PolicyObjective, ValueObjective, resolve_algorithm
 from hybridrl.algorithms.overlong import soft_overlong_penalty, truncated_rows
-from hybridrl.batch import (ADVANTAGES, BASELINE_SCORES, GROUP_INDEX, LOG_PROBS, MESSAGES, META, OLD_LOG_PROBS,
-                            PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, REF_LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK,
-                            RESPONSE_TEXT, RETURNS, ROLLOUT_LOG_PROBS, SCORES, TOKEN_REWARDS, TRUNCATED, VALUES,
-                            Batch,
-                            first_row_of_each_group, left_pad, response_attention_mask, sequence_keys)
+from hybridrl.batch import (
+    ADVANTAGES,
+    BASELINE_SCORES,
+    GROUP_INDEX,
+    LOG_PROBS,
+    MESSAGES,
+    META,
+    OLD_LOG_PROBS,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    PROMPT_TEXT,
+    REF_LOG_PROBS,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    RESPONSE_TEXT,
+    RETURNS,
+    ROLLOUT_LOG_PROBS,
+    SCORES,
+    TOKEN_REWARDS,
+    TRUNCATED,
+    VALUES,
+    Batch,
+    first_row_of_each_group,
+    left_pad,
+    response_attention_mask,
+    sequence_keys,
+)
 from hybridrl.config.secrets import redacted
 from hybridrl.engines import SamplingParams
 from hybridrl.environments.driver import Episodes
@@ -37,16 +60,16 @@ from hybridrl.observe.memory import peak_memory_metrics
 from hybridrl.observe.timing import PhaseTimer
 from hybridrl.observe.tracking import build_trackers
 from hybridrl.rewards.scorer import RewardScorer, on_last_token
-from hybridrl.rollout.identical_groups import IdenticalGroupsWarning, identical_groups_metrics
-from hybridrl.run.validation import Validator
 from hybridrl.roles import role_spec
+from hybridrl.rollout.identical_groups import IdenticalGroupsWarning, identical_groups_metrics
 from hybridrl.run import checkpoint as ckpt
 from hybridrl.run.dynamic_sampling import GroupFilter, merge_batch_metrics
-from hybridrl.run.pipeline import GenerationJob, needs_sync, staleness_of
-from hybridrl.run.preflight import RunSetup
 from hybridrl.run.faults import signal_name
 from hybridrl.run.file_modes import open_private, private_dir, write_config, write_private
+from hybridrl.run.pipeline import GenerationJob, needs_sync, staleness_of
+from hybridrl.run.preflight import RunSetup
 from hybridrl.run.state import Checkpointer, StepGuard, trained_roles
+from hybridrl.run.validation import Validator
 from hybridrl.runtime.deadline import CallDeadline
 from hybridrl.runtime.group import Result, WorkerGroup, average_metrics, unique_groups
 from hybridrl.runtime.launch import build_engines, role_options, start_worker_groups

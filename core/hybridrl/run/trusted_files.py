@@ -11,8 +11,6 @@ builds nothing outside a short list. Anything else is refused with its path, in 
 
 from __future__ import annotations
 
-from hybridrl.errors import HybridRLError
-
 import io
 import pickle
 import zipfile
@@ -20,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from hybridrl.errors import HybridRLError
 
 #: DCP writes its index as a plain pickle of these (and of torch dtypes, which are constants, not callables).
 _DCP_METADATA = ".metadata"

@@ -155,7 +155,7 @@ def address_problem(address: str, timeout_s: float = ADDRESS_TIMEOUT_S) -> str |
             return None
     except socket.gaierror:
         why = f"the host '{host}' does not resolve"
-    except socket.timeout:
+    except TimeoutError:
         why = f"nothing answered on port {port} within {timeout_s:.0f}s"
     except OSError as exc:
         why = (exc.strerror or str(exc)).lower()

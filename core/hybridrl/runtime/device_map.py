@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hybridrl.runtime.group import WorkerGroup
@@ -48,7 +49,7 @@ def this_worker_location() -> WorkerLocation:
     return WorkerLocation(context.get_node_id(), ray.util.get_node_ip_address(), gpus, os.getpid())
 
 
-def map_rows(groups: Iterable["WorkerGroup"]) -> list[dict[str, Any]]:
+def map_rows(groups: Iterable[WorkerGroup]) -> list[dict[str, Any]]:
     """One row per rank of every group: the plan's device and where the rank runs."""
     rows = []
     for group in groups:
@@ -58,7 +59,7 @@ def map_rows(groups: Iterable["WorkerGroup"]) -> list[dict[str, Any]]:
     return rows
 
 
-def render_device_map(groups: Iterable["WorkerGroup"]) -> str:
+def render_device_map(groups: Iterable[WorkerGroup]) -> str:
     """The map as lines, consecutive ranks of a group on one node joined (``ranks 0-7``)."""
     lines = ["device map (where Ray placed each rank):"]
     for group in groups:
@@ -80,13 +81,13 @@ def render_device_map(groups: Iterable["WorkerGroup"]) -> str:
 DEVICE_MAP_FILE = "device_map.json"
 
 
-def write_device_map(out: str | Path, groups: Iterable["WorkerGroup"]) -> Path:
+def write_device_map(out: str | Path, groups: Iterable[WorkerGroup]) -> Path:
     path = Path(out) / DEVICE_MAP_FILE
     path.write_text(json.dumps(map_rows(groups), indent=2))
     return path
 
 
-def lost_node_ranks(groups: Iterable["WorkerGroup"], node_ids: set[str]) -> list[tuple["WorkerGroup", int]]:
+def lost_node_ranks(groups: Iterable[WorkerGroup], node_ids: set[str]) -> list[tuple[WorkerGroup, int]]:
     """``(group, rank)`` of every rank that ran on one of ``node_ids``."""
     return [(g, r) for g in groups for r, loc in enumerate(g.locations) if loc.node_id in node_ids]
 
@@ -98,7 +99,7 @@ def lost_node_ranks(groups: Iterable["WorkerGroup"], node_ids: set[str]) -> list
 NODE_DEATH_WAIT_S = 30.0
 
 
-def dead_nodes(groups: Iterable["WorkerGroup"], wait_s: float = 0.0) -> set[str]:
+def dead_nodes(groups: Iterable[WorkerGroup], wait_s: float = 0.0) -> set[str]:
     """The ids of the nodes that ran a rank of ``groups`` and that Ray no longer counts alive; waits up to
     ``wait_s`` for one to be declared dead (a raylet that vanished is noticed only by missed health checks)."""
     import time
@@ -118,7 +119,7 @@ def dead_nodes(groups: Iterable["WorkerGroup"], wait_s: float = 0.0) -> set[str]
         time.sleep(0.5)
 
 
-def describe_lost_nodes(groups: Iterable["WorkerGroup"], node_ids: set[str]) -> str:
+def describe_lost_nodes(groups: Iterable[WorkerGroup], node_ids: set[str]) -> str:
     """'node 10.0.0.2 [node 1a2b3c4d] was lost, with role actor+ref (pool 'main') ranks 1, 3 of 4': every
     rank that ran on the lost nodes, by group, so that the user knows what to replace or shrink."""
     groups = list(groups)

@@ -9,7 +9,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-
 #: seconds a collective (or a rendezvous) may wait for its peers before it fails: a peer that died or hangs
 #: ends the run with an error instead of a hang. Every group of the run is made with it.
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("HYBRIDRL_COLLECTIVE_TIMEOUT_S", "600"))

@@ -6,9 +6,9 @@ import logging
 import os
 from typing import Any
 
-from hybridrl.errors import HybridRLError
 from hybridrl.config import RunConfig
 from hybridrl.engines import TrainingOptions
+from hybridrl.errors import HybridRLError
 from hybridrl.lora import LoraSpec, reference_is_actor_base
 from hybridrl.placement.plan import STRICT_PACK, PlacementPlan, PoolPlacement
 from hybridrl.roles import role_spec

@@ -14,10 +14,6 @@ from typing import Any
 
 import torch
 
-from hybridrl.weights.bridges import sync_buckets, sync_in_process
-from hybridrl.weights.channel import WeightChannel, bucket_specs
-from hybridrl.runtime.device_map import WorkerLocation, this_worker_location
-from hybridrl.runtime.distributed import init_process_group, node_ip, reserve_port
 from hybridrl.engines import DataParallelInfo, EngineContext, RolloutEngine, TrainEngine
 from hybridrl.observe.console import quiet_library_bars
 from hybridrl.observe.gc_pauses import GcPauseMeter
@@ -25,6 +21,10 @@ from hybridrl.observe.memory import DeviceMemoryMeter
 from hybridrl.observe.profile import CallProfiler
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.roles import role_spec
+from hybridrl.runtime.device_map import WorkerLocation, this_worker_location
+from hybridrl.runtime.distributed import init_process_group, node_ip, reserve_port
+from hybridrl.weights.bridges import sync_buckets, sync_in_process
+from hybridrl.weights.channel import WeightChannel, bucket_specs
 
 
 class RoleWorker:

@@ -13,13 +13,13 @@ if TYPE_CHECKING:
 
 
 @hookimpl
-def hybridrl_register_rewards(registry: "Registry") -> None:
+def hybridrl_register_rewards(registry: Registry) -> None:
     registry.add_reward("reverse", "hybridrl.tasks.reverse:reverse_reward")
     registry.add_reward("reasoning_gym", "hybridrl.tasks.reasoning_gym:reasoning_gym_reward")
 
 
 @hookimpl
-def hybridrl_register_datasets(registry: "Registry") -> None:
+def hybridrl_register_datasets(registry: Registry) -> None:
     registry.add_dataset("reverse", "hybridrl.tasks.reverse:make_reverse_rows")
     registry.add_dataset("arithmetic", "hybridrl.tasks.arithmetic:make_arithmetic_rows")
     registry.add_dataset("reasoning_gym", "hybridrl.tasks.reasoning_gym:make_reasoning_gym_rows")
@@ -27,6 +27,6 @@ def hybridrl_register_datasets(registry: "Registry") -> None:
 
 
 @hookimpl
-def hybridrl_register_environments(registry: "Registry") -> None:
+def hybridrl_register_environments(registry: Registry) -> None:
     registry.add_environment("calc", "hybridrl.tasks.calc:CalcEnvironment")
     registry.add_tool_parser("arith", "hybridrl.tasks.calc:arith")

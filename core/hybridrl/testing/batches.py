@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from hybridrl.batch import (ADVANTAGES, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch,
-                            left_pad, right_pad)
+from hybridrl.batch import (
+    ADVANTAGES,
+    LOG_PROBS,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    Batch,
+    left_pad,
+    right_pad,
+)
 from hybridrl.engines import LossScale
 
 #: ids below this are the character tokenizer's specials (pad, eos, bos): random sequences avoid them.

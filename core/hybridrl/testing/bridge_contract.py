@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.weights.bridges import VIEW_BUCKET_BYTES, sync_in_process
 from hybridrl.engines import SamplingParams
 from hybridrl.testing import backends
 from hybridrl.testing.batches import PolicyGradientLoss, prompt_batch, sequence_batch
@@ -21,6 +20,7 @@ from hybridrl.testing.fixtures import KitBase, cli_device, free_device_memory
 from hybridrl.testing.models import KIT_WIDTH, KitModels
 from hybridrl.testing.reference import ReferenceModel
 from hybridrl.testing.train_contract import exported, weight_problems
+from hybridrl.weights.bridges import VIEW_BUCKET_BYTES, sync_in_process
 
 SYNC = "rollout weights after sync_in_process differ from the trainer's"
 BUCKETS = ("sync_in_process must stream the weights in buckets of about bucket_bytes (one at a time in memory), "

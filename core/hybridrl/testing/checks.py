@@ -6,7 +6,7 @@ every bad row at once; ``violated`` turns them into a test failure that names th
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ import torch
 from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.engines import SamplingParams
 from hybridrl.testing.reference import ReferenceModel, near_support_edge, sampling_log_probs
+
 
 def violated(backend: str, contract: str, problems: Sequence[str]) -> None:
     """Fail the test with ``<backend>: <contract>`` and every problem, one per line (the kit's models are tiny:

@@ -25,14 +25,26 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pytest
 import torch
 
-from hybridrl.batch import (META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RESPONSE_ATTENTION_MASK, RESPONSE_IDS,
-                            RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch, left_pad, right_pad)
+from hybridrl.batch import (
+    META,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    PROMPT_TEXT,
+    RESPONSE_ATTENTION_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    Batch,
+    left_pad,
+    right_pad,
+)
 from hybridrl.engines import EngineContext, GeneratedTokens, RolloutEngine, SamplingParams, WeightBucket
 from hybridrl.environments.spec import EnvironmentSpec
 from hybridrl.environments.trajectory import ENV_METRICS, ENV_REWARD, NUM_TURNS, REWARD_PARTS, TRUNCATED

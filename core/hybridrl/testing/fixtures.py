@@ -5,8 +5,9 @@ that release what they built."""
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch

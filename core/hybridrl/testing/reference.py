@@ -10,9 +10,9 @@ temperature, then top-k and top-p, renormalised; greedy: the log-softmax of the 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 

@@ -8,8 +8,9 @@ log-prob-free requests in flight together, so that requests that leak into each 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

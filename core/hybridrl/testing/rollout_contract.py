@@ -7,9 +7,10 @@ transformers forward pass (``hybridrl.testing.reference``). A failure names the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch

@@ -8,15 +8,27 @@ checkpoint and with a transformers forward pass.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
-from hybridrl.batch import (ADVANTAGES, ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS,
-                            RESPONSE_MASK, SCORES, VALUES, Batch)
-from hybridrl.batch import left_pad, right_pad
+from hybridrl.batch import (
+    ADVANTAGES,
+    ENTROPY,
+    LOG_PROBS,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    SCORES,
+    VALUES,
+    Batch,
+    left_pad,
+    right_pad,
+)
 from hybridrl.testing import backends
 from hybridrl.testing.batches import FIRST_PLAIN_ID, PolicyGradientLoss, policy_gradient_loss, rows, sequence_batch
 from hybridrl.testing.checks import check, violated

@@ -33,7 +33,7 @@ class ToolResult:
     timed_out: bool = False
 
     @classmethod
-    def failure(cls, message: str, timed_out: bool = False) -> "ToolResult":
+    def failure(cls, message: str, timed_out: bool = False) -> ToolResult:
         return cls(message, error=True, timed_out=timed_out)
 
 

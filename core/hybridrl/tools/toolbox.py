@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hybridrl.tools.base import Tool, ToolCall, ToolResult
 
@@ -27,7 +28,7 @@ class ToolBox:
 
     @classmethod
     def build(cls, registry: Any, names: Sequence[str], options: Mapping[str, Mapping[str, Any]] | None = None,
-              deadline_s: float = DEFAULT_DEADLINE_S) -> "ToolBox":
+              deadline_s: float = DEFAULT_DEADLINE_S) -> ToolBox:
         """``registry.get("tool", name)(**options[name])`` for each name (``environment.tools`` and
         ``environment.tool_options``)."""
         options = dict(options or {})

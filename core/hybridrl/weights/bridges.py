@@ -10,8 +10,9 @@ faster bridge for a specific backend pair through ``registry.add_bridge``.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from hybridrl import hookimpl
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 VIEW_BUCKET_BYTES = 512 * 2**20
 
 
-def sync_in_process(trainer: "TrainEngine", rollout: "RolloutEngine", bucket_bytes: int,
+def sync_in_process(trainer: TrainEngine, rollout: RolloutEngine, bucket_bytes: int,
                     views_in_large_buckets: bool = True) -> dict[str, float]:
     """Stream buckets from ``trainer.export_weights`` into ``rollout.import_weights`` (one bucket in memory
     at a time beyond the two models). When the exporter hands views of its live weights and the importer
@@ -52,7 +53,7 @@ def sync_in_process(trainer: "TrainEngine", rollout: "RolloutEngine", bucket_byt
 _TENSOR, _NBYTES = itemgetter(1), attrgetter("nbytes")
 
 
-def sync_buckets(trainer: "TrainEngine", bucket_bytes: int, transient: bool = True) -> Iterator[WeightBucket]:
+def sync_buckets(trainer: TrainEngine, bucket_bytes: int, transient: bool = True) -> Iterator[WeightBucket]:
     """What a weight sync sends: a LoRA actor whose rollout serves adapters (``ctx.lora.sync == 'adapter'``) its
     adapters alone (``export_adapter``), any other trainer its full weights (``export_weights_transient`` for an
     importer that copies each bucket before the next is made, ``export_weights`` otherwise)."""
@@ -62,7 +63,7 @@ def sync_buckets(trainer: "TrainEngine", bucket_bytes: int, transient: bool = Tr
     return trainer.export_weights_transient(bucket_bytes) if transient else trainer.export_weights(bucket_bytes)
 
 
-def _views_in_place(trainer: "TrainEngine", rollout: "RolloutEngine") -> bool:
+def _views_in_place(trainer: TrainEngine, rollout: RolloutEngine) -> bool:
     """Both sides of the contract's defaults say no; an engine that hands views (or copies straight in) says
     so at the time of the sync (the vLLM importer only once its copy plan is learnt)."""
     return trainer.transient_export_holds_views() and rollout.imports_without_staging()
@@ -71,7 +72,7 @@ def _views_in_place(trainer: "TrainEngine", rollout: "RolloutEngine") -> bool:
 class InProcessBridge:
     """Both roles in the same worker processes: each worker moves its own weights."""
 
-    def sync(self, trainer: "WorkerGroup", trainer_role: str, rollout: "WorkerGroup", rollout_role: str,
+    def sync(self, trainer: WorkerGroup, trainer_role: str, rollout: WorkerGroup, rollout_role: str,
              bucket_bytes: int) -> dict[str, float]:
         stats = trainer.call_all("sync_in_process", trainer_role, rollout_role, bucket_bytes)
         return dict(stats[0])  # rank 0's figures (bytes, buckets, seconds and the engine's own import_stats)
@@ -81,7 +82,7 @@ class ObjectStoreBridge:
     """Roles in different processes: the exporting trainer rank's buckets go through Ray's object store
     to every rollout rank. The general fallback; a collective broadcast is faster on real networks."""
 
-    def sync(self, trainer: "WorkerGroup", trainer_role: str, rollout: "WorkerGroup", rollout_role: str,
+    def sync(self, trainer: WorkerGroup, trainer_role: str, rollout: WorkerGroup, rollout_role: str,
              bucket_bytes: int) -> dict[str, float]:
         import ray
 
@@ -101,7 +102,7 @@ class BroadcastBridge:
     def __init__(self) -> None:
         self.specs: list | None = None
 
-    def _open(self, trainer: "WorkerGroup", trainer_role: str, rollout: "WorkerGroup", bucket_bytes: int) -> None:
+    def _open(self, trainer: WorkerGroup, trainer_role: str, rollout: WorkerGroup, bucket_bytes: int) -> None:
         from hybridrl.runtime.deadline import Waited, wait_all
 
         manifests = trainer.call_all("weight_manifest", trainer_role, bucket_bytes)
@@ -117,7 +118,7 @@ class BroadcastBridge:
                                    for i, w in enumerate(rollout.workers)], "open_weight_channel")],
                  trainer.deadline)
 
-    def sync(self, trainer: "WorkerGroup", trainer_role: str, rollout: "WorkerGroup", rollout_role: str,
+    def sync(self, trainer: WorkerGroup, trainer_role: str, rollout: WorkerGroup, rollout_role: str,
              bucket_bytes: int) -> dict[str, float]:
         from hybridrl.runtime.deadline import Waited, wait_all
 
@@ -140,7 +141,7 @@ def transport_for(same_process: bool, colocated: bool = False, device: str = "cp
     return "broadcast"
 
 
-def resolve_transport(setting: str, plan: "PlacementPlan") -> str:
+def resolve_transport(setting: str, plan: PlacementPlan) -> str:
     """``roles.rollout.weight_transport`` as the run uses it: ``auto`` follows the placement (``transport_for``)."""
     if setting != "auto":
         return setting
@@ -148,7 +149,7 @@ def resolve_transport(setting: str, plan: "PlacementPlan") -> str:
                          plan.cluster.device)
 
 
-def bridge_placement_problems(cfg: Any, plan: "PlacementPlan", registry: Any) -> list[tuple[str, str]]:
+def bridge_placement_problems(cfg: Any, plan: PlacementPlan, registry: Any) -> list[tuple[str, str]]:
     """The bridge the run would use, refused where the placement puts its two sides farther apart than it
     reaches (``BridgeEntry.scope``): an in-process bridge between two processes, a node-local one (CUDA IPC,
     shared memory) between pools, which are placement groups of their own that Ray may put on other machines."""

@@ -4,8 +4,8 @@ bucket-sized buffer, never a second copy of the model."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 

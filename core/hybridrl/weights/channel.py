@@ -8,8 +8,8 @@ rank and the rollout ranks live in different pools, so the bridge opens a separa
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist

@@ -32,7 +32,7 @@ class SyncCheck:
     tie_tolerance: float = 0.05  # logit gap under which another token is an acceptable argmax (``for_dtype``)
 
     @classmethod
-    def for_dtype(cls, every: int, dtype: str) -> "SyncCheck":
+    def for_dtype(cls, every: int, dtype: str) -> SyncCheck:
         """16-bit models get a wider near-tie: bfloat16 logits of magnitude 16-32 are 0.125 apart, and on the
         H200 gaps of one such step (0.0625 at magnitude 8-16) were seen between vLLM/SGLang and the FSDP actor
         holding the same weights; wrong weights put the rollout's tokens whole units below the argmax."""

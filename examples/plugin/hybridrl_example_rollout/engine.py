@@ -7,7 +7,8 @@ real backend would wrap an inference engine (vLLM, SGLang ...) behind the same f
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -12,8 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridrl.placement.model_protocol import (AutoChoice, Knobs, RoleContext, RoleMemory, TrainSettings,
-                                               micro_batch_tokens, step_cost, token_budget_is_auto)
+from hybridrl.placement.model_protocol import (
+    AutoChoice,
+    Knobs,
+    RoleContext,
+    RoleMemory,
+    TrainSettings,
+    micro_batch_tokens,
+    step_cost,
+    token_budget_is_auto,
+)
 
 #: micro-batches (rows) the search may try, largest first.
 ROWS = (64, 32, 16, 8, 4, 2, 1)

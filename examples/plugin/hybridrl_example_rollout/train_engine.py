@@ -8,8 +8,9 @@ with ``max_ranks=1``: a pool of two or more devices for it is refused before any
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import inspect
 import math
-from pathlib import Path
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,26 +32,29 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hybridrl.batch import (ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, SCORES, VALUES, Batch,
-                            sequence_tensors)
-from hybridrl.runtime.distributed import all_reduce_sum
-from hybridrl.engine_support import (WeightedMean, check_same_count, engine_device, raise_if_counts_differ,
-                                     require_process_group, sampling_temperature)
+from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, SCORES, VALUES, Batch, sequence_tensors
+from hybridrl.engine_support import (
+    WeightedMean,
+    check_same_count,
+    engine_device,
+    raise_if_counts_differ,
+    require_process_group,
+    sampling_temperature,
+)
 from hybridrl.engines import EngineContext, LossScale, Objective, TrainEngine, TrainingOptions, WeightBucket
-from hybridrl.weights.sync_check import GREEDY_MARGIN, greedy_margins
-from hybridrl.weights.buckets import group_into_buckets
 from hybridrl.roles import role_spec
-
+from hybridrl.runtime.distributed import all_reduce_sum
+from hybridrl.weights.buckets import group_into_buckets
+from hybridrl.weights.sync_check import GREEDY_MARGIN, greedy_margins
+from hybridrl_fsdp import layer_kernels, varlen_attention
 from hybridrl_fsdp.fused_head import install_log_prob_head
+from hybridrl_fsdp.logprobs import chunked_log_probs
 from hybridrl_fsdp.lora import Adapters
 from hybridrl_fsdp.memory import OPTIMIZER_GROUP_BYTES
-from hybridrl_fsdp.logprobs import chunked_log_probs
-from hybridrl_fsdp.settings import FSDPSettings
 from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter_rows
-from hybridrl_fsdp.offload import HostCopy, OffloadPolicy, optimizer_state_tensors, \
-    step_group_by_group
+from hybridrl_fsdp.offload import HostCopy, OffloadPolicy, optimizer_state_tensors, step_group_by_group
 from hybridrl_fsdp.packing import PackedRows
-from hybridrl_fsdp import layer_kernels, varlen_attention
+from hybridrl_fsdp.settings import FSDPSettings
 
 #: the per-micro-batch tensors the LM head can hand to an objective.
 SUPPORTED_OUTPUTS = frozenset({LOG_PROBS, ENTROPY})

@@ -27,9 +27,9 @@ weight, and its gradient reaches the weight (tied to the embedding or not) like 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import nn

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import torch
@@ -60,7 +60,7 @@ def chunk_grad_(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, e
     return logits
 
 
-@lru_cache(maxsize=None)
+@cache
 def kernels() -> tuple[Any, Any]:
     """``(stats, grad)``, the two Triton kernels of ``_head_triton`` (imported once; after ``cache_clear`` the
     module is imported again, so a changed ``TRITON_INTERPRET`` takes effect)."""

@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

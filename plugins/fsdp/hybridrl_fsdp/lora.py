@@ -19,8 +19,9 @@ Checkpoints hold the adapters and their optimizer state only (``trainable_state`
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn

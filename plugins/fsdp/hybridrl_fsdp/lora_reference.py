@@ -10,13 +10,13 @@ inside ``Adapters.disabled()``.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from hybridrl.batch import Batch
 from hybridrl.engines import EngineContext, TrainEngine, WeightBucket
 from hybridrl.weights.buckets import group_into_buckets
-
 from hybridrl_fsdp.engine import FSDPEngine, _full_copy, _persistent_buffers
+
 
 class LoraReference(FSDPEngine):
     """The base of a LoRA actor's engine, with the adapters disabled (see the module docstring)."""

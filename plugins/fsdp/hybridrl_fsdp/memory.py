@@ -18,9 +18,19 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from hybridrl.placement.model_protocol import (AUTO, OFFLOAD_MODES, AutoChoice, Knobs, RoleContext, RoleMemory,
-                                               TrainSettings, micro_batch_tokens, role_options, step_cost,
-                                               token_budget_is_auto)
+from hybridrl.placement.model_protocol import (
+    AUTO,
+    OFFLOAD_MODES,
+    AutoChoice,
+    Knobs,
+    RoleContext,
+    RoleMemory,
+    TrainSettings,
+    micro_batch_tokens,
+    role_options,
+    step_cost,
+    token_budget_is_auto,
+)
 from hybridrl.roles import role_spec
 
 #: bytes of fp32 parameters per AdamW param group: foreach's temporaries (a copy of the group's second moments)

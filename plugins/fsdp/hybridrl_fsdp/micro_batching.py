@@ -19,13 +19,12 @@ with fewer bins splits its largest ones until it has as many as the rank with th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, response_attention_mask
-
 from hybridrl_fsdp.packing import PackedRows, pack_rows, prompt_groups
 
 PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK)
@@ -41,7 +40,7 @@ class MicroBatch:
     response_width: int
     packed: PackedRows | None = None
 
-    def to(self, device: torch.device | str) -> "MicroBatch":
+    def to(self, device: torch.device | str) -> MicroBatch:
         packed = self.packed.to(device) if self.packed is not None else None
         return MicroBatch(self.batch.to(device), self.index, self.response_width, packed)
 

@@ -18,8 +18,8 @@ its update and the weight export that follows it).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -128,7 +128,7 @@ class OffloadPolicy:
 
     @classmethod
     def build(cls, mode: str, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None,
-              optimizer_groups: list[HostCopy] | None = None) -> "OffloadPolicy":
+              optimizer_groups: list[HostCopy] | None = None) -> OffloadPolicy:
         """The copies for ``mode`` over the engine's parameters and its optimizer's state (which must exist:
         the engine creates it at start; ``optimizer_groups``: copies already made, one per param group).
         Nothing is moved here."""

@@ -25,8 +25,15 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch, distinct_prompts,
-                            response_attention_mask)
+from hybridrl.batch import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    Batch,
+    distinct_prompts,
+    response_attention_mask,
+)
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,7 @@ class SharedPrompts:
     response_max_q: int
     response_max_k: int
 
-    def to(self, device: torch.device | str) -> "SharedPrompts":
+    def to(self, device: torch.device | str) -> SharedPrompts:
         return SharedPrompts(**{f.name: _moved(getattr(self, f.name), device) for f in fields(self)})
 
 
@@ -77,7 +84,7 @@ class PackedRows:
     def tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def to(self, device: torch.device | str) -> "PackedRows":
+    def to(self, device: torch.device | str) -> PackedRows:
         """The same rows with every tensor on ``device`` (copied from pinned memory without blocking on CUDA)."""
         return PackedRows(**{f.name: _moved(getattr(self, f.name), device) for f in fields(self)})
 

@@ -8,11 +8,11 @@ Engine-free: importing it loads no torch.distributed or transformers code.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 from hybridrl.roles import role_spec
-
 from hybridrl_fsdp.layer_kernels import CHOICES as FUSED_KERNEL_CHOICES
 from hybridrl_fsdp.offload import MODES as OFFLOAD_MODES
 
@@ -44,7 +44,7 @@ class FSDPSettings:
     head_logits: str = "auto"  # the fused head keeps its logits for the backward or recomputes them (HEAD_LOGITS)
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> "FSDPSettings":
+    def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> FSDPSettings:
         problems = option_problems(role, options)
         if problems:
             raise ValueError("; ".join(f"options.{key}: {reason}" for key, reason in problems))

@@ -51,7 +51,7 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> "ValueModel":
+    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> ValueModel:
         """Backbone from ``path`` (a causal LM or a saved ``ValueModel``); the head from
         ``value_head.safetensors`` when present, else freshly initialised (from the global torch seed)."""
         from transformers import AutoModel
@@ -107,7 +107,7 @@ class SequenceScorer(nn.Module):
         self.config = model.config
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> "SequenceScorer":
+    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> SequenceScorer:
         from transformers import AutoModelForSequenceClassification
 
         model = _quiet_from_pretrained(AutoModelForSequenceClassification, str(path), num_labels=1, **kwargs)

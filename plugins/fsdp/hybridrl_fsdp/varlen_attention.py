@@ -26,8 +26,9 @@ vLLM's bundled ``vllm_flash_attn`` is not used: it is built for inference (forwa
 from __future__ import annotations
 
 import importlib.util
-from functools import lru_cache
-from typing import Any, Callable
+from collections.abc import Callable
+from functools import cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,7 @@ def implementation_name(kernel: str) -> str:
     return PREFIX if kernel == "auto" else f"{PREFIX}_{kernel.replace('flash', 'fa')}"
 
 
-@lru_cache(maxsize=None)
+@cache
 def register() -> None:
     """Register every kernel with transformers (once per process)."""
     from transformers import AttentionInterface
@@ -149,12 +150,12 @@ def choose_kernel(kernel: str, q: torch.Tensor) -> str:
     return kernel
 
 
-@lru_cache(maxsize=None)
+@cache
 def _flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _torch_flash_available(device: torch.device) -> bool:
     return (torch.backends.cuda.is_flash_attention_available()
             and torch.cuda.get_device_capability(device)[0] >= 8)

@@ -558,7 +558,7 @@ def print_table(results: dict, tol: dict) -> None:
     print(" ".join(format(h, f) for h, _, f in cols))
     for name, e in results.items():
         cells = []
-        for h, key, f in cols:
+        for _h, key, f in cols:
             v = name if key is None else e.get(key)
             if isinstance(v, float) and key in ("build_s", "logprob_s", "step_s", "export_s", "peak_mem_gib"):
                 s = f"{v:.2f}"

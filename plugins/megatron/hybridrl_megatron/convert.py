@@ -31,9 +31,10 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -82,7 +83,7 @@ class ModelSpec:
         return asdict(self)
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> "ModelSpec":
+    def from_hf_config(cls, config: Mapping[str, Any]) -> ModelSpec:
         """Read a ``config.json`` dict (or ``PretrainedConfig.to_dict()``); unsupported features raise."""
         family = config.get("model_type")
         if family not in SUPPORTED_FAMILIES:

@@ -22,20 +22,25 @@ from __future__ import annotations
 import functools
 import json
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, VALUES, Batch, sequence_tensors
-from hybridrl.engine_support import (WeightedMean, check_same_count, engine_device, require_process_group,
-                                     sampling_temperature)
+from hybridrl.engine_support import (
+    WeightedMean,
+    check_same_count,
+    engine_device,
+    require_process_group,
+    sampling_temperature,
+)
 from hybridrl.engines import DataParallelInfo, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
-from hybridrl.weights.sync_check import GREEDY_MARGIN
 from hybridrl.weights.buckets import group_into_buckets
-
+from hybridrl.weights.sync_check import GREEDY_MARGIN
 from hybridrl_megatron.convert import VALUE_HEAD_NAMES, HFCheckpoint, padded_vocab_size, write_hf_checkpoint
 from hybridrl_megatron.cpu_compat import install_rng_tracker, maybe_cpu
 from hybridrl_megatron.logprobs import vocab_parallel_greedy_margins, vocab_parallel_log_probs

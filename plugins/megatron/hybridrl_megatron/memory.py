@@ -25,8 +25,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridrl.placement.model_protocol import (AUTO, AutoChoice, Knobs, RoleContext, RoleMemory, TrainSettings,
-                                               micro_batch_tokens, role_options, step_cost)
+from hybridrl.placement.model_protocol import (
+    AUTO,
+    AutoChoice,
+    Knobs,
+    RoleContext,
+    RoleMemory,
+    TrainSettings,
+    micro_batch_tokens,
+    role_options,
+    step_cost,
+)
 from hybridrl.roles import role_spec
 
 

@@ -15,9 +15,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridrl_megatron.convert import (VALUE_HEAD_NAMES, ConversionError, HFCheckpoint, ModelSpec, check_tp,
-                                       global_layer, is_vocab_parallel, local_to_global_layer, mcore_names,
-                                       pad_vocab, padded_vocab_size, shard_tp, tp_partition_dim)
+from hybridrl_megatron.convert import (
+    VALUE_HEAD_NAMES,
+    ConversionError,
+    HFCheckpoint,
+    ModelSpec,
+    check_tp,
+    global_layer,
+    is_vocab_parallel,
+    local_to_global_layer,
+    mcore_names,
+    pad_vocab,
+    padded_vocab_size,
+    shard_tp,
+    tp_partition_dim,
+)
 from hybridrl_megatron.parallel import Layout
 from hybridrl_megatron.settings import MegatronSettings
 

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridrl.engines import TrainingOptions
-
 from hybridrl_megatron.model import ParamEntry
 from hybridrl_megatron.parallel import Layout
 

@@ -4,12 +4,12 @@ Engine-free: ``option_problems`` runs in pre-flight, before any process starts."
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from hybridrl.engines import TrainingOptions
 from hybridrl.roles import role_spec
-
 
 HEADS = ("lm", "value")
 
@@ -25,7 +25,7 @@ class MegatronSettings:
     head: str = "lm"  # "lm" (actor, reference: log-probs) or "value" (critic: one value per position)
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> "MegatronSettings":
+    def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> MegatronSettings:
         problems = option_problems(role, options)
         if problems:
             raise ValueError("; ".join(f"options.{key}: {reason}" for key, reason in problems))

@@ -9,7 +9,7 @@ colocated rollout on any rank can import them, and the object-store bridge takes
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

@@ -27,8 +27,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[3]
 for extra in (ROOT / "core", ROOT / "plugins" / "sglang"):  # runnable from a checkout without installing

@@ -13,8 +13,8 @@ one per tensor (opening IPC handles is what costs); the scheduler rebuilds each 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -65,7 +65,7 @@ def pack(bucket: Sequence[tuple[str, torch.Tensor]], engine_dtype: torch.dtype |
     """Copy (and cast) the bucket into one new uint8 buffer on ``device``."""
     entries, total = plan_packed(bucket, engine_dtype)
     flat = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
-    for (name, tensor), entry in zip(bucket, entries):
+    for (_name, tensor), entry in zip(bucket, entries):
         view = flat[entry.start:entry.end].view(entry.dtype).view(entry.shape)
         view.copy_(tensor.detach(), non_blocking=True)
     return flat, entries

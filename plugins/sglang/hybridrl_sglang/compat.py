@@ -12,8 +12,9 @@ import contextlib
 import dataclasses
 import logging
 import os
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from packaging.version import Version

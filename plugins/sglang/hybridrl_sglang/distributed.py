@@ -16,8 +16,9 @@ trainer's worker through Ray's ``__ray_call__`` (the worker has no method for it
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -148,7 +149,7 @@ class SGLangBroadcastBridge:
         self.mode: str | None = None
         self.layout: Layout | None = None
 
-    def _open(self, trainer: "WorkerGroup", trainer_role: str, rollout: "WorkerGroup", rollout_role: str,
+    def _open(self, trainer: WorkerGroup, trainer_role: str, rollout: WorkerGroup, rollout_role: str,
               bucket_bytes: int) -> None:
         import ray
 
@@ -168,7 +169,7 @@ class SGLangBroadcastBridge:
                   for w, off in zip(rollout.workers, offsets) if off is not None]
         ray.get(calls)
 
-    def sync(self, trainer: "WorkerGroup", trainer_role: str, rollout: "WorkerGroup", rollout_role: str,
+    def sync(self, trainer: WorkerGroup, trainer_role: str, rollout: WorkerGroup, rollout_role: str,
              bucket_bytes: int) -> dict[str, float]:
         import ray
 

@@ -15,16 +15,29 @@ and detokenizer as child processes, so weights reach it through CUDA IPC:
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch
-from hybridrl.engines import (DataParallelInfo, EngineContext, GeneratedTokens, NamedTensor, RolloutEngine,
-                              SamplingParams, WeightBucket)
-from hybridrl.rollout.common import (ReplicaLayout, check_context, engine_seed, pack_responses, special_ids,
-                                     unpad_prompts)
-
+from hybridrl.engines import (
+    DataParallelInfo,
+    EngineContext,
+    GeneratedTokens,
+    NamedTensor,
+    RolloutEngine,
+    SamplingParams,
+    WeightBucket,
+)
+from hybridrl.rollout.common import (
+    ReplicaLayout,
+    check_context,
+    engine_seed,
+    pack_responses,
+    special_ids,
+    unpad_prompts,
+)
 from hybridrl_sglang import compat
 from hybridrl_sglang.buckets import flatten
 from hybridrl_sglang.options import PoolMemory, SGLangOptions, auto_fraction, check_fraction, engine_kwargs
@@ -104,8 +117,8 @@ class SGLangRollout(RolloutEngine):
         built (``hybridrl.rollout.kv_budget``, ``options.auto_fraction``); a number is checked against it."""
         from hybridrl.engine_support import release_cached_device_memory
         from hybridrl.placement.memory import DTYPE_BYTES, read_hf_config, shape_from_hf_config
-        from hybridrl_sglang.memory import SGLANG_MEMORY
         from hybridrl.rollout.kv_budget import AUTO, demand_from_options
+        from hybridrl_sglang.memory import SGLANG_MEMORY
 
         release_cached_device_memory(collect=True)
         free, total = compat.device_memory()
@@ -126,7 +139,7 @@ class SGLangRollout(RolloutEngine):
 
     def _check_pool(self) -> None:
         """The KV pool SGLang made must hold the step's sequences."""
-        from hybridrl.rollout.kv_budget import KVCacheTooSmall, UTILIZATION_KEY
+        from hybridrl.rollout.kv_budget import UTILIZATION_KEY, KVCacheTooSmall
 
         tokens = compat.pool_tokens(self.engine)
         self.pool_bytes = tokens * self.kv_bytes_per_token if tokens else None

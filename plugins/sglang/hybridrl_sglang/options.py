@@ -37,13 +37,27 @@ only change a config needs; keys of other backends (``sleep_level``, ``weight_lo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
-from hybridrl.rollout.common import (ENGINE_OPTION_CASTS, check_choice, check_engine_options, parse_check, read_choices,
-                                     read_options)
-from hybridrl.rollout.kv_budget import (AUTO, UTILIZATION_KEY, KVCacheTooSmall, KVDemand, KVSizing, is_auto,
-                                       size_kv_cache)
+from hybridrl.rollout.common import (
+    ENGINE_OPTION_CASTS,
+    check_choice,
+    check_engine_options,
+    parse_check,
+    read_choices,
+    read_options,
+)
+from hybridrl.rollout.kv_budget import (
+    AUTO,
+    UTILIZATION_KEY,
+    KVCacheTooSmall,
+    KVDemand,
+    KVSizing,
+    is_auto,
+    size_kv_cache,
+)
 
 SEED_MODES = ("engine", "request")
 WEIGHT_SYNCS = ("channel", "distributed")
@@ -77,7 +91,7 @@ class SGLangOptions:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> "SGLangOptions":
+    def from_options(cls, options: Mapping[str, Any]) -> SGLangOptions:
         value = options.get("gpu_memory_utilization")
         made = cls(
             **read_options(options, _CASTS),

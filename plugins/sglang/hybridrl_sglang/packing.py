@@ -13,10 +13,9 @@ packing are the core's (``hybridrl.rollout.common``).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
-
-
+from typing import Any
 
 
 @dataclass

@@ -10,10 +10,9 @@ return no output and their weight imports are no-ops (the leader feeds every ten
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from hybridrl.rollout.common import ReplicaLayout
-
 
 
 def engine_devices(layout: ReplicaLayout, visible_per_rank: Sequence[str | None]) -> str | None:

@@ -9,7 +9,8 @@ requests are in flight at once and SGLang's scheduler decodes them together.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from hybridrl.engines import GeneratedTokens, SamplingParams
 from hybridrl_sglang.packing import Completion, ended, parse_output

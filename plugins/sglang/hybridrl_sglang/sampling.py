@@ -11,12 +11,12 @@ SGLang honours ``sampling_seed`` only with ``enable_deterministic_inference``; `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from hybridrl.engines import SamplingParams
 from hybridrl.rollout.common import request_seeds
-
 
 #: logit bias that bans a token (``-inf`` would also work in SGLang, but a finite value survives every
 #: serialisation and gives ``exp() == 0`` in float32).

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from packaging.version import Version
 

@@ -20,8 +20,9 @@ same virtual addresses. (What this saves, and what the alternatives measured aga
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,7 +88,7 @@ class CopyPlan:
     unplaced: list[str] = field(default_factory=list)
 
     @classmethod
-    def build(cls, model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> "CopyPlan":
+    def build(cls, model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> CopyPlan:
         params = dict(model.named_parameters())
         members = _packed_members(model)
         views, unplaced = {}, []
@@ -119,7 +120,7 @@ class CopyPlan:
             srcs.append(tensor if tensor.device == view.device else tensor.to(view.device, non_blocking=True))
         return SplitBucket(tuple(names), dsts, srcs, rest)
 
-    def copy(self, bucket: Iterable[tuple[str, torch.Tensor]], graphs: "GraphedCopies | None" = None) -> WeightBucket:
+    def copy(self, bucket: Iterable[tuple[str, torch.Tensor]], graphs: GraphedCopies | None = None) -> WeightBucket:
         """Copy the placed tensors of ``bucket`` (one fused multi-tensor copy, casting; replayed from a CUDA
         graph when ``graphs`` has one for it); return the rest."""
         split = self.split(bucket)

@@ -20,21 +20,40 @@ import dataclasses
 import logging
 import random
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch
-from hybridrl.engines import (DataParallelInfo, EngineContext, GeneratedTokens, NamedTensor, RolloutEngine,
-                              SamplingParams, WeightBucket)
-from hybridrl.rollout.common import (ReplicaLayout, check_context, engine_seed, pack_responses, special_ids,
-                                     unpad_prompts)
-
+from hybridrl.engines import (
+    DataParallelInfo,
+    EngineContext,
+    GeneratedTokens,
+    NamedTensor,
+    RolloutEngine,
+    SamplingParams,
+    WeightBucket,
+)
+from hybridrl.rollout.common import (
+    ReplicaLayout,
+    check_context,
+    engine_seed,
+    pack_responses,
+    special_ids,
+    unpad_prompts,
+)
 from hybridrl_vllm import compat
 from hybridrl_vllm import lora as vllm_lora
 from hybridrl_vllm.copy_plan import CopyPlan, GraphedCopies, checksum
-from hybridrl_vllm.options import (StartMemory, VLLMOptions, check_weight_load, llm_kwargs, resolve_weight_load,
-                                   start_memory)
+from hybridrl_vllm.options import (
+    StartMemory,
+    VLLMOptions,
+    check_weight_load,
+    llm_kwargs,
+    resolve_weight_load,
+    start_memory,
+)
 from hybridrl_vllm.packing import sampled_logprobs
 from hybridrl_vllm.requests import RequestPump
 from hybridrl_vllm.sampling import per_request_kwargs, resolve_seed_mode
@@ -98,7 +117,7 @@ class _RandomState:
     """Save and restore the process's global RNGs around engine construction: vLLM seeds them, and in our
     process they also drive the trainer."""
 
-    def __enter__(self) -> "_RandomState":
+    def __enter__(self) -> _RandomState:
         self.py = random.getstate()
         self.torch = torch.random.get_rng_state()
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -194,8 +213,8 @@ class VLLMRollout(RolloutEngine):
         state (``gpu_memory_utilization: auto``, ``hybridrl.rollout.kv_budget``)."""
         from hybridrl.engine_support import release_cached_device_memory
         from hybridrl.placement.memory import DTYPE_BYTES, read_hf_config, shape_from_hf_config
-        from hybridrl_vllm.memory import VLLM_MEMORY
         from hybridrl.rollout.kv_budget import demand_from_options
+        from hybridrl_vllm.memory import VLLM_MEMORY
 
         release_cached_device_memory(collect=True)
         free, total = torch.cuda.mem_get_info()
@@ -216,7 +235,7 @@ class VLLMRollout(RolloutEngine):
 
     def _check_kv_cache(self) -> None:
         """The cache vLLM made must hold the step's sequences (vLLM rounds to blocks and may keep fewer)."""
-        from hybridrl.rollout.kv_budget import KVCacheTooSmall, UTILIZATION_KEY
+        from hybridrl.rollout.kv_budget import UTILIZATION_KEY, KVCacheTooSmall
 
         self.kv_cache_bytes = compat.kv_cache_bytes(self.llm, getattr(self, "kv_bytes_per_token", 0))
         demand = getattr(self, "demand", None)

@@ -25,7 +25,6 @@ import torch
 
 from hybridrl.engines import WeightBucket
 from hybridrl.lora import LoraSpec, is_adapter_name, pair_adapters, target_names, write_adapter
-
 from hybridrl_vllm.sleep import KV_ONLY
 
 #: the values vLLM accepts for ``max_lora_rank`` (0.26.0 and 0.32.0 alike).

@@ -37,14 +37,27 @@ Keys of ``roles.rollout`` (typed) and ``roles.rollout.options`` (free-form) that
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
-from hybridrl.rollout.common import (ENGINE_OPTION_CASTS, check_choice, check_engine_options, parse_check, read_choices,
-                                     read_options)
-from hybridrl.rollout.kv_budget import (AUTO, UTILIZATION_KEY, KVCacheTooSmall, KVDemand, KVSizing, is_auto,
-                                       size_kv_cache)
-
+from hybridrl.rollout.common import (
+    ENGINE_OPTION_CASTS,
+    check_choice,
+    check_engine_options,
+    parse_check,
+    read_choices,
+    read_options,
+)
+from hybridrl.rollout.kv_budget import (
+    AUTO,
+    UTILIZATION_KEY,
+    KVCacheTooSmall,
+    KVDemand,
+    KVSizing,
+    is_auto,
+    size_kv_cache,
+)
 from hybridrl_vllm.sampling import SEED_MODES
 from hybridrl_vllm.sleep import LEVELS
 
@@ -76,7 +89,7 @@ class VLLMOptions:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> "VLLMOptions":
+    def from_options(cls, options: Mapping[str, Any]) -> VLLMOptions:
         level = options.get("sleep_level", "auto")
         made = cls(
             **read_options(options, _CASTS),

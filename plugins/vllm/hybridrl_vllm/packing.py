@@ -8,9 +8,8 @@ context check and packing are the core's (``hybridrl.rollout.common``); reading 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-
+from collections.abc import Sequence
+from typing import Any
 
 
 def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class RequestPump:

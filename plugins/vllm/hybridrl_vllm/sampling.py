@@ -8,11 +8,11 @@ nothing is detokenized. ``logprobs=0`` returns exactly the sampled token's log-p
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hybridrl.engines import SamplingParams
 from hybridrl.rollout.common import request_seeds
-
 
 #: ``seed_mode`` values: one seed per request (reproducible, independent of batching), the engine's
 #: own random stream (no per-request generators: faster for large batches on GPU), or ``auto``: request on

@@ -9,7 +9,8 @@ or it keeps computing logits with the old weights.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from hybridrl.engines import WeightBucket
 

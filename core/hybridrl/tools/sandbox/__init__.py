@@ -19,7 +19,8 @@ output is read in bounded chunks (``sandbox.process``). The tool runner adds its
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from hybridrl.tools.base import Tool, ToolResult, argument
 from hybridrl.tools.sandbox.limits import SandboxLimits, SandboxUnavailable
@@ -46,7 +47,7 @@ class Sandbox:
     (a path or a name on PATH; default ``bwrap``); ``url``: the service of ``isolation='http'``; ``network``:
     ``allow`` shares the host's network with a ``bwrap`` sandbox (default ``block``)."""
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits(), isolation: str = "bwrap", bwrap: str | None = None,
+    def __init__(self, limits: SandboxLimits | None = None, isolation: str = "bwrap", bwrap: str | None = None,
                  url: str | None = None, network: str = "block") -> None:
         if isolation not in ISOLATIONS:
             raise ValueError(f"isolation must be one of {', '.join(ISOLATIONS)}, got '{isolation}' ({KEY})")
@@ -54,7 +55,7 @@ class Sandbox:
             raise ValueError(f"network must be 'block' or 'allow', got '{network}'")
         if url is not None and isolation != "http":
             raise ValueError(f"url is only read with isolation 'http' (isolation is '{isolation}', {KEY})")
-        self.limits = limits
+        self.limits = limits = limits if limits is not None else SandboxLimits()
         self.isolation = isolation
         self.network = network
         self.backend: Backend

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from hybridrl.errors import HybridRLError
-
 from dataclasses import dataclass
+
+from hybridrl.errors import HybridRLError
 
 
 @dataclass(frozen=True)

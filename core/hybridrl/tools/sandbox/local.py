@@ -17,8 +17,8 @@ import sys
 import tempfile
 from functools import lru_cache
 
-from hybridrl.tools.base import ToolResult
 import hybridrl.tools.sandbox.bwrap as bw
+from hybridrl.tools.base import ToolResult
 from hybridrl.tools.sandbox.limits import SandboxLimits
 from hybridrl.tools.sandbox.process import Outcome, run_child
 

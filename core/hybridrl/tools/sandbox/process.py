@@ -16,8 +16,8 @@ import signal
 import subprocess
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 _CHUNK = 65536
 
