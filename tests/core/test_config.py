@@ -76,9 +76,10 @@ def test_a_duplicated_key_is_refused_with_its_path_and_lines(tmp_path: Path) -> 
 
 def test_null_on_the_command_line_unsets_a_key() -> None:
     assert load_config(QUICKSTART, []).roles.actor.micro_batch == 256  # the quick start's own value
-    cfg = load_config(QUICKSTART, ["roles.actor.micro_batch=null", "trainer.steps=~", "roles.actor.betas="])
+    cfg = load_config(QUICKSTART, ["roles.actor.micro_batch=null", "trainer.steps=~", "roles.actor.betas=NULL"])
     assert cfg.roles.actor.micro_batch == 16  # not None-able: back to its default
     assert cfg.trainer.steps == 100 and cfg.roles.actor.betas == (0.9, 0.999)
+    assert "trainer.steps" in problems_of(["trainer.steps="])  # an empty value is a slip, not an unset
     assert load_config(QUICKSTART, ["roles.rollout.log_probs=null"]).roles.rollout.log_probs == "auto"  # a union
     cfg = load_config(QUICKSTART, ["roles.ref=null", "roles.reward.fn=null", "roles.reward.url=http://localhost:1"])
     assert cfg.roles.ref is None and cfg.roles.reward.fn is None  # None-able keys: None, as before

@@ -56,23 +56,18 @@ EXAMPLE_CASES: dict[str, list[str]] = {
     "qwen7b-split-lora-sglang": ["qwen7b-split.yaml", "roles.rollout.backend=sglang",
                                  "roles.actor.lora={rank: 20, alpha: 40}", "--cluster", "1x8"],
 }
+def _cluster_plan_cases() -> dict[tuple[str, str], list[str]]:
+    """``benchmarks/cluster_plans.py``'s cases, read from the benchmark itself (one list of them)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_cluster_plans", ROOT / "benchmarks" / "cluster_plans.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CASES
+
+
 #: ``benchmarks/cluster_plans.py``'s cases (and ``tests/core/test_cluster_plans.py``'s 32x8 ones).
-CLUSTER_CASES = {
-    ("qwen7b-colocated", "4x8"): ["pools.main.nodes=4"],
-    ("qwen7b-split", "4x8"): ["pools.train.nodes=2", "pools.train.devices_per_node=8", "pools.gen.nodes=2",
-                              "pools.gen.devices_per_node=8"],
-    ("qwen32b-colocated", "4x8"): [],
-    ("qwen32b-split", "4x8"): [],
-    ("qwen72b-colocated", "4x8"): [],
-    ("qwen72b-split", "4x8"): [],
-    ("qwen7b-colocated", "32x8"): ["pools.main.nodes=32"],
-    ("qwen7b-split", "32x8"): ["pools.train.nodes=16", "pools.train.devices_per_node=8", "pools.gen.nodes=16",
-                               "pools.gen.devices_per_node=8"],
-    ("qwen32b-colocated", "32x8"): ["pools.main.nodes=32"],
-    ("qwen32b-split", "32x8"): ["pools.train.nodes=24", "pools.gen.nodes=8"],
-    ("qwen72b-colocated", "32x8"): ["pools.main.nodes=32"],
-    ("qwen72b-split", "32x8"): ["pools.train.nodes=24", "pools.gen.nodes=8"],
-}
+CLUSTER_CASES = _cluster_plan_cases()
 #: ``benchmarks/model_sizes.py``'s shapes and workload (GRPO 64 x 8, 128 + 256 tokens) on one 141 GiB GPU.
 SIZES = ("0.5b", "1.5b", "3b", "7b")
 SIZE_ROLLOUTS = {"vllm": SIZES, "sglang": ("0.5b", "7b"), "hf": ("0.5b",)}

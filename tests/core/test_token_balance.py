@@ -61,6 +61,7 @@ def test_worker_group_scatters_by_tokens_and_gathers_in_the_callers_order():
     ray = pytest.importorskip("ray")
     from hybridrl.engines import DataParallelInfo
     from hybridrl.runtime.group import WorkerGroup
+    from hybridrl.runtime.local_ray import start_local_ray, stop_local_ray
 
     @ray.remote(num_cpus=0)
     class Echo:
@@ -69,9 +70,9 @@ def test_worker_group_scatters_by_tokens_and_gathers_in_the_callers_order():
             return Batch.from_tensors({"row": batch[RESPONSE_IDS][:, 0],
                                        "tokens": torch.full((len(batch),), tokens)}), 0.0
 
-    if ray.is_initialized():  # a run of an earlier test in this process (pytest-xdist) may have left one up
-        ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    owned = not ray.is_initialized()  # else the Ray of an earlier test in this process (pytest-xdist): kept up
+    if owned:
+        start_local_ray(2, {})
     try:
         group = WorkerGroup(plan=None, workers=[Echo.remote(), Echo.remote()])
         group.dp["actor"] = [DataParallelInfo(0, 2), DataParallelInfo(1, 2)]
@@ -81,4 +82,5 @@ def test_worker_group_scatters_by_tokens_and_gathers_in_the_callers_order():
         per_rank = sorted(set(out["tokens"].tolist()))
         assert len(per_rank) == 2 and per_rank[1] - per_rank[0] <= max(lengths), per_rank
     finally:
-        ray.shutdown()
+        if owned:
+            stop_local_ray()

@@ -18,81 +18,15 @@ import re
 import signal
 import socket
 import stat
-import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
+from _live_run import psutil, running, wait_for
 
 from hybridrl.run import checkpoint as ckpt
-from hybridrl.runtime.watchdog import _psutil
 
-ROOT = Path(__file__).resolve().parents[2]
-QUICK = ["trainer.steps=500", "data.prompts_per_step=4", "algorithm.n_samples=4", "trainer.progress=false",
-         "trainer.log_samples=0"]
-RAY_TEMP = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"
 STEP_TIMEOUT_S = 20  # long enough for a loaded machine's engine start-up, which the number also bounds
-psutil = _psutil()
-
-
-class Run:
-    """``hybridrl train`` in its own session, HOME and temp folder; ``cleanup()`` kills what is left."""
-
-    def __init__(self, tmp_path: Path, *overrides: str) -> None:
-        self.out = tmp_path / "run"
-        self.log = tmp_path / "train.log"
-        self.home = tmp_path / "home"
-        self.home.mkdir()
-        env = {**os.environ, "HOME": str(self.home)}
-        for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-            env.pop(key, None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "hybridrl.cli", "train", "examples/quickstart.yaml",
-                                      f"trainer.out={self.out}", *QUICK, *overrides], stdout=self.log.open("w"),
-                                     stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
-        self.seen: dict[int, Any] = {}
-
-    def tree(self) -> list[Any]:
-        try:
-            driver = psutil.Process(self.proc.pid)
-            procs = [driver, *driver.children(recursive=True)]
-        except psutil.Error:
-            return []
-        self.seen.update({p.pid: p for p in procs})
-        return procs
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-    def steps_logged(self) -> int:
-        path = self.out / "metrics.jsonl"
-        return len(path.read_text().splitlines()) if path.is_file() else 0
-
-    def sessions(self) -> list[Path]:
-        return sorted(RAY_TEMP.glob(f"session_*_{self.proc.pid}"))  # Ray names a session after its driver's pid
-
-    def cleanup(self) -> None:
-        for proc in running(list(self.seen.values())):
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-
-def running(procs: list[Any]) -> list[Any]:
-    alive = []
-    for proc in procs:
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(proc)
-        except psutil.Error:
-            continue
-    return alive
 
 
 def of_sessions(sessions: list[Path]) -> list[str]:
@@ -106,14 +40,6 @@ def of_sessions(sessions: list[Path]) -> list[str]:
     return found
 
 
-def wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
-        time.sleep(0.2)
-
-
 def named(procs: list[Any], prefix: str) -> list[Any]:
     found = []
     for proc in procs:
@@ -125,21 +51,9 @@ def named(procs: list[Any], prefix: str) -> list[Any]:
     return found
 
 
-@pytest.fixture
-def run_cli(tmp_path: Path):
-    runs: list[Run] = []
-
-    def start(*overrides: str) -> Run:
-        runs.append(Run(tmp_path, *overrides))
-        return runs[-1]
-
-    yield start
-    for run in runs:
-        run.cleanup()
-
-
 def test_a_stopped_worker_is_named_within_the_step_timeout_and_torn_down(run_cli) -> None:
-    run = run_cli(f"trainer.step_timeout_s={STEP_TIMEOUT_S}", "trainer.save_every=1")
+    run = run_cli("examples/quickstart.yaml", f"trainer.step_timeout_s={STEP_TIMEOUT_S}", "trainer.save_every=1",
+                  own_home=True)
     wait_for(lambda: ckpt.latest_checkpoint(run.out) or run.proc.poll() is not None, 400, "a first checkpoint")
     assert run.proc.poll() is None, run.output()[-3000:]
     workers = named(run.tree(), "ray::RoleWorker")
@@ -166,7 +80,7 @@ def test_a_stopped_worker_is_named_within_the_step_timeout_and_torn_down(run_cli
 
 
 def test_ctrl_c_while_the_engines_start_leaves_no_ray_process_and_no_session_folder(run_cli) -> None:
-    run = run_cli()
+    run = run_cli("examples/quickstart.yaml", own_home=True)
     wait_for(lambda: "starting workers" in run.output() or run.proc.poll() is not None, 300, "start-up")
     wait_for(lambda: named(run.tree(), "ray::") or run.proc.poll() is not None, 300, "Ray's agents")
     sessions = run.sessions()

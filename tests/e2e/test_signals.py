@@ -15,77 +15,11 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import pytest
+from _live_run import psutil, running, wait_for
 
 from hybridrl.run import checkpoint as ckpt
-from hybridrl.runtime.watchdog import _psutil
-
-ROOT = Path(__file__).resolve().parents[2]
-QUICK = ["trainer.steps=500", "data.prompts_per_step=4", "algorithm.n_samples=4", "trainer.progress=false",
-         "trainer.log_samples=0"]
-RAY_TEMP = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"
-psutil = _psutil()
-
-
-class Run:
-    """``hybridrl train`` in its own session; ``tree()`` notes its processes, ``cleanup()`` kills what is left."""
-
-    def __init__(self, tmp_path: Path, config: str, *overrides: str) -> None:
-        self.out = tmp_path / "run"
-        self.log = tmp_path / "train.log"
-        self.proc = subprocess.Popen([sys.executable, "-m", "hybridrl.cli", "train", config, f"trainer.out={self.out}",
-                                      *QUICK, *overrides], stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     cwd=ROOT, start_new_session=True)
-        self.seen: list[Any] = []
-
-    def tree(self) -> list[Any]:
-        driver = psutil.Process(self.proc.pid)
-        procs = [driver, *driver.children(recursive=True)]
-        self.seen += procs
-        return procs
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-    def steps_logged(self) -> int:
-        path = self.out / "metrics.jsonl"
-        return len(path.read_text().splitlines()) if path.is_file() else 0
-
-    def sessions(self) -> list[Path]:
-        return sorted(RAY_TEMP.glob(f"session_*_{self.proc.pid}"))  # Ray names a session after its driver's pid
-
-    def cleanup(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-        for proc in running(self.seen):
-            proc.kill()
-
-
-def running(procs: list[Any]) -> list[Any]:
-    alive = []
-    for proc in procs:
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(proc)
-        except psutil.Error:
-            continue
-    return alive
-
-
-def wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
-        time.sleep(0.5)
 
 
 def exposed_sockets(procs: list[Any]) -> list[str]:
@@ -103,19 +37,6 @@ def exposed_sockets(procs: list[Any]) -> list[str]:
                 if not ip.is_loopback:
                     found.append(f"{proc.name()} (pid {proc.pid}) on {c.laddr.ip}:{c.laddr.port}")
     return found
-
-
-@pytest.fixture
-def run_cli(tmp_path: Path):
-    runs: list[Run] = []
-
-    def start(config: str, *overrides: str) -> Run:
-        runs.append(Run(tmp_path, config, *overrides))
-        return runs[-1]
-
-    yield start
-    for run in runs:
-        run.cleanup()
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_143_and_the_run_listened_on_loopback_only(run_cli) -> None:

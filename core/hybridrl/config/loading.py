@@ -136,10 +136,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None,
 
 
 def _null_overrides(data: dict[str, Any], overrides: list[str]) -> set[str]:
-    """The dotted keys the overrides left null (``key=null``, ``key=~`` or ``key=``)."""
+    """The dotted keys the overrides set to null in words (``key=null`` or ``key=~``). An empty value
+    (``key=``) is not among them: a slip of the keyboard stays an error where the key needs a value."""
     nulls = set()
     for text in overrides:
-        path = text.partition("=")[0].strip().split(".")
+        key, _, value = text.partition("=")
+        if value.strip().lower() not in ("null", "~"):
+            continue
+        path = key.strip().split(".")
         node: Any = data
         for part in path[:-1]:
             node = node.get(part) if isinstance(node, dict) else None
