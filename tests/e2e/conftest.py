@@ -28,10 +28,11 @@ def _ray_session():
     stop_local_ray()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_local(_ray_session):
     """The session's local Ray, started again when a test of another file in this process shut it down (Ray's
-    first call would otherwise start a default cluster of its own); each run removes its placement groups."""
+    first call would otherwise start a default cluster of its own); each run removes its placement groups.
+    Module-scoped so that a file's module-scoped runs can share it."""
     import ray
 
     if not ray.is_initialized():
