@@ -16,6 +16,7 @@ observations included, which are context the model attends to. A batch without `
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,9 @@ TOKEN_REWARDS = "token_rewards"  # the reward placed on tokens (the score on the
 SCORES = "scores"  # (B,) one reward per sequence
 TRUNCATED = "truncated"  # (B,) bool: the response reached max_new_tokens without stopping
 GROUP_INDEX = "group_index"  # (B,) which prompt of the step a row samples (a GRPO group shares it)
+MAX_NEW_TOKENS = "max_new_tokens"  # (B,) optional per-row cap on the response, at most the params' max_new_tokens
+FINISHED = "finished"  # (B,) bool: ``generate_until``'s row ended (a stop token or its cap), not cut short
+TOKEN_VERSIONS = "token_versions"  # (B, R) int64: the actor version whose weights sampled each response token
 BASELINE_SCORES = "baseline_scores"  # (B,) the score of one greedy response per prompt, per row of its group
 #: multi-turn rows: 1 on every real response token (model and observation); see the module docstring.
 RESPONSE_ATTENTION_MASK = "response_attention_mask"
@@ -315,3 +319,31 @@ def right_pad(sequences: Sequence[Sequence[int]], pad_id: int, width: int | None
         ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
         mask[i, : len(seq)] = 1
     return ids, mask
+
+
+def cap_responses(out: Batch, caps: torch.Tensor) -> Batch:
+    """``out``'s responses cut to each row's cap (``max_new_tokens`` (B,)): mask and log-probs zeroed past it
+    (the ids there are left as they were, masked). For an engine that cannot stop a row at its own cap."""
+    width = out[RESPONSE_MASK].shape[1]
+    keep = (torch.arange(width).unsqueeze(0) < caps.reshape(-1, 1).to(torch.long)).to(out[RESPONSE_MASK].dtype)
+    out.set(RESPONSE_MASK, out[RESPONSE_MASK] * keep)
+    if ROLLOUT_LOG_PROBS in out:
+        out.set(ROLLOUT_LOG_PROBS, out[ROLLOUT_LOG_PROBS] * keep)
+    return out
+
+
+def groups_to_complete(group_index: torch.Tensor, share: float) -> int:
+    """How many of the distinct groups in ``group_index`` a ``generate_until(share=...)`` call completes before
+    it may stop: ``ceil(share * groups)``, at least one where there are rows (so every call makes progress)."""
+    groups = int(torch.unique(group_index).numel()) if len(group_index) else 0
+    return min(groups, max(1 if groups else 0, math.ceil(share * groups - 1e-9)))
+
+
+def complete_groups(group_index: torch.Tensor, finished: torch.Tensor) -> int:
+    """How many distinct groups have every one of their rows ``finished`` (both (B,))."""
+    if not len(group_index):
+        return 0
+    groups, inverse = torch.unique(group_index, return_inverse=True)
+    unfinished = torch.zeros(len(groups), dtype=torch.long, device=group_index.device)
+    unfinished.scatter_add_(0, inverse, (~finished).long())
+    return int((unfinished == 0).sum())

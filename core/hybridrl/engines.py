@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from hybridrl.batch import Batch
+from hybridrl.batch import FINISHED, MAX_NEW_TOKENS, Batch, cap_responses
 from hybridrl.data_parallel import DataParallelInfo
 from hybridrl.lora import LoraSpec
 
@@ -250,6 +250,21 @@ class RolloutEngine(ABC):
         and ``rollout_log_probs``: log-probs of the sampled tokens under the distribution they were drawn
         from (logits / temperature, after top-k/top-p renormalisation; raw log-softmax when greedy).
         ``params.seed`` is shared by all ranks; an engine mixes in its rank so replicas draw distinct streams."""
+
+    def generate_until(self, batch: Batch, params: SamplingParams, share: float) -> Batch:
+        """``generate`` that may stop early: rows that sample one prompt share a ``group_index``, and once
+        ``ceil(share * groups)`` of the batch's groups have every row finished, the engine stops and returns
+        each unfinished row's tokens so far (maybe none). Returns ``generate``'s keys plus ``finished`` (B,)
+        bool. Every row honours its ``max_new_tokens`` cap when the batch has one (the driver resumes a cut
+        row as prompt + its tokens, with the rest of its budget, under new weights: partial rollouts).
+
+        Default: ``generate`` to the end, rows cut to their caps, all finished: correct, never early. An engine
+        that stops early (its batch decodes no tail of a few long rows) declares the `partial` capability."""
+        out = self.generate(batch, params)
+        if MAX_NEW_TOKENS in batch:
+            out = cap_responses(out, batch[MAX_NEW_TOKENS])
+        out.set(FINISHED, torch.ones(len(out), dtype=torch.bool))
+        return out
 
     async def generate_request(self, prompt_ids: list[int], params: SamplingParams) -> GeneratedTokens:
         """Sample one response to ``prompt_ids`` (no padding), awaitable so that many run at once (the

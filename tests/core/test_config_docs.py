@@ -37,4 +37,4 @@ def test_config_reference_lists_every_leaf_key():
 def test_description_lands_in_the_table():
     text = _generator().render()
     row = next(line for line in text.splitlines() if line.startswith("| `trainer.max_staleness` |"))
-    assert "int (>= 1)" in row and "`1`" in row and "pipelined: at most" in row
+    assert "int (>= 1)" in row and "`1`" in row and "pipelined and partial rollouts: at most" in row

@@ -133,6 +133,16 @@ class OverlongConfig(Strict):
         return {"mode": value} if isinstance(value, str) else value
 
 
+class ResponseLengthsConfig(Strict):
+    """Forced response lengths, for benchmarks of long-tailed generation: each sample's length is drawn from a
+    lognormal (seeded by the prompt's place in the data order and the sample, so every run and arm gets the same
+    lengths), capped at ``roles.rollout.max_new_tokens``; set ``roles.rollout.ignore_eos`` with it."""
+
+    median: int = Field(gt=0, description="the lognormal's median, in tokens")
+    sigma: float = Field(1.0, ge=0, description="the lognormal's sigma (the log of the lengths' spread)")
+    seed: int = Field(0, description="seed of the lengths (not of the sampling)")
+
+
 class AlgorithmConfig(Strict):
     name: str = "grpo"
     n_samples: int = Field(8, gt=0)
@@ -263,6 +273,19 @@ class RolloutConfig(RoleBase):
         "auto", description="the engine returns the sampled tokens' log-probs; auto: only when something reads them "
                             "(truncated importance sampling, a component that declares it needs them), since they "
                             "cost the engine a log-softmax per sampled token; true also logs rollout/logp_diff")
+    oversample: float = Field(
+        1.0, ge=1, description="prompt groups in flight per step, as a multiple of data.prompts_per_step: a step "
+                               "trains the first data.prompts_per_step groups to complete and the rest stay in "
+                               "flight, so no step waits for its longest response (docs/long-tail.md); 1: every group "
+                               "completes")
+    partial: bool | Literal["auto"] = Field(
+        "auto", description="partial rollouts: a sample still generating when its step has its groups keeps its tokens "
+                            "and resumes under the next step's weights (tokens at most trainer.max_staleness updates "
+                            "old); false: it starts again; auto: on when oversample > 1 and the backend declares "
+                            "`partial`")
+    response_lengths: ResponseLengthsConfig | None = Field(
+        None, description="benchmarks: force each sample's response length, drawn from a lognormal {median, sigma, "
+                          "seed} capped at max_new_tokens (with ignore_eos)")
     bucket_mb: float = Field(64.0, gt=0)
     weight_transport: Literal["auto", "in_process", "broadcast", "object_store"] = Field(
         "auto", description="how actor weights reach the rollout; auto follows the placement")
@@ -397,8 +420,9 @@ class TrainerConfig(Strict):
                             "then 10 x the slowest step so far, at least 600 (docs/deadlines-and-cluster.md)")
     pipelined: bool = Field(False, description="generate the next step's batch while this step trains (actor and "
                                                "rollout on different pools)")
-    max_staleness: int = Field(1, ge=1, description="pipelined: at most this many actor updates between the weights "
-                                                    "that generated a batch and the weights it trains")
+    max_staleness: int = Field(1, ge=1, description="pipelined and partial rollouts: at most this many actor updates "
+                                                    "between the weights that sampled a token and the weights it "
+                                                    "trains against (an older partial sample starts again)")
     sync_check_every: int = Field(0, ge=0, description="every N steps, check that the rollout's greedy tokens are the "
                                                        "actor's argmax after the weight sync "
                                                        "(hybridrl.weights.sync_check; 0: never; synchronous steps "

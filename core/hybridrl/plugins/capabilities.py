@@ -29,6 +29,8 @@ ROLLOUT_CAPABILITIES: dict[str, str] = {
     "named_weights": "named_weights: the engine's weights under Hugging Face names (weight checks)",
     "requests": "generate_request: single requests served concurrently (multi-turn episodes, one request per turn)",
     "lora_adapters": "import_weights takes LoRA adapters and serves them on the base (roles.actor.lora.sync=adapter)",
+    "partial": "generate_until stops once its share of groups is complete and returns the other rows' tokens so far "
+               "(roles.rollout.oversample, partial rollouts)",
 }
 KNOWN = {"train": TRAIN_CAPABILITIES, "rollout": ROLLOUT_CAPABILITIES}
 

@@ -14,13 +14,18 @@ from typing import Any
 import torch
 
 from hybridrl.batch import (
+    FINISHED,
+    GROUP_INDEX,
+    MAX_NEW_TOKENS,
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
     Batch,
+    complete_groups,
     distinct_prompts,
+    groups_to_complete,
 )
 from hybridrl.engines import EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
 from hybridrl.lora import MergedAdapters, is_adapter_name
@@ -110,7 +115,8 @@ class HFRollout(RolloutEngine):
 
     @torch.inference_mode()
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
-        """Sample (or, at temperature 0, pick greedily) up to ``params.max_new_tokens`` tokens per row.
+        """Sample (or, at temperature 0, pick greedily) up to ``params.max_new_tokens`` tokens per row (fewer
+        for a row whose ``max_new_tokens`` cap is lower).
 
         Returns CPU tensors of width exactly ``max_new_tokens``: ``response_ids`` (the EOS token included when
         a row stops; pad id after it), ``response_mask`` (1 up to and including the EOS), and
@@ -125,6 +131,21 @@ class HFRollout(RolloutEngine):
         its ``prompt_mask``) or when its tokens plus ``max_new_tokens`` exceed the model's context length
         (``max_position_embeddings``): generating past it would silently run out of distribution.
         """
+        out, _ = self._decode(batch, params, None)
+        return out
+
+    @torch.inference_mode()
+    def generate_until(self, batch: Batch, params: SamplingParams, share: float) -> Batch:
+        """See ``RolloutEngine.generate_until``: the decode loop checks after every token whether enough
+        groups have all their rows finished, and stops there."""
+        out, finished = self._decode(batch, params, groups_to_complete(batch[GROUP_INDEX], share))
+        out.set(FINISHED, finished.cpu())
+        return out
+
+    def _decode(self, batch: Batch, params: SamplingParams, groups_needed: int | None
+                ) -> tuple[Batch, torch.Tensor]:
+        """The sampling loop of ``generate`` (``groups_needed`` None: to the end) and ``generate_until``:
+        the responses and which rows finished."""
         if self._sleeping:
             raise RuntimeError("HFRollout.generate called while asleep; call wake() first")
         from transformers import DynamicCache
@@ -137,8 +158,12 @@ class HFRollout(RolloutEngine):
         response_ids = torch.full((n, width), self.pad_id, dtype=torch.long, device=dev)
         response_mask = torch.zeros((n, width), dtype=torch.long, device=dev)
         log_probs = torch.zeros((n, width), dtype=torch.float32, device=dev)
-        if n == 0 or width == 0:
-            return self._result(response_ids, response_mask, log_probs)
+        caps = (batch[MAX_NEW_TOKENS].to(dev, torch.long).clamp(max=width) if MAX_NEW_TOKENS in batch
+                else torch.full((n,), width, dtype=torch.long, device=dev))
+        finished = caps <= 0
+        if n == 0 or width == 0 or bool(finished.all()):
+            return self._result(response_ids, response_mask, log_probs), finished
+        groups = batch[GROUP_INDEX].to(dev) if groups_needed is not None else None
 
         generator = None
         if params.seed is not None:
@@ -152,7 +177,6 @@ class HFRollout(RolloutEngine):
         positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
         next_pos = prompt_mask.sum(dim=1, keepdim=True)  # (B, 1): position of the first response token
         logits = self._prefill(prompt_ids, attn, positions, cache)
-        finished = torch.zeros(n, dtype=torch.bool, device=dev)
 
         for t in range(width):
             if t < params.min_new_tokens:
@@ -164,15 +188,18 @@ class HFRollout(RolloutEngine):
             response_mask[:, t] = live.long()
             log_probs[:, t] = torch.where(live, token_logp, 0.0)
             if not params.ignore_eos:
-                finished = finished | torch.isin(token, eos)
+                finished = finished | (live & torch.isin(token, eos))
+            finished = finished | (caps <= t + 1)
             if bool(finished.all()) or t == width - 1:
+                break
+            if groups is not None and complete_groups(groups, finished) >= groups_needed:
                 break
             # Feed the new token (finished rows feed a pad whose output is never used).
             attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=dev)], dim=1)
             logits = self._forward(response_ids[:, t:t + 1], attn, next_pos, cache)
             next_pos = next_pos + 1
 
-        return self._result(response_ids, response_mask, log_probs)
+        return self._result(response_ids, response_mask, log_probs), finished
 
     @staticmethod
     def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None

@@ -29,6 +29,7 @@ from hybridrl.batch import (
     BASELINE_SCORES,
     GROUP_INDEX,
     LOG_PROBS,
+    MAX_NEW_TOKENS,
     MESSAGES,
     META,
     OLD_LOG_PROBS,
@@ -46,6 +47,7 @@ from hybridrl.batch import (
     TRUNCATED,
     VALUES,
     Batch,
+    cap_responses,
     first_row_of_each_group,
     left_pad,
     response_attention_mask,
@@ -69,6 +71,7 @@ from hybridrl.run.file_modes import open_private, private_dir, write_config, wri
 from hybridrl.run.pipeline import GenerationJob, needs_sync, staleness_of
 from hybridrl.run.preflight import RunSetup
 from hybridrl.run.state import Checkpointer, StepGuard, trained_roles
+from hybridrl.run.streaming import GroupsInFlight, forced_lengths, partial_rollouts, streams
 from hybridrl.run.validation import Validator
 from hybridrl.runtime.deadline import CallDeadline
 from hybridrl.runtime.group import Result, WorkerGroup, average_metrics, unique_groups
@@ -167,12 +170,20 @@ class Trainer:
         self.shared_prompt_roles = shared_prompt_roles(cfg, setup.plan, self.registry)
         self.validator: Validator | None = None  # data.val: built by start, with the rollout it uses
         self.identical_groups = IdenticalGroupsWarning()  # a rollout that does not sample (rollout/identical_groups)
+        self.response_cap = forced_lengths(cfg)  # benchmarks: roles.rollout.response_lengths
+        self.groups_drawn = 0  # prompt groups taken from the loader so far (their ids for forced lengths)
+        #: roles.rollout.oversample / partial: the groups in flight across steps (hybridrl.run.streaming)
+        self.in_flight = GroupsInFlight(
+            cfg.data.prompts_per_step, cfg.algorithm.n_samples, r.oversample,
+            partial_rollouts(cfg, setup.backends["rollout"].can("partial")), cfg.trainer.max_staleness,
+            r.max_new_tokens, self.pad_id, self.response_cap) if streams(cfg) else None
 
     # --- Stateful: what a checkpoint keeps of the driver ------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "loader": self.loader.state_dict(),
                 "kl_ctrl": dataclasses.asdict(self.kl_ctrl) if self.kl_ctrl is not None else None,
-                "bad_steps_in_row": self.guard.bad.in_row, "rng": ckpt.rng_state()}
+                "bad_steps_in_row": self.guard.bad.in_row, "rng": ckpt.rng_state(), "groups_drawn": self.groups_drawn,
+                "in_flight": self.in_flight.state_dict() if self.in_flight is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
@@ -181,6 +192,9 @@ class Trainer:
             for key, value in state["kl_ctrl"].items():
                 setattr(self.kl_ctrl, key, value)
         self.guard.bad.in_row = int(state.get("bad_steps_in_row", 0))
+        self.groups_drawn = int(state.get("groups_drawn", 0))
+        if self.in_flight is not None and state.get("in_flight") is not None:
+            self.in_flight.load_state_dict(state["in_flight"])
         ckpt.set_rng_state(state["rng"])
 
     # --- set-up ---------------------------------------------------------------------------------------
@@ -234,8 +248,15 @@ class Trainer:
         return self.bridge.sync(self.groups["actor"], "actor", self.groups["rollout"], "rollout", self.bucket_bytes)
 
     # --- one step -------------------------------------------------------------------------------------
-    def prompt_batch(self) -> Batch:
+    def next_prompts(self) -> list[Any]:
+        """The loader's next ``data.prompts_per_step`` prompt rows."""
         rows = next(self.loader)
+        self.groups_drawn += len(rows)
+        return rows
+
+    def prompt_batch(self) -> Batch:
+        first = self.groups_drawn
+        rows = self.next_prompts()
         ids, mask = left_pad([r.token_ids for r in rows], self.pad_id)
         n = self.cfg.algorithm.n_samples
         fields = {PROMPT_TEXT: [r.prompt for r in rows], META: [r.meta for r in rows]}
@@ -244,8 +265,16 @@ class Trainer:
         batch = Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask}, fields)
         batch = batch.repeat_interleave(n)
         batch.set(GROUP_INDEX, torch.arange(len(rows)).repeat_interleave(n))
-        batch.info["temperature"] = self.sampling.temperature if self.sampling.temperature > 0 else 1.0
+        if self.response_cap is not None:  # benchmarks: the same forced lengths as the groups in flight get
+            batch.set(MAX_NEW_TOKENS, torch.tensor([self.response_cap(first + g, i) for g in range(len(rows))
+                                                    for i in range(n)], dtype=torch.long))
+        batch.info["temperature"] = self.temperature
         return batch
+
+    @property
+    def temperature(self) -> float:
+        """What the trainers divide the logits by, to compare with the rollout's log-probs."""
+        return self.sampling.temperature if self.sampling.temperature > 0 else 1.0
 
     def write_samples(self) -> None:
         """A few (prompt, response, score) triples of the last step, for reading what the policy does."""
@@ -314,16 +343,23 @@ class Trainer:
         if self.episodes is not None:  # multi-turn: one episode per row, played next to the engine
             pending = self.episodes.submit(rollout, batch, params)
         else:
-            pending = rollout.submit("rollout", "generate", batch.select(PROMPT_IDS, PROMPT_MASK), params)
+            keys = (PROMPT_IDS, PROMPT_MASK) + ((MAX_NEW_TOKENS,) if MAX_NEW_TOKENS in batch else ())
+            pending = rollout.submit("rollout", "generate", batch.select(*keys), params)
         return GenerationJob(batch, step, self.rollout_version, pending)
 
     def collect_generation(self, job: GenerationJob, log: StepLog) -> Batch:
-        """Wait for a submitted generation; its responses join the prompt batch."""
-        job.batch.update(log.took("gen", self.groups["rollout"].wait(job.pending)))
+        """Wait for a submitted generation; its responses join the prompt batch (cut to the rows' forced
+        lengths, for an engine that does not stop a row at its own cap)."""
+        out = log.took("gen", self.groups["rollout"].wait(job.pending))
+        if MAX_NEW_TOKENS in job.batch and RESPONSE_MASK in out:
+            out = cap_responses(out, job.batch[MAX_NEW_TOKENS])
+        job.batch.update(out)
         return job.batch
 
     def generate_batch(self, log: StepLog) -> Batch:
         """Prompts -> responses (-> greedy baseline) -> scores, waiting for each phase (the synchronous step)."""
+        if self.in_flight is not None:
+            return self.generate_streamed(log)
         timer, metrics = log.timer, log.metrics
         with timer.phase("data"):
             batch = self.prompt_batch()
@@ -347,6 +383,61 @@ class Trainer:
         if not self.cfg.algorithm.filter_groups:
             with timer.phase("reward"):
                 metrics.update(self.score(batch, log))
+        return batch
+
+    def generate_streamed(self, log: StepLog) -> Batch:
+        """The step's groups from the groups in flight (``hybridrl.run.streaming``): rounds of ``generate_until``
+        until ``data.prompts_per_step`` groups are complete (scored, and with ``algorithm.filter_groups`` kept
+        only where their samples differ), the rest left in flight for the next step."""
+        timer, flight = log.timer, self.in_flight
+        assert flight is not None
+        rollout = self.groups["rollout"]
+        if self.rollout_sleeps:
+            with timer.phase("wake"):
+                rollout.broadcast("rollout", "wake")
+        need = self.cfg.data.prompts_per_step
+        groups = GroupFilter(need, self.cfg.algorithm.max_refills, self.pad_id)
+        scored: list[dict[str, float]] = []
+        with timer.phase("data"):
+            flight.begin_step(self.actor_version, self.next_prompts)
+        taken: list[Batch] = []
+        while True:
+            while flight.needs_more:
+                with timer.phase("gen"):
+                    requests, rows = flight.requests()
+                    salt = flight.step.rounds + 101 * groups.batches
+                    params = dataclasses.replace(self.sampling,
+                                                 seed=self.cfg.trainer.seed * 100_003 + self.step + 7_919 * salt)
+                    out = log.took("gen", rollout.call("rollout", "generate_until", requests, params,
+                                                       flight.share_to_complete()))
+                    flight.absorb(rows, out, self.rollout_version)
+            batch = flight.batch(flight.take(groups.groups_needed - groups.kept_groups))
+            batch.info["temperature"] = self.temperature
+            if self.algo.greedy_baseline:
+                with timer.phase("gen_baseline"):
+                    log.metrics.update(self.greedy_baseline(batch, log))
+            with timer.phase("reward"):
+                scored.append(self.score(batch, log))
+            if not self.cfg.algorithm.filter_groups:
+                taken.append(batch)
+                break
+            groups.add(batch)
+            if groups.full:
+                break
+            groups.check_refill()
+            with timer.phase("data"):
+                flight.top_up(self.next_prompts)
+        flight.end_step()
+        if self.rollout_sleeps:
+            with timer.phase("sleep"):
+                rollout.broadcast("rollout", "sleep")
+        log.metrics.update(merge_batch_metrics(scored))
+        if self.cfg.algorithm.filter_groups:
+            log.metrics.update(groups.metrics())
+            batch = groups.batch()
+        else:
+            batch = taken[0]
+        log.metrics.update(flight.metrics(batch, self.actor_version))
         return batch
 
     def fill_with_informative_groups(self, batch: Batch, log: StepLog) -> Batch:
@@ -421,7 +512,8 @@ class Trainer:
         metrics.update({f"reshard/{k}": float(v) for k, v in reshard.items()})
         resp_tokens = float(batch[RESPONSE_MASK].sum())
         all_tokens = float(response_attention_mask(batch).sum()) + float(batch[PROMPT_MASK].sum())
-        metrics["perf/gen_tokens_per_s"] = resp_tokens / max(timer.seconds["gen"], 1e-9)
+        if timer.seconds.get("gen"):  # (a step of groups completed in flight earlier generates nothing)
+            metrics["perf/gen_tokens_per_s"] = resp_tokens / timer.seconds["gen"]
         if "update_actor" in timer.seconds:
             metrics["perf/train_tokens_per_s"] = all_tokens / max(timer.seconds["update_actor"], 1e-9)
         if ROLLOUT_LOG_PROBS in batch and OLD_LOG_PROBS in batch:  # else the update reports it
