@@ -51,7 +51,8 @@ def test_oversample_one_reproduces_the_synchronous_steps(tmp_path, ray_local):
 def test_oversampled_steps_train_complete_groups_and_carry_the_rest(tmp_path, ray_local):
     # long, ragged responses: forced lengths 1..12 tokens (ignore_eos), 8 groups in flight for 4 a step
     trainer = started(tmp_path, ["roles.rollout.oversample=2", "roles.rollout.max_new_tokens=12",
-                                 "roles.rollout.ignore_eos=true", "roles.rollout.response_lengths={median: 4, sigma: 1}"])
+                                 "roles.rollout.ignore_eos=true",
+                                 "roles.rollout.response_lengths={median: 4, sigma: 1}"])
     try:
         lags = []
         for _ in range(4):

@@ -281,8 +281,8 @@ class RolloutConfig(RoleBase):
     partial: bool | Literal["auto"] = Field(
         "auto", description="partial rollouts: a sample still generating when its step has its groups keeps its tokens "
                             "and resumes under the next step's weights (tokens at most trainer.max_staleness updates "
-                            "old); false: it starts again; auto: on when oversample > 1 and the backend declares "
-                            "`partial`")
+                            "old); false: its group is dropped (which favours short responses); auto: on when "
+                            "oversample > 1 and the backend declares `partial`")
     response_lengths: ResponseLengthsConfig | None = Field(
         None, description="benchmarks: force each sample's response length, drawn from a lognormal {median, sigma, "
                           "seed} capped at max_new_tokens (with ignore_eos)")

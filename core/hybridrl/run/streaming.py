@@ -7,7 +7,8 @@ complete. The complete groups are trained; the others stay in flight into the ne
 
 * with partial rollouts (``roles.rollout.partial``), an unfinished sample keeps its tokens and is resumed as
   prompt + tokens so far, with the rest of its budget, under the weights of the next step;
-* without, its tokens are thrown away and it starts again.
+* without, its group is dropped and its tokens thrown away: the step trains the groups that finish first, which
+  favours short responses (the bias of over-sampling without partial rollouts).
 
 Every response token records the actor version that sampled it (``token_versions``) beside its behaviour
 log-prob (``rollout_log_probs``), which the truncated importance weight (``algorithm.tis_cap``) corrects with. A
@@ -85,6 +86,7 @@ class StepRollout:
     resumed_tokens: int = 0  # tokens of the trained samples sampled in earlier steps
     thrown_tokens: int = 0  # tokens generated and thrown away (staleness bound, or no partial rollouts)
     carried_groups: int = 0  # groups left in flight for the next step
+    dropped_groups: int = 0  # unfinished groups dropped (without partial rollouts)
 
 
 class GroupsInFlight:
@@ -177,12 +179,13 @@ class GroupsInFlight:
         return done
 
     def end_step(self) -> None:
-        """What stays in flight for the next step (its unfinished samples restart without partial rollouts)."""
+        """What stays in flight for the next step. Without partial rollouts an unfinished group is dropped, its
+        tokens thrown away (restarting it would starve a long sample: shorter new groups always finish first)."""
         if not self.partial:
-            for group in self.groups:
-                for sample in group.samples:
-                    if not sample.finished:
-                        self.step.thrown_tokens += sample.restart()
+            unfinished = [g for g in self.groups if not g.complete]
+            self.step.thrown_tokens += sum(len(s.tokens) for g in unfinished for s in g.samples)
+            self.step.dropped_groups = len(unfinished)
+            self.groups = [g for g in self.groups if g.complete]
         self.step.carried_groups = len(self.groups)
 
     # --- the training batch ---------------------------------------------------------------------------
@@ -227,7 +230,8 @@ class GroupsInFlight:
                 "rollout/resumed_tokens": float(self.step.resumed_tokens),
                 "rollout/thrown_tokens": float(self.step.thrown_tokens),
                 "rollout/rounds": float(self.step.rounds),
-                "rollout/groups_carried": float(self.step.carried_groups)}
+                "rollout/groups_carried": float(self.step.carried_groups),
+                "rollout/groups_dropped": float(self.step.dropped_groups)}
 
     # --- Stateful -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
