@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One measurement on the GPU host, after the engine's wheels were unpacked into SITE (see benchmarks/gpu/README.md).
-#   bash benchmarks/gpu/measure.sh SITE STEP [ARGS...]     STEP: env | install | gen-profile | megatron | grpo | model-sizes | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests
+#   bash benchmarks/gpu/measure.sh SITE STEP [ARGS...]     STEP: env | install | long-tail | gen-profile | megatron | grpo | model-sizes | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests
 # Figures and logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 site=$1 step=$2; shift 2
@@ -44,5 +44,7 @@ case $step in
           for f in tests/sglang/test_sglang_engine.py tests/sglang/test_sglang_kit.py; do
             python3 -m pytest -q -s -p no:cacheprovider -rfE "$f" "$@"
           done 2>&1 | tee "$OUT/sglang_tests.log" ;;
+  long-tail)  # reasoning-length GRPO steps, one arm per scheduling mode (benchmarks/long_tail.py)
+        python3 benchmarks/long_tail.py --out-dir "$OUT" --log-dir "$OUT" "$@" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -67,6 +67,8 @@ def with_algorithm_roles(cfg: RunConfig, registry: Registry) -> tuple[RunConfig,
         cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"tis_cap": DEFAULT_TIS_CAP})})
         notes.append(f"roles.rollout.oversample/partial: algorithm.tis_cap={DEFAULT_TIS_CAP} (truncated importance "
                      "sampling corrects for tokens sampled by older weights; algorithm.tis_cap=null turns it off)")
+    if streams(cfg) and cfg.trainer.sync_check_every:
+        notes.append("trainer.sync_check_every is not run with groups in flight (roles.rollout.oversample/partial)")
     if cfg.trainer.pipelined and cfg.trainer.sync_check_every:
         notes.append("trainer.sync_check_every is not run with trainer.pipelined (the rollout generates while the "
                      "actor trains)")

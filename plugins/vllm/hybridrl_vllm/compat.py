@@ -171,12 +171,15 @@ def can_generate_direct(llm: Any) -> bool:
             and hasattr(core, "engine_core") and hasattr(core, "get_output"))
 
 
-def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_request: Any = None
+def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_request: Any = None,
+                    stop_when: Callable[[list[bool]], bool] | None = None
                     ) -> list[tuple[list[int], list[float] | None]]:
     """``(token_ids, sampled log-probs or None)`` per prompt, in order: the in-process engine core stepped
     directly, without ``LLMEngine``'s output processor (no ``RequestOutput`` objects, no per-step bookkeeping of
     each request in Python: the decode loop is CPU-bound at small models and large batches). Needs the
-    in-process client (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and no stop strings (nothing is detokenized)."""
+    in-process client (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and no stop strings (nothing is detokenized).
+    ``stop_when(finished)``, asked after every engine step with which prompts have finished, ends the loop
+    early: the unfinished requests are aborted and return their tokens so far."""
     import torch
 
     engine = llm.llm_engine
@@ -193,6 +196,7 @@ def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_reques
             core.add_request(request)
             index[request.request_id] = i
         left = len(index)
+        finished = [False] * len(prompts)
         with torch.inference_mode():
             while left:
                 for out in core.get_output().outputs:
@@ -202,6 +206,10 @@ def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_reques
                         logps[i].extend(float(v) for v in out.new_logprobs.logprobs[:, 0])
                     if out.finish_reason is not None:
                         left -= 1
+                        finished[i] = True
+                if left and stop_when is not None and stop_when(finished):
+                    core.abort_requests([rid for rid, i in index.items() if not finished[i]])
+                    break
     except BaseException:  # a failure midway: nothing keeps decoding for nobody
         core.abort_requests(list(index))
         raise

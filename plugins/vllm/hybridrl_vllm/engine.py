@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch
+from hybridrl.batch import FINISHED, GROUP_INDEX, PROMPT_IDS, PROMPT_MASK, Batch, groups_to_complete
 from hybridrl.engines import (
     DataParallelInfo,
     EngineContext,
@@ -56,7 +56,7 @@ from hybridrl_vllm.options import (
 )
 from hybridrl_vllm.packing import sampled_logprobs
 from hybridrl_vllm.requests import RequestPump
-from hybridrl_vllm.sampling import per_request_kwargs, resolve_seed_mode
+from hybridrl_vllm.sampling import per_request_kwargs, resolve_seed_mode, with_row_caps
 from hybridrl_vllm.sleep import KV_CACHE, KV_ONLY, SleepState
 from hybridrl_vllm.weights import tied_aliases, with_aliases
 
@@ -263,8 +263,8 @@ class VLLMRollout(RolloutEngine):
         if not prompts:
             return pack_responses([], [], width, self.pad_id)
         check_context(prompts, width, self.context_length)
-        rows = per_request_kwargs(params, self.eos_ids, len(prompts), self.layout.replica, self.seed_mode,
-                                  self.flat_logprobs)
+        rows = with_row_caps(per_request_kwargs(params, self.eos_ids, len(prompts), self.layout.replica,
+                                                self.seed_mode, self.flat_logprobs), batch)
         requests, sampling = compat.tokens_prompts(prompts), compat.make_sampling_params(rows)
         engine_start = time.perf_counter()
         results = compat.generate_tokens(self.llm, requests, sampling,
@@ -277,6 +277,48 @@ class VLLMRollout(RolloutEngine):
         self.generate_timing = {"prepare_s": engine_start - start, "engine_s": engine_end - engine_start,
                                 "pack_s": time.perf_counter() - engine_end}
         return packed
+
+    @torch.inference_mode()
+    def generate_until(self, batch: Batch, params: SamplingParams, share: float) -> Batch:
+        """See ``RolloutEngine.generate_until``: the engine core is stepped directly (as ``generate`` does) and,
+        once ``groups_to_complete(group_index, share)`` groups have every row finished, the other requests are
+        aborted and return their tokens so far. Every tensor-parallel rank sees the same outputs, so all stop at
+        the same step."""
+        if self.importing:
+            raise RuntimeError("VLLMRollout.generate_until called during a weight import")
+        if not compat.can_generate_direct(self.llm):
+            return super().generate_until(batch, params, share)
+        self.state.on_generate()
+        width = int(params.max_new_tokens)
+        prompts = unpad_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])
+        if not prompts:
+            out = pack_responses([], [], width, self.pad_id)
+            out.set(FINISHED, torch.zeros(0, dtype=torch.bool))
+            return out
+        check_context(prompts, width, self.context_length)
+        rows = with_row_caps(per_request_kwargs(params, self.eos_ids, len(prompts), self.layout.replica,
+                                                self.seed_mode, self.flat_logprobs), batch)
+        groups = batch[GROUP_INDEX]
+        needed = groups_to_complete(groups, share)
+        members: dict[int, list[int]] = {}
+        for row, group in enumerate(groups.tolist()):
+            members.setdefault(int(group), []).append(row)
+
+        def enough(finished: list[bool]) -> bool:
+            return sum(all(finished[r] for r in rs) for rs in members.values()) >= needed
+
+        sampling = compat.make_sampling_params(rows)
+        per_row = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        results = compat.generate_direct(self.llm, compat.tokens_prompts(prompts), per_row,
+                                         lora_request=self.lora.request() if self.lora is not None else None,
+                                         stop_when=enough)
+        tokens = [ids for ids, _ in results]
+        out = pack_responses(tokens, [lp for _, lp in results] if params.logprobs else None, width, self.pad_id)
+        caps = [r["max_tokens"] for r in rows]
+        stop = set(self.eos_ids) if not params.ignore_eos else set()
+        out.set(FINISHED, torch.tensor([len(t) >= cap or (bool(t) and t[-1] in stop) for t, cap in zip(tokens, caps)],
+                                       dtype=torch.bool))
+        return out
 
     # --- single requests (multi-turn episodes) ---------------------------------------------------------------
     def generate_episodes(self, batch: Batch, params: SamplingParams, environment: Any) -> Batch:

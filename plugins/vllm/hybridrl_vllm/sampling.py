@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hybridrl.batch import MAX_NEW_TOKENS, Batch
 from hybridrl.engines import SamplingParams
 from hybridrl.rollout.common import request_seeds
 
@@ -67,3 +68,15 @@ def per_request_kwargs(params: SamplingParams, eos_ids: Sequence[int], rows: int
         return [shared] * rows
     return [{**shared, "seed": s} for s in seeds]
 
+
+
+def with_row_caps(rows: list[dict[str, Any]], batch: Batch) -> list[dict[str, Any]]:
+    """``rows`` with each request's ``max_tokens`` set to its row's ``max_new_tokens`` cap, when the batch has
+    one (at least 1: the driver never sends a row with nothing left to generate; ``min_tokens`` lowered to fit)."""
+    if MAX_NEW_TOKENS not in batch:
+        return rows
+    capped = []
+    for kwargs, cap in zip(rows, batch[MAX_NEW_TOKENS].tolist()):
+        cap = max(1, min(int(cap), kwargs["max_tokens"]))
+        capped.append({**kwargs, "max_tokens": cap, "min_tokens": min(kwargs["min_tokens"], cap)})
+    return capped
