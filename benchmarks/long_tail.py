@@ -154,7 +154,10 @@ def summary(args: argparse.Namespace, arm: str, overrides: list[str], rows: list
             "thrown_tokens": median("rollout/thrown_tokens"), "partial_share": median("rollout/partial_share"),
             "peak_mb": max((r.get("memory/device_peak_mb") or 0.0) for r in rows) or None,
             "response_length_mean": median("response_length/mean"), "reward_mean": [r["reward/mean"] for r in rows],
-            "step_seconds": [r["timing/step"] for r in rows]})
+            "step_seconds": [r["timing/step"] for r in rows],
+            "per_step": [{k: v for k, v in r.items() if k.startswith(("timing/", "rollout/", "async/", "memory/device",
+                                                                      "response_length/", "perf/gen"))}
+                         for r in rows]})
     result["busy_fraction"] = busy.fraction()
     if not result["ok"]:
         result["log_tail"] = log[-6000:]

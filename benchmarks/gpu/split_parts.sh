@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# split_parts.sh FILE OUTDIR UNPACK : FILE cut into parts of 60 MiB, each in OUTDIR/partNN.d with an install.sh that
+# split_parts.sh FILE OUTDIR UNPACK : FILE cut into parts of 56 MiB, each in OUTDIR/partNN.d with an install.sh that
 # gathers the parts on the host in /root/stage_<name of OUTDIR> and, once all are there, runs UNPACK in that folder
 # (where `cat part*` gives FILE back). One part travels per device call (its working tree holds 64 MiB).
 set -euo pipefail
 file=$1 out=$2 unpack=$3
 name=$(basename "$out") work=$(mktemp -d)
-split -b 60m -d "$file" "$work/part"
+split -b 56m -d "$file" "$work/part"
 n=$(ls "$work"/part* | wc -l)
 rm -rf "$out" && mkdir -p "$out"
 for p in "$work"/part*; do

@@ -15,6 +15,7 @@ phase (``memory/phase/<phase>/device_peak_mb``) by ``benchmarks/model_sizes.py``
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -283,8 +284,10 @@ def kv_demand(cfg: RunConfig, shape: ModelShape, dtype_bytes: int, replicas: int
 
 
 def step_workload(cfg: RunConfig) -> dict[str, int]:
-    """What one step asks of the rollout: sequences in the whole step, tokens of the longest one."""
-    return {"sequences": cfg.data.prompts_per_step * cfg.algorithm.n_samples,
+    """What one step asks of the rollout: sequences in the whole step (the groups in flight with
+    ``roles.rollout.oversample``), tokens of the longest one."""
+    groups = math.ceil(cfg.roles.rollout.oversample * cfg.data.prompts_per_step - 1e-9)
+    return {"sequences": groups * cfg.algorithm.n_samples,
             "tokens_per_sequence": cfg.data.max_prompt_len + cfg.roles.rollout.max_new_tokens}
 
 

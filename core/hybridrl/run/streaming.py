@@ -174,8 +174,9 @@ class GroupsInFlight:
         done = [g for g in self.groups if g.complete][:count]
         taken = {id(g) for g in done}
         self.groups = [g for g in self.groups if id(g) not in taken]
-        self.step.resumed_tokens += sum(
-            sum(v < max(s.versions) for v in s.versions) for g in done for s in g.samples if s.versions)
+        for sample in (s for g in done for s in g.samples if s.versions):
+            newest = max(sample.versions)
+            self.step.resumed_tokens += sum(v < newest for v in sample.versions)
         return done
 
     def end_step(self) -> None:
