@@ -109,10 +109,13 @@ def _reshard_lines(cfg: RunConfig, plan, shape) -> list[str]:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from hybridrl.observe.report import write_report
+    from hybridrl.observe.timeline import missing_spans
 
-    written = write_report(args.run, args.out)  # a ReportError: exit 2 (``main``)
+    written = write_report(args.run, args.out, args.step)  # a ReportError: exit 2 (``main``)
     for path in written:
         print(path)
+    if (why := missing_spans(args.run)) is not None:
+        print(f"note: no device timeline: {why}", file=sys.stderr)
     return 0
 
 
@@ -268,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="plots and a Markdown summary of a run, in RUN/report/")
     report.add_argument("run", help="the run folder (trainer.out) holding metrics.jsonl and config.json")
     report.add_argument("--out", help="where to write (default: RUN/report)")
+    report.add_argument("--step", type=int, help="the step whose device timeline is drawn (default: the last)")
     report.set_defaults(func=cmd_report)
     export = sub.add_parser("export", help="the actor of a checkpoint as a Hugging Face model folder")
     export.add_argument("run", help="the run folder (trainer.out) or one checkpoint folder (checkpoints/step_N)")

@@ -57,6 +57,7 @@ from hybridrl.environments.driver import Episodes
 from hybridrl.observe.flops import shared_prompt_roles, step_perf_metrics
 from hybridrl.observe.gc_pauses import gc_pause_metrics
 from hybridrl.observe.memory import peak_memory_metrics
+from hybridrl.observe.spans import SpanLog
 from hybridrl.observe.timing import PhaseTimer
 from hybridrl.observe.tracking import build_trackers
 from hybridrl.rewards.scorer import RewardScorer, on_last_token
@@ -167,6 +168,8 @@ class Trainer:
         self.shared_prompt_roles = shared_prompt_roles(cfg, setup.plan, self.registry)
         self.validator: Validator | None = None  # data.val: built by start, with the rollout it uses
         self.identical_groups = IdenticalGroupsWarning()  # a rollout that does not sample (rollout/identical_groups)
+        #: each step's phases as spans on the plan's devices (spans.jsonl) and device/<pool>.<rank>/busy
+        self.span_log = SpanLog.for_plan(setup.plan, cfg.trainer.out, cfg.algorithm.epochs)
 
     # --- Stateful: what a checkpoint keeps of the driver ------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -428,6 +431,7 @@ class Trainer:
             metrics["rollout/logp_diff"] = float(
                 ((batch[ROLLOUT_LOG_PROBS] - batch[OLD_LOG_PROBS]).abs() * batch[RESPONSE_MASK]).sum()
                 / max(resp_tokens, 1.0))
+        metrics.update(self.span_log.record_step(self.step, timer, step_seconds, int(resp_tokens), int(all_tokens)))
         metrics.update(step_perf_metrics(self.setup.model_path, self.setup.plan, self.cfg.model.dtype,
                                          self.cfg.algorithm.epochs, batch, metrics, self.shared_prompt_roles))
         metrics.update(peak_memory_metrics(self.groups))
