@@ -36,8 +36,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """The device map, the auto choices and the memory per device. Needs no engine installed: a backend whose
     engine is missing here is a warning (``hybridrl train`` refuses it)."""
     from hybridrl.placement.plan import engine_warnings
+    from hybridrl.placement.topology import Topology
     from hybridrl.run.lora_setup import with_lora
-    from hybridrl.run.preflight import check_config, with_algorithm_roles
+    from hybridrl.run.preflight import check_config, check_links, with_algorithm_roles
     from hybridrl.runtime.cluster import detect_cluster
     from hybridrl.tools.sandbox import isolation_warnings
 
@@ -51,9 +52,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     run_cfg, notes = with_algorithm_roles(cfg, registry)
     run_cfg, lora_notes = with_lora(run_cfg, plan, backends)
     auto_notes = _plan_memory(args, run_cfg, plan, registry, backends)
+    link_warnings = check_links(run_cfg, plan, Topology.load(args.topology) if args.topology else None)
     print(plan.render())
     for note in notes + lora_notes + auto_notes:
         print(f"note: {note}")
+    for warning in link_warnings:
+        print(f"WARNING: {warning}")
     if not args.skip_engine_check:
         for warning in engine_warnings(backends):
             print(f"WARNING: {warning}")
@@ -148,7 +152,7 @@ def _train(cfg: RunConfig, overwrite: bool) -> int:
     from hybridrl.tools.sandbox import isolation_warnings
 
     setup = prepare_run(cfg, _registry(cfg), detect_cluster(cfg.cluster), overwrite=overwrite)
-    for warning in isolation_warnings(cfg.environment.tools, cfg.environment.tool_options):
+    for warning in setup.warnings + isolation_warnings(cfg.environment.tools, cfg.environment.tool_options):
         print(f"WARNING: {warning}", file=sys.stderr)
     trainer = Trainer(setup)
     try:
@@ -258,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*")
     plan.add_argument("--cluster", help="declare the cluster as NODESxDEVICES (e.g. 2x8) instead of detecting it")
     plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="device kind of --cluster")
+    plan.add_argument("--topology", metavar="FILE", help="check the plan against the GPU links recorded in FILE "
+                                                         "(JSON, docs/cluster.md) instead of this "
+                                                         "machine's")
     plan.add_argument("--skip-engine-check", action="store_true",
                       help="no warning for backends whose engines are not installed here")
     plan.add_argument("--device-memory", type=float, metavar="GIB",
