@@ -177,3 +177,31 @@ def test_report_of_a_run_without_spans(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "summary.md" in out and TIMELINE_PLOT not in out
     assert err.startswith("note: no device timeline:") and "Traceback" not in err
+
+
+def test_a_real_run_records_spans_and_busy_metrics_that_the_report_reads(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", str(root / "examples" / "quickstart.yaml"),
+                           "trainer.steps=2", "trainer.trackers=[jsonl]", f"trainer.out={out}",
+                           "data.prompts_per_step=4", "algorithm.n_samples=4", "trainer.progress=false"],
+                          capture_output=True, text=True, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = load_spans(out / SPANS_FILE)
+    assert sorted(steps) == [1, 2]
+    by_phase = {s.phase: s for s in steps[2]}
+    assert {"step", "gen", "update_actor", "reshard"} <= set(by_phase)
+    assert by_phase["gen"].role == "rollout" and by_phase["gen"].pool == "main" and by_phase["gen"].ranks == (0,)
+    assert by_phase["gen"].tokens and by_phase["gen"].tokens > 0
+    frame = by_phase["step"]
+    assert all(frame.start <= s.start <= s.end <= frame.end + 1e-3 for s in steps[2])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    busy = [r["device/main.0/busy"] for r in rows]
+    assert all(0.0 < b <= 1.0 for b in busy)
+    written = write_report(out)
+    assert out / "report" / TIMELINE_PLOT in written
+    timeline = json.loads((out / "report" / "summary.json").read_text())["timeline"]
+    assert timeline["step"] == 2 and timeline["devices"]["main.0"]["busy_step"] == pytest.approx(busy[1], abs=1e-4)

@@ -127,6 +127,7 @@ def plot_timeline(spans: RunSpans, step: int, path: Path, figure: Any) -> None:
     """Left: the step, one row per device (and the driver on top), a bar per span coloured by phase. Right:
     each row's busy fraction at every step of the run (a heat map, same rows)."""
     import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
     rows = timeline_rows(spans, step)
     lo, hi = spans.window(step)
@@ -134,7 +135,7 @@ def plot_timeline(spans: RunSpans, step: int, path: Path, figure: Any) -> None:
     phases = list(dict.fromkeys(s.phase for s in step_spans))
     colors = phase_colors(phases)
     labels = [DRIVER] + [label for label, _ in rows]
-    fig = figure(13.0, 1.6 + 0.35 * len(labels))
+    fig = figure(13.0, 2.2 + 0.35 * len(labels))
     grid = fig.add_gridspec(1, 2, width_ratios=(3, 1.4))
     ax = fig.add_subplot(grid[0])
     heat = fig.add_subplot(grid[1], sharey=ax)
@@ -153,8 +154,8 @@ def plot_timeline(spans: RunSpans, step: int, path: Path, figure: Any) -> None:
     ax.set_ylim(len(labels) - 0.5, -0.5)
     ax.set_xlim(0, max(hi - lo, 1e-6))
     ax.set(xlabel=f"seconds into step {step}", title=f"Step {step}: phases per device")
-    ax.legend(loc="upper left", bbox_to_anchor=(0.0, -0.12 - 1.2 / len(labels)), ncol=min(6, len(phases) or 1),
-              fontsize="small")
+    if phases:
+        fig.legend(loc="outside lower center", ncol=min(8, len(phases)), fontsize="small")
     history = spans.busy_by_device()
     steps = list(spans.steps)
     matrix = np.full((len(labels), len(steps)), np.nan)
@@ -164,6 +165,7 @@ def plot_timeline(spans: RunSpans, step: int, path: Path, figure: Any) -> None:
                         interpolation="nearest", extent=(steps[0] - 0.5, steps[-1] + 0.5, len(labels) - 0.5, -0.5))
     heat.tick_params(labelleft=False)
     heat.set(xlabel="step", title="busy fraction per step")
+    heat.xaxis.set_major_locator(MaxNLocator(integer=True))
     heat.axvline(step, color="white", linewidth=0.8, linestyle=":")
-    fig.colorbar(image, ax=heat, fraction=0.08)
+    fig.colorbar(image, ax=heat, fraction=0.08, label="busy")
     fig.savefig(path)
