@@ -181,9 +181,11 @@ def test_links_are_in_the_printed_map_and_in_device_map_json():
     assert "links" not in map_rows([group])[0]  # no topology read: the rows as before
 
 
-def test_cpu_plans_print_no_links(capsys):
+def test_cpu_plans_and_declared_clusters_without_a_file_print_no_links():
     cfg, plan = planned(["pools.main.devices_per_node=2"], ClusterSpec(1, 2, "cpu"))
     assert check_links(cfg, plan) == [] and plan.links_table is None and "links" not in plan.render()
+    cfg, plan = planned([*SPLIT_4_4, "roles.rollout.tensor_parallel=4"])  # a declared 1x8: nothing read
+    assert check_links(cfg, plan) == [] and plan.links_table is None and not plan.topology.known
 
 
 def test_plan_cli_checks_a_recorded_topology(capsys):

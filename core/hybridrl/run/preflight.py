@@ -372,7 +372,8 @@ def check_links(cfg: RunConfig, plan: PlacementPlan, topology: Any = None) -> li
 
     topology = topology if topology is not None else local_topology(plan.cluster)
     plan.topology = topology
-    plan.links_table = render_links(plan, topology) if plan.cluster.device == "cuda" or topology.known else None
+    shown = topology.known or (plan.cluster.device == "cuda" and not plan.cluster.declared)  # why unknown, here
+    plan.links_table = render_links(plan, topology) if shown else None
     return link_warnings(cfg, plan, topology)
 
 
