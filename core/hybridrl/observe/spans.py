@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridrl.errors import HybridRLError
+
 if TYPE_CHECKING:
     from hybridrl.observe.timing import PhaseTimer
     from hybridrl.placement.plan import PlacementPlan
@@ -168,7 +170,7 @@ class SpanLog:
         return busy_metrics(busy_fractions(spans, self.pool_sizes, timer.started, timer.started + step_seconds))
 
 
-class SpansError(ValueError):
+class SpansError(HybridRLError, ValueError):
     """spans.jsonl cannot be read (the report names the line)."""
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridrl.errors import HybridRLError
 from hybridrl.observe.spans import (
     DRIVER,
     SPANS_FILE,
@@ -21,7 +22,7 @@ from hybridrl.observe.spans import (
 TIMELINE_PLOT = "timeline.png"
 
 
-class TimelineError(ValueError):
+class TimelineError(HybridRLError, ValueError):
     """A step or the spans the timeline needs are missing (the report turns it into one sentence)."""
 
 
