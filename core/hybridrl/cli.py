@@ -36,8 +36,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """The device map, the auto choices and the memory per device. Needs no engine installed: a backend whose
     engine is missing here is a warning (``hybridrl train`` refuses it)."""
     from hybridrl.placement.plan import engine_warnings
+    from hybridrl.placement.topology import Topology
     from hybridrl.run.lora_setup import with_lora
-    from hybridrl.run.preflight import check_config, with_algorithm_roles
+    from hybridrl.run.preflight import check_config, check_links, with_algorithm_roles
     from hybridrl.runtime.cluster import detect_cluster
     from hybridrl.tools.sandbox import isolation_warnings
 
@@ -51,9 +52,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     run_cfg, notes = with_algorithm_roles(cfg, registry)
     run_cfg, lora_notes = with_lora(run_cfg, plan, backends)
     auto_notes = _plan_memory(args, run_cfg, plan, registry, backends)
+    link_warnings = check_links(run_cfg, plan, Topology.load(args.topology) if args.topology else None)
     print(plan.render())
     for note in notes + lora_notes + auto_notes:
         print(f"note: {note}")
+    for warning in link_warnings:
+        print(f"WARNING: {warning}")
     if not args.skip_engine_check:
         for warning in engine_warnings(backends):
             print(f"WARNING: {warning}")
@@ -109,10 +113,13 @@ def _reshard_lines(cfg: RunConfig, plan, shape) -> list[str]:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from hybridrl.observe.report import write_report
+    from hybridrl.observe.timeline import missing_spans
 
-    written = write_report(args.run, args.out)  # a ReportError: exit 2 (``main``)
+    written = write_report(args.run, args.out, args.step)  # a ReportError: exit 2 (``main``)
     for path in written:
         print(path)
+    if (why := missing_spans(args.run)) is not None:
+        print(f"note: no device timeline: {why}", file=sys.stderr)
     return 0
 
 
@@ -145,7 +152,7 @@ def _train(cfg: RunConfig, overwrite: bool) -> int:
     from hybridrl.tools.sandbox import isolation_warnings
 
     setup = prepare_run(cfg, _registry(cfg), detect_cluster(cfg.cluster), overwrite=overwrite)
-    for warning in isolation_warnings(cfg.environment.tools, cfg.environment.tool_options):
+    for warning in setup.warnings + isolation_warnings(cfg.environment.tools, cfg.environment.tool_options):
         print(f"WARNING: {warning}", file=sys.stderr)
     trainer = Trainer(setup)
     try:
@@ -255,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*")
     plan.add_argument("--cluster", help="declare the cluster as NODESxDEVICES (e.g. 2x8) instead of detecting it")
     plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="device kind of --cluster")
+    plan.add_argument("--topology", metavar="FILE", help="check the plan against the GPU links recorded in FILE "
+                                                         "(JSON, docs/cluster.md) instead of this "
+                                                         "machine's")
     plan.add_argument("--skip-engine-check", action="store_true",
                       help="no warning for backends whose engines are not installed here")
     plan.add_argument("--device-memory", type=float, metavar="GIB",
@@ -268,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="plots and a Markdown summary of a run, in RUN/report/")
     report.add_argument("run", help="the run folder (trainer.out) holding metrics.jsonl and config.json")
     report.add_argument("--out", help="where to write (default: RUN/report)")
+    report.add_argument("--step", type=int, help="the step whose device timeline is drawn (default: the last)")
     report.set_defaults(func=cmd_report)
     export = sub.add_parser("export", help="the actor of a checkpoint as a Hugging Face model folder")
     export.add_argument("run", help="the run folder (trainer.out) or one checkpoint folder (checkpoints/step_N)")

@@ -1,4 +1,5 @@
-"""``hybridrl report RUN``: PNG plots and a Markdown summary of a run, from ``metrics.jsonl`` and ``config.json``.
+"""``hybridrl report RUN``: PNG plots and a Markdown summary of a run, from ``metrics.jsonl`` and ``config.json``
+(and the device timeline from ``spans.jsonl``: ``hybridrl.observe.timeline``).
 
 Everything is computed from the files a run leaves behind (no Ray, no model), so a report can be made on a
 laptop from a run copied off a cluster. Plots use matplotlib's Agg canvas directly (no pyplot, no display).
@@ -13,14 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.errors import HybridRLError
+from hybridrl.observe.spans import DRIVER, PHASE_ROLES
 
-#: the pooled roles whose devices each timed phase keeps busy; phases not listed run in the driver.
-PHASE_ROLES: dict[str, tuple[str, ...]] = {
-    "wake": ("rollout",), "gen": ("rollout",), "sleep": ("rollout",), "ref": ("ref",), "values": ("critic",),
-    "old_log_prob": ("actor",), "update_critic": ("critic",), "update_actor": ("actor",),
-    "reshard": ("actor", "rollout"), "reward": ("reward",), "val": ("rollout",),
-}
-DRIVER = "driver"
 IDLE = "idle"
 
 
@@ -350,10 +345,36 @@ PLOTS = {"reward": "reward.png", "response length": "response_length.png", "time
 EPISODES_PLOT = "episodes.png"  # multi-turn runs only
 
 
-def write_report(run: str | Path, out: str | Path | None = None) -> list[Path]:
-    """Write the plots, ``summary.md`` and ``summary.json`` into ``out`` (default ``RUN/report``)."""
+def run_timeline(run: str | Path, step: int | None) -> tuple[Any, int] | None:
+    """The run's spans and the step to draw (``step``, default the last), or None for a run without spans
+    (an older run) when no step was asked for; a step asked of a run without it is a ``ReportError``."""
+    from hybridrl.observe.timeline import RunSpans, TimelineError, missing_spans
+
+    if step is None and missing_spans(run) is not None:
+        return None
+    try:
+        spans = RunSpans.read(run)
+        return spans, spans.pick(step, run)
+    except TimelineError as exc:
+        raise ReportError(str(exc)) from None
+
+
+def render_timeline(timeline: dict[str, Any]) -> str:
+    lines = ["", f"## Device timeline (step {timeline['step']}, {timeline['step_s']:.3f} s)", "",
+             "| device | busy this step | busy over the run: mean (min-max) |", "|---|---|---|"]
+    lines += [f"| {label} | {100 * d['busy_step']:.1f} % | {100 * d['busy_mean']:.1f} % "
+              f"({100 * d['busy_min']:.0f}-{100 * d['busy_max']:.0f} %) |" for label, d in timeline["devices"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run: str | Path, out: str | Path | None = None, step: int | None = None) -> list[Path]:
+    """Write the plots, ``summary.md`` and ``summary.json`` into ``out`` (default ``RUN/report``); with the run's
+    ``spans.jsonl``, the device timeline of ``step`` (default the last) too."""
+    from hybridrl.observe.timeline import TIMELINE_PLOT, plot_timeline, timeline_summary
+
     rows = load_metrics(run)
     config = load_run_config(run)
+    timeline = run_timeline(run, step)  # before anything is written: a missing step is refused
     out_dir = Path(out) if out is not None else Path(run) / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {name: out_dir / name for name in PLOTS.values()}
@@ -366,8 +387,19 @@ def write_report(run: str | Path, out: str | Path | None = None) -> list[Path]:
         plots["episodes"] = EPISODES_PLOT
         paths[EPISODES_PLOT] = out_dir / EPISODES_PLOT
         plot_episodes(rows, paths[EPISODES_PLOT])
+    extra: dict[str, Any] = {}
+    if timeline is not None:
+        spans, chosen = timeline
+        plots["device timeline"] = TIMELINE_PLOT
+        paths[TIMELINE_PLOT] = out_dir / TIMELINE_PLOT
+        plot_timeline(spans, chosen, paths[TIMELINE_PLOT], _figure)
+        extra["timeline"] = timeline_summary(spans, chosen)
     summary = summarize(rows, config)
-    (out_dir / "summary.md").write_text(render_summary(summary, plots, config))
-    (out_dir / "summary.json").write_text(json.dumps({**asdict(summary), "device_seconds": device_time(config, rows)},
-                                                     indent=2) + "\n")
+    text = render_summary(summary, plots, config)
+    if "timeline" in extra:
+        head, _, tail = text.partition("\n## Plots")
+        text = head.rstrip("\n") + "\n" + render_timeline(extra["timeline"]) + "\n## Plots" + tail
+    (out_dir / "summary.md").write_text(text)
+    (out_dir / "summary.json").write_text(json.dumps({**asdict(summary), "device_seconds": device_time(config, rows),
+                                                      **extra}, indent=2) + "\n")
     return [*paths.values(), out_dir / "summary.md", out_dir / "summary.json"]

@@ -119,6 +119,8 @@ class PlacementPlan:
     memory_table: str | None = None  # the memory estimate (placement.memory.render_memory), printed with the map
     memory: Any = None  # that estimate (placement.memory.MemoryEstimate): an out-of-memory answer quotes it
     placements: dict[str, PoolPlacement] = field(default_factory=dict)  # pool -> how Ray places it
+    topology: Any = None  # the links between the devices (placement.topology.Topology), when read
+    links_table: str | None = None  # those links inside each pool (placement.links.render_links), printed with the map
 
     def nodes_of(self, role: str) -> list[int]:
         """The (logical) nodes a role's devices are on, in rank order, each once."""
@@ -231,6 +233,8 @@ class PlacementPlan:
         if self.pipelined_staleness is not None and "rollout" in self.role_pool:
             lines.append(f"pipelined: pool '{self.role_pool['rollout']}' generates step k+1 while step k trains "
                          f"(batches at most {self.pipelined_staleness} update(s) stale)")
+        if self.links_table:
+            lines.append(self.links_table)
         if self.memory_table:
             lines.append(self.memory_table)
         return "\n".join(lines)

@@ -45,6 +45,7 @@ class RunSetup:
     model_signatures: dict[str, Any] = field(default_factory=dict)  # trained role -> model shape (hybridrl.run.compat)
     val_prompts: list[Any] | None = None  # tokenised validation prompts (data.val)
     memory: Any = None  # the plan's memory estimate with the auto choices (placement.memory.MemoryEstimate)
+    warnings: list[str] = field(default_factory=list)  # what may make the run slow, printed before it starts
 
 
 def with_algorithm_roles(cfg: RunConfig, registry: Registry) -> tuple[RunConfig, list[str]]:
@@ -353,6 +354,7 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
     assert plan is not None and prompts is not None and auto is not None
     run_cfg = auto.cfg
     notes = notes + auto.notes()
+    warnings = check_links(run_cfg, plan)
     # --- every check has passed: from here on the run writes into trainer.out ---
     notes = folder.notes + notes
     try:
@@ -369,7 +371,34 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
     return RunSetup(run_cfg, registry, backends, plan, model_path, tokenizer, list(prompts), rules,
                     prompts.dropped, role_model_paths(run_cfg), notes, resume_from=folder.resume_from,
                     model_signatures=signatures or {},
-                    val_prompts=list(val_prompts) if val_prompts is not None else None, memory=auto.estimate)
+                    val_prompts=list(val_prompts) if val_prompts is not None else None, memory=auto.estimate,
+                    warnings=warnings)
+
+
+def check_links(cfg: RunConfig, plan: PlacementPlan, topology: Any = None) -> list[str]:
+    """The plan against the links between its devices (``topology``, default this machine's through NVML):
+    the links go into the printed device map, and each parallel group or colocated pool without NVLink
+    between its devices is a warning (``hybridrl.placement.links``)."""
+    from hybridrl.placement.links import link_warnings, render_links
+
+    topology = topology if topology is not None else local_topology(plan.cluster)
+    plan.topology = topology
+    shown = topology.known or (plan.cluster.device == "cuda" and not plan.cluster.declared)  # why unknown, here
+    plan.links_table = render_links(plan, topology) if shown else None
+    return link_warnings(cfg, plan, topology)
+
+
+def local_topology(cluster: ClusterSpec) -> Any:
+    """This machine's GPU links, when the cluster is this one machine; else unknown, saying why."""
+    from hybridrl.placement.topology import Topology, read_local_topology
+
+    if cluster.device != "cuda":
+        return Topology.unknown("CPU slots")
+    if cluster.declared:
+        return Topology.unknown("a declared cluster (hybridrl plan --topology FILE checks a recorded one)")
+    if cluster.nodes > 1:
+        return Topology.unknown("read on one machine only; the links of several nodes are not read yet")
+    return read_local_topology()
 
 
 def resolve_run_auto(cfg: RunConfig, plan: PlacementPlan, registry: Registry, backends: dict[str, BackendEntry],

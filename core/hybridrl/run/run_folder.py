@@ -3,7 +3,7 @@
 A run never mixes with another one and never deletes one. It continues the run in its folder (a resume
 from a checkpoint there), or starts in a folder that holds no previous run: absent, empty, or holding only
 what a run writes before its first step (``config.json``, the tiny models, an empty ``samples.jsonl``).
-Anything else (metrics, samples, checkpoints, tracker folders, files that are not a run's) is refused,
+Anything else (metrics, phase spans, samples, checkpoints, tracker folders, files that are not a run's) is refused,
 unless ``hybridrl train --overwrite``, which renames the folder to a sibling ``<name>.old-<time>`` first.
 Everything here runs in pre-flight, before anything is written.
 """
@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridrl.observe.spans import SPANS_FILE
 from hybridrl.run import checkpoint as ckpt
 from hybridrl.run.faults import not_writable
 from hybridrl.run.run_lock import LOCK_FILE, refuse_if_live
@@ -35,7 +36,7 @@ def previous_run(out: Path) -> list[str]:
     held = []
     for entry in sorted(out.iterdir()):
         name = entry.name
-        if name in ("samples.jsonl", "metrics.jsonl"):
+        if name in ("samples.jsonl", "metrics.jsonl", SPANS_FILE):
             rows = _rows(entry)
             if rows:
                 held.append(f"{name} ({rows} row{'s' if rows != 1 else ''})")

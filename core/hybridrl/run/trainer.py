@@ -59,6 +59,7 @@ from hybridrl.environments.driver import Episodes
 from hybridrl.observe.flops import shared_prompt_roles, step_perf_metrics
 from hybridrl.observe.gc_pauses import gc_pause_metrics
 from hybridrl.observe.memory import peak_memory_metrics
+from hybridrl.observe.spans import SpanLog
 from hybridrl.observe.timing import PhaseTimer
 from hybridrl.observe.tracking import build_trackers
 from hybridrl.rewards.scorer import RewardScorer, on_last_token
@@ -177,6 +178,8 @@ class Trainer:
             cfg.data.prompts_per_step, cfg.algorithm.n_samples, r.oversample,
             partial_rollouts(cfg, setup.backends["rollout"].can("partial")), cfg.trainer.max_staleness,
             r.max_new_tokens, self.pad_id, self.response_cap) if streams(cfg) else None
+        #: each step's phases as spans on the plan's devices (spans.jsonl) and device/<pool>.<rank>/busy
+        self.span_log = SpanLog.for_plan(setup.plan, cfg.trainer.out, cfg.algorithm.epochs)
 
     # --- Stateful: what a checkpoint keeps of the driver ------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -520,6 +523,7 @@ class Trainer:
             metrics["rollout/logp_diff"] = float(
                 ((batch[ROLLOUT_LOG_PROBS] - batch[OLD_LOG_PROBS]).abs() * batch[RESPONSE_MASK]).sum()
                 / max(resp_tokens, 1.0))
+        metrics.update(self.span_log.record_step(self.step, timer, step_seconds, int(resp_tokens), int(all_tokens)))
         metrics.update(step_perf_metrics(self.setup.model_path, self.setup.plan, self.cfg.model.dtype,
                                          self.cfg.algorithm.epochs, batch, metrics, self.shared_prompt_roles))
         metrics.update(peak_memory_metrics(self.groups))

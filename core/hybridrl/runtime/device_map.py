@@ -49,13 +49,19 @@ def this_worker_location() -> WorkerLocation:
     return WorkerLocation(context.get_node_id(), ray.util.get_node_ip_address(), gpus, os.getpid())
 
 
-def map_rows(groups: Iterable[WorkerGroup]) -> list[dict[str, Any]]:
-    """One row per rank of every group: the plan's device and where the rank runs."""
+def map_rows(groups: Iterable[WorkerGroup], topology: Any = None) -> list[dict[str, Any]]:
+    """One row per rank of every group: the plan's device and where the rank runs; with a known topology
+    (``hybridrl.placement.topology``), ``links``: the link to each other rank of the group on its node."""
+    from hybridrl.placement.links import rank_links
+
     rows = []
     for group in groups:
         for rank, location in enumerate(group.locations):
-            rows.append({"group": group.plan.name, "pool": group.plan.pool, "roles": list(group.plan.roles),
-                         "rank": rank, "planned": str(group.plan.devices[rank]), **asdict(location)})
+            row = {"group": group.plan.name, "pool": group.plan.pool, "roles": list(group.plan.roles),
+                   "rank": rank, "planned": str(group.plan.devices[rank]), **asdict(location)}
+            if topology is not None and topology.known:
+                row["links"] = rank_links(topology, group.plan.devices, rank)
+            rows.append(row)
     return rows
 
 
@@ -81,9 +87,9 @@ def render_device_map(groups: Iterable[WorkerGroup]) -> str:
 DEVICE_MAP_FILE = "device_map.json"
 
 
-def write_device_map(out: str | Path, groups: Iterable[WorkerGroup]) -> Path:
+def write_device_map(out: str | Path, groups: Iterable[WorkerGroup], topology: Any = None) -> Path:
     path = Path(out) / DEVICE_MAP_FILE
-    path.write_text(json.dumps(map_rows(groups), indent=2))
+    path.write_text(json.dumps(map_rows(groups, topology), indent=2))
     return path
 
 

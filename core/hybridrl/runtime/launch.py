@@ -106,7 +106,7 @@ def start_worker_groups(cfg: RunConfig, plan: PlacementPlan, deadline: CallDeadl
             role_groups[role] = group
     log.info("%s", render_device_map(unique_groups(role_groups)))
     if os.path.isdir(cfg.trainer.out):  # the trainer made it: the map stays with the run
-        write_device_map(cfg.trainer.out, unique_groups(role_groups))
+        write_device_map(cfg.trainer.out, unique_groups(role_groups), plan.topology)
     return role_groups, placement_groups
 
 
