@@ -101,7 +101,8 @@ def capped_problems(out: Batch, prompts: Sequence[Sequence[int]], caps: Sequence
             continue
         diff = (out[ROLLOUT_LOG_PROBS][i, :len(got)] - full[ROLLOUT_LOG_PROBS][i, :len(got)]).abs()
         if diff.numel() and float(diff.max()) > logprob_atol:
-            problems.append(f"row {i}: rollout_log_probs differ from the uncapped run's by up to {float(diff.max()):.2e}")
+            problems.append(f"row {i}: rollout_log_probs differ from the uncapped run's by up to "
+                            f"{float(diff.max()):.2e}")
     return problems
 
 
