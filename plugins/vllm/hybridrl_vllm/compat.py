@@ -251,9 +251,9 @@ def generate_direct_until(llm: Any, prompts: list[Any], params: list[Any], on_fi
     ended = [False] * len(prompts)
     index = _add_direct(llm, prompts, params, lora_request)
     try:
-        stop = False
+        stop, left = False, len(index)
         with torch.inference_mode():
-            while not stop and not all(ended):
+            while left and not stop:
                 for out in core.get_output().outputs:
                     i = index.get(out.request_id)
                     if i is None or ended[i]:
@@ -262,7 +262,7 @@ def generate_direct_until(llm: Any, prompts: list[Any], params: list[Any], on_fi
                     if out.new_logprobs is not None and logps[i] is not None:
                         logps[i].extend(float(v) for v in out.new_logprobs.logprobs[:, 0])
                     if out.finish_reason is not None:
-                        ended[i] = True
+                        ended[i], left = True, left - 1
                         stop = on_finish(i) or stop
     except BaseException:  # a failure midway: nothing keeps decoding for nobody
         core.abort_requests([rid for rid, i in index.items() if not ended[i]])
@@ -307,8 +307,8 @@ def generate_requests_until(llm: Any, prompts: list[Any], params: list[Any], on_
     try:
         for request_id, i in ids.items():
             add_request(llm, request_id, prompts[i], deltas(params[i]), lora_request=lora_request)
-        stop = False
-        while not stop and not all(ended):
+        stop, left = False, len(ids)
+        while left and not stop:
             for out in step(llm):
                 i = ids.get(out.request_id)
                 if i is None or ended[i]:
@@ -318,7 +318,7 @@ def generate_requests_until(llm: Any, prompts: list[Any], params: list[Any], on_
                 if logps[i] is not None and new:
                     logps[i].extend(sampled_logprobs(new, out.outputs[0].logprobs))
                 if out.finished:
-                    ended[i] = True
+                    ended[i], left = True, left - 1
                     stop = on_finish(i) or stop
     except BaseException:
         abort_requests(llm, [rid for rid, i in ids.items() if not ended[i]])
