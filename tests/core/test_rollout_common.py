@@ -7,7 +7,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, left_pad
+from hybridrl.batch import (
+    MAX_NEW_TOKENS,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    Batch,
+    complete_groups,
+    left_pad,
+)
 from hybridrl.rollout import common
 
 
@@ -70,6 +78,33 @@ class _Opts:
     enforce_eager: bool | None = None
     seed_mode: str = "auto"
     extra: dict = field(default_factory=dict)
+
+
+def test_row_caps_clamp_to_the_width_and_context_checks_each_rows_budget():
+    batch = Batch.from_tensors({MAX_NEW_TOKENS: torch.tensor([3, 0, 12, -1])})
+    assert common.row_caps(batch, 8) == [3, 0, 8, 0]
+    assert common.row_caps(Batch.from_tensors({"x": torch.zeros(2)}), 8) is None
+    # a resumed row (prompt + tokens so far) fits with the rest of its budget, not with the whole width
+    common.check_context([[1] * 10, [1] * 4], [2, 8], context_length=12)
+    with pytest.raises(ValueError, match="row 0: prompt of 10 tokens \\+ max_new_tokens=8"):
+        common.check_context([[1] * 10, [1] * 4], 8, context_length=12)
+    with pytest.raises(ValueError, match="row 1: prompt of 4 tokens \\+ max_new_tokens=9"):
+        common.check_context([[1] * 10, [1] * 4], [2, 9], context_length=12)
+
+
+def test_group_completion_counts_groups_as_their_last_row_ends():
+    groups = [5, 5, 7, 9, 9, 9]
+    done = common.GroupCompletion(groups, groups_needed=2)
+    finished = torch.zeros(6, dtype=torch.bool)
+    for row in (0, 3, 3, 4, 2):  # a repeated row counts once
+        assert not done.done
+        done.finish(row)
+        finished[row] = True
+        assert done.complete == complete_groups(torch.tensor(groups), finished)
+    assert done.complete == 1 and not done.done  # group 7 only: 5 and 9 each wait for a row
+    done.finish(1)
+    assert done.done and done.complete == 2 and done.finished == [True, True, True, True, True, False]
+    assert common.GroupCompletion([], 0).done
 
 
 def test_options_unset_keys_keep_the_defaults():

@@ -31,7 +31,15 @@ from hybridrl_sglang.distributed import SGLangBroadcastBridge, flat_nbytes, pack
 from hybridrl_sglang.options import SGLangOptions, engine_kwargs, split_known
 from hybridrl_sglang.packing import parse_output, renormalise
 from hybridrl_sglang.parallel import engine_devices
-from hybridrl_sglang.sampling import BAN, Phase, per_request, phase_sampling, phases, top_logprobs_wanted
+from hybridrl_sglang.sampling import (
+    BAN,
+    Phase,
+    per_request,
+    phase_budgets,
+    phase_sampling,
+    phases,
+    top_logprobs_wanted,
+)
 from hybridrl_sglang.sleep import KV_CACHE, WEIGHTS, MemoryState
 
 
@@ -562,6 +570,42 @@ def test_engine_greedy_outputs_follow_the_model(fake_engine, min_new, ignore_eos
     if min_new:
         assert (out[RESPONSE_MASK].sum(1) >= min_new).all()
         assert len([c for c in fake_engine["fake"].calls if c[0] == "generate"]) == 2
+
+
+def test_phase_budgets_cut_each_phase_to_the_rows_cap():
+    ban, rest = phases(SamplingParams(max_new_tokens=8, min_new_tokens=3))
+    assert phase_budgets(ban, [8, 2, 5], [0, 0, 0]) == [3, 2, 3]  # a cap below min_new_tokens ends in the ban
+    assert phase_budgets(rest, [8, 2, 5], [3, 2, 3]) == [5, 0, 2]
+    rows = per_request(SamplingParams(max_new_tokens=8, seed=4, temperature=1.0), rest, [1], 3, 0, "request",
+                       budgets=[5, 0, 2])
+    assert [r["max_new_tokens"] for r in rows] == [5, 0, 2]
+    assert [r["sampling_seed"] for r in rows] == [r["sampling_seed"] for r in per_request(
+        SamplingParams(max_new_tokens=8, seed=4, temperature=1.0), rest, [1], 3, 0, "request")]
+
+
+@pytest.mark.parametrize("min_new,ignore_eos", [(0, False), (4, False), (0, True)])
+def test_engine_honours_per_row_caps(fake_engine, min_new, ignore_eos):
+    """On the fake engine (the logic around SGLang, not SGLang): each row the first ``cap`` tokens of its
+    uncapped run, at the call's width; a spent row sends no request."""
+    from hybridrl.batch import MAX_NEW_TOKENS
+
+    engine, fake = fake_engine["make"](), fake_engine["fake"]
+    width = 6
+    params = SamplingParams(temperature=0.0, max_new_tokens=width, min_new_tokens=min_new, ignore_eos=ignore_eos)
+    full = engine.generate(_prompts(), params)
+    caps = [2, 0, 5]
+    batch = _prompts()
+    batch.set(MAX_NEW_TOKENS, torch.tensor(caps))
+    fake.calls.clear()
+    out = engine.generate(batch, params)
+    assert out[RESPONSE_IDS].shape == (3, width)
+    for i, cap in enumerate(caps):
+        n = min(cap, int(full[RESPONSE_MASK][i].sum()))
+        assert out[RESPONSE_MASK][i].tolist() == [1] * n + [0] * (width - n)
+        assert out[RESPONSE_IDS][i, :n].tolist() == full[RESPONSE_IDS][i, :n].tolist()
+        torch.testing.assert_close(out[ROLLOUT_LOG_PROBS][i, :n], full[ROLLOUT_LOG_PROBS][i, :n])
+    sent = [row for call in fake.calls if call[0] == "generate" for row in call[1]]
+    assert sent and all(s[:len(PROMPTS[1])] != PROMPTS[1] for s in sent)  # row 1 (cap 0) asked nothing
 
 
 def test_engine_refuses_float32_before_starting_sglang(fake_engine):

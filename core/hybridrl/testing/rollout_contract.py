@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
+from hybridrl.batch import FINISHED, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch, complete_groups
 from hybridrl.engines import SamplingParams
 from hybridrl.testing import backends
+from hybridrl.testing import partial as cut
 from hybridrl.testing.batches import prompt_batch
 from hybridrl.testing.checks import check, layout_problems, reference_problems, stop_problems, violated
 from hybridrl.testing.distribution import frequency_problems, reported_problems
@@ -53,6 +54,14 @@ POSITIONS = ("a left-padded row must decode as its prompt alone: position ids co
 REQUESTS = ("generate_request (capability 'requests') must follow generate's contract: tokens up to and including "
             "the stop token, the log-probs of the sampling distribution, concurrent requests independent")
 NAMED_WEIGHTS = "named_weights (capability 'named_weights') must give the engine's weights under their HF names"
+PARTIAL_CAPS = ("with the 'partial' capability every row must honour its max_new_tokens cap, in generate and "
+                "generate_until: the first cap tokens of an uncapped run (all of it when shorter), at the width of "
+                "params.max_new_tokens, finished")
+PARTIAL_STOP = ("generate_until (capability 'partial') must stop once its share of groups is complete: every row a "
+                "prefix of an uninterrupted run, the rows still running cut short, finished=True exactly on the rows "
+                "that ended (an EOS or the cap)")
+PARTIAL_RESUME = ("a row cut short by generate_until, resubmitted as prompt + its tokens with the rest of its budget, "
+                  "must continue (greedy, same weights) to the tokens of an uninterrupted run")
 
 SAMPLED_SETTINGS = {
     "t1.0": SamplingParams(temperature=1.0, max_new_tokens=KIT_WIDTH, seed=7),
@@ -356,6 +365,92 @@ class RolloutEngineContract(KitBase):
             elif not torch.allclose(got, want, atol=self.logprob_atol, rtol=0):
                 problems.append(f"'{name}' differs from the checkpoint by up to {float((got - want).abs().max()):.3g}")
         check(backend_name, NAMED_WEIGHTS, problems)
+
+    # --- capability 'partial': per-row caps, stopping at a share of groups, resuming -----------------------
+    #: the caps of the kit's prompts in the caps check (some below, some above each row's greedy length)
+    PARTIAL_CAPS: tuple[int, ...] = (1, 3, KIT_WIDTH, 2, 5, KIT_WIDTH - 1)
+
+    @pytest.mark.parametrize("ignore_eos", [False, True])
+    def test_partial_rows_honour_their_caps(self, backend_name: str, rollout: Any, kit_models: KitModels,
+                                            policy_ref: ReferenceModel, ignore_eos: bool) -> None:
+        """Capability ``partial``: the kit's prompts with caps below and at the width, greedy; ``generate`` and
+        ``generate_until`` (each row a group of its own, share 1) must give each row the first ``cap`` tokens
+        of the uncapped run, at the full width, all finished."""
+        self._declares(backend_name, "partial")
+        prompts = kit_models.prompts
+        caps = [self.PARTIAL_CAPS[i % len(self.PARTIAL_CAPS)] for i in range(len(prompts))]
+        params = replace(GREEDY_PARAMS, ignore_eos=ignore_eos)
+        full = rollout.generate(prompt_batch(prompts, kit_models.pad_id), params)
+        batch = cut.requests(prompts, kit_models.pad_id, caps, range(len(prompts)))
+        problems = []
+        for name, out in (("generate", rollout.generate(batch, params)),
+                          ("generate_until", rollout.generate_until(batch, params, 1.0))):
+            shape = cut.layout_problems(out, len(prompts), KIT_WIDTH)
+            if name == "generate_until":
+                shape += cut.finished_problems(out, len(prompts))
+                if not shape and not bool(out[FINISHED].all()):
+                    shape.append(f"share 1.0: every row must finish, finished={out[FINISHED].tolist()}")
+            problems += [f"{name}: {p}" for p in shape or cut.capped_problems(
+                out, prompts, caps, full, policy_ref, self.logprob_atol, self.greedy_tie_tolerance, self.logit_rtol)]
+        check(backend_name, PARTIAL_CAPS, problems)
+
+    def _cut_rows(self, kit_models: KitModels) -> tuple[list[tuple[int, ...]], list[int], list[int]]:
+        """(prompts, caps, groups) of the stopping check: group 0, one row capped at one token, completes at the
+        first step; group 1, every kit prompt with the full width, has rows running to the full width (the kit's
+        model is tuned so that some do). A share of 1/2 needs one group."""
+        prompts = [kit_models.prompts[0], *kit_models.prompts]
+        return prompts, [1] + [KIT_WIDTH] * len(kit_models.prompts), [0] + [1] * len(kit_models.prompts)
+
+    def _cut(self, engine_slot: EngineSlot, rollout: Any, kit_models: KitModels) -> tuple[Batch, Batch]:
+        """(generate_until at share 1/2, the uninterrupted greedy run of the same rows), cached."""
+        prompts, caps, groups = self._cut_rows(kit_models)
+        return engine_slot.cached("partial_cut", lambda: (
+            rollout.generate_until(cut.requests(prompts, kit_models.pad_id, caps, groups), GREEDY_PARAMS, 0.5),
+            rollout.generate(prompt_batch(prompts, kit_models.pad_id), GREEDY_PARAMS)))
+
+    def test_generate_until_stops_at_its_share(self, backend_name: str, engine_slot: EngineSlot, rollout: Any,
+                                               kit_models: KitModels, policy_ref: ReferenceModel) -> None:
+        """Capability ``partial``: two groups, one done after a token, one of rows running eight; share 1/2.
+        The call must return with the first group complete and rows of the second cut short, each a prefix of
+        an uninterrupted run with its log-probs, and ``finished`` true exactly where a row ended."""
+        self._declares(backend_name, "partial")
+        prompts, caps, groups = self._cut_rows(kit_models)
+        out, full = self._cut(engine_slot, rollout, kit_models)
+        problems = cut.layout_problems(out, len(prompts), KIT_WIDTH) + cut.finished_problems(out, len(prompts))
+        check(backend_name, PARTIAL_STOP, problems)
+        problems = cut.cut_problems(out, prompts, caps, full, kit_models.eos_ids, policy_ref, self.logprob_atol,
+                                    self.greedy_tie_tolerance, self.logit_rtol)
+        done = complete_groups(torch.tensor(groups), out[FINISHED])
+        if done < 1:
+            problems.append(f"no group complete (finished={out[FINISHED].tolist()}): share 0.5 of 2 groups needs one")
+        lengths = out[RESPONSE_MASK].sum(1).tolist()
+        whole = full[RESPONSE_MASK].sum(1).tolist()
+        if not any(n < w for n, w in zip(lengths[1:], whole[1:])):
+            problems.append(f"no row was cut short: lengths {lengths[1:]} of group 1, uninterrupted {whole[1:]} (group "
+                            "0 completes after one token; an engine that stops early stops before eight)")
+        check(backend_name, PARTIAL_STOP, problems)
+
+    def test_resumed_greedy_rows_continue_as_uninterrupted(self, backend_name: str, engine_slot: EngineSlot,
+                                                           rollout: Any, kit_models: KitModels,
+                                                           policy_ref: ReferenceModel) -> None:
+        """Capability ``partial``: the rows ``generate_until`` cut short, resubmitted as prompt + their tokens
+        with the rest of their budget (as the driver resumes them), run to the end; each cut row's tokens
+        then the resumed ones must be the uninterrupted greedy run."""
+        self._declares(backend_name, "partial")
+        prompts, caps, _ = self._cut_rows(kit_models)
+        out, full = self._cut(engine_slot, rollout, kit_models)
+        heads = cut.responses(out)
+        open_rows = [i for i, f in enumerate(out[FINISHED].tolist()) if not f]
+        if not open_rows:
+            pytest.skip("generate_until cut no row short (test_generate_until_stops_at_its_share says why)")
+        batch = cut.requests([list(prompts[i]) + heads[i] for i in open_rows], kit_models.pad_id,
+                             [caps[i] - len(heads[i]) for i in open_rows], range(len(open_rows)))
+        resumed = rollout.generate_until(batch, GREEDY_PARAMS, 1.0)
+        problems = cut.layout_problems(resumed, len(open_rows), KIT_WIDTH)
+        check(backend_name, PARTIAL_RESUME, problems)
+        check(backend_name, PARTIAL_RESUME, cut.resumed_problems(
+            [prompts[i] for i in open_rows], [heads[i] for i in open_rows], resumed, full.index(open_rows), policy_ref,
+            self.greedy_tie_tolerance, self.logit_rtol))
 
     @pytest.mark.gpu
     def test_sleep_releases_device_memory(self, backend_name: str, kit_device: str, engine_slot: EngineSlot,

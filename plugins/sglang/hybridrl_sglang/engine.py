@@ -35,6 +35,7 @@ from hybridrl.rollout.common import (
     check_context,
     engine_seed,
     pack_responses,
+    row_caps,
     special_ids,
     unpad_prompts,
 )
@@ -44,7 +45,7 @@ from hybridrl_sglang.options import PoolMemory, SGLangOptions, auto_fraction, ch
 from hybridrl_sglang.packing import Completion, ended, parse_output, renormalise
 from hybridrl_sglang.parallel import engine_devices
 from hybridrl_sglang.requests import generate_one_request
-from hybridrl_sglang.sampling import per_request, phases, top_logprobs_wanted
+from hybridrl_sglang.sampling import per_request, phase_budgets, phases, top_logprobs_wanted
 from hybridrl_sglang.sleep import MemoryState
 
 
@@ -169,7 +170,8 @@ class SGLangRollout(RolloutEngine):
     # --- generation ---------------------------------------------------------------------------------------
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         """See ``RolloutEngine.generate``. Rows are unpadded into ``input_ids`` lists (one request each; a GRPO
-        group's shared prompt is reused through the radix cache) and packed back to ``max_new_tokens`` columns.
+        group's shared prompt is reused through the radix cache) and packed back to ``max_new_tokens`` columns;
+        a batch with ``max_new_tokens`` caps gives each request its row's cap (``phase_budgets``).
         Non-leader ranks of a tensor-parallel replica return zeros (the driver ignores them)."""
         if self.importing:
             raise RuntimeError("SGLangRollout.generate called during a weight import (finish_weight_import first)")
@@ -179,16 +181,20 @@ class SGLangRollout(RolloutEngine):
         want = bool(params.logprobs)
         if not prompts or self.engine is None:
             return pack_responses([[] for _ in prompts], [[] for _ in prompts] if want else None, width, self.pad_id)
-        check_context(prompts, width, self.context_length)
+        caps = row_caps(batch, width)
+        check_context(prompts, width if caps is None else caps, self.context_length)
         top_n = top_logprobs_wanted(params, self.opts.logprob_top_n, self.vocab_size) if want else 0
         tokens: list[list[int]] = [[] for _ in prompts]
         logps: list[list[float]] = [[] for _ in prompts]
         self.inexact_logprobs = 0
         for phase in phases(params):
-            rows = [i for i in range(len(prompts)) if not ended(tokens[i], self.eos_ids) or params.ignore_eos]
+            budgets = phase_budgets(phase, caps, [len(t) for t in tokens]) if caps is not None else None
+            rows = [i for i in range(len(prompts)) if (not ended(tokens[i], self.eos_ids) or params.ignore_eos)
+                    and (budgets is None or budgets[i] > 0)]
             if not rows:
                 break
-            sampling = per_request(params, phase, self.eos_ids, len(prompts), self.layout.replica, self.opts.seed_mode)
+            sampling = per_request(params, phase, self.eos_ids, len(prompts), self.layout.replica, self.opts.seed_mode,
+                                   budgets)
             outputs = compat.generate(self.engine, [prompts[i] + tokens[i] for i in rows],
                                       [sampling[i] for i in rows], top_n, logprobs=want)
             if len(outputs) != len(rows):

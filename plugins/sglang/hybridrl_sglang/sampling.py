@@ -74,14 +74,29 @@ def phase_sampling(params: SamplingParams, phase: Phase, eos_ids: Sequence[int])
 
 
 def per_request(params: SamplingParams, phase: Phase, eos_ids: Sequence[int], rows: int, replica: int,
-                seed_mode: str) -> list[dict[str, Any]]:
+                seed_mode: str, budgets: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """Each row's ``sampling_params`` for one phase; with ``seed_mode="request"`` and a seed each row
-    carries its own ``sampling_seed`` (the same in every phase: SGLang mixes in the position)."""
+    carries its own ``sampling_seed`` (the same in every phase: SGLang mixes in the position). ``budgets``:
+    each row's tokens in this phase (``phase_budgets``: per-row caps), where they differ from the phase's."""
     shared = phase_sampling(params, phase, eos_ids)
     seeds = request_seeds(params.seed, replica, rows) if seed_mode == "request" and not params.greedy else None
     if seeds is None:
-        return [dict(shared) for _ in range(rows)]
-    return [{**shared, "sampling_seed": s} for s in seeds]
+        out = [dict(shared) for _ in range(rows)]
+    else:
+        out = [{**shared, "sampling_seed": s} for s in seeds]
+    if budgets is not None:
+        if len(budgets) != rows:
+            raise ValueError(f"{len(budgets)} phase budgets for {rows} rows")
+        for kwargs, budget in zip(out, budgets):
+            kwargs["max_new_tokens"] = int(budget)
+    return out
+
+
+def phase_budgets(phase: Phase, caps: Sequence[int], lengths: Sequence[int]) -> list[int]:
+    """How many tokens each row may add in ``phase``: the phase's length, cut to what is left of the row's cap
+    (``caps``: each row's ``max_new_tokens``; ``lengths``: its tokens so far). A row of budget 0 sits the phase
+    out. A cap below ``min_new_tokens`` ends its row inside the EOS-banned phase, with no EOS: the cap wins."""
+    return [max(0, min(int(phase.max_new_tokens), int(cap) - int(n))) for cap, n in zip(caps, lengths)]
 
 
 def top_logprobs_wanted(params: SamplingParams, top_n: int, vocab_size: int | None = None) -> int:

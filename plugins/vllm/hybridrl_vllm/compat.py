@@ -6,6 +6,7 @@ The rest of the plugin calls these functions and never touches vLLM internals di
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -171,23 +172,13 @@ def can_generate_direct(llm: Any) -> bool:
             and hasattr(core, "engine_core") and hasattr(core, "get_output"))
 
 
-def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_request: Any = None,
-                    stop_when: Callable[[list[bool]], bool] | None = None
-                    ) -> list[tuple[list[int], list[float] | None]]:
-    """``(token_ids, sampled log-probs or None)`` per prompt, in order: the in-process engine core stepped
-    directly, without ``LLMEngine``'s output processor (no ``RequestOutput`` objects, no per-step bookkeeping of
-    each request in Python: the decode loop is CPU-bound at small models and large batches). Needs the
-    in-process client (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and no stop strings (nothing is detokenized).
-    ``stop_when(finished)``, asked after every engine step with which prompts have finished, ends the loop
-    early: the unfinished requests are aborted and return their tokens so far."""
-    import torch
-
+def _add_direct(llm: Any, prompts: list[Any], params: list[Any], lora_request: Any) -> dict[str, int]:
+    """Queue every prompt on the in-process engine core; ``{request id: prompt position}``. A failure midway
+    aborts the requests already queued."""
     engine = llm.llm_engine
     processor, core = engine.input_processor, engine.engine_core
     tasks = engine.get_supported_tasks()
     index: dict[str, int] = {}
-    tokens: list[list[int]] = [[] for _ in prompts]
-    logps: list[list[float] | None] = [[] if p.logprobs is not None else None for p in params]
     try:
         for i, (prompt, sampling) in enumerate(zip(prompts, params)):
             request = processor.process_inputs(f"hybridrl-{i}", prompt, sampling, supported_tasks=tasks,
@@ -195,8 +186,26 @@ def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_reques
             processor.assign_request_id(request)
             core.add_request(request)
             index[request.request_id] = i
+    except BaseException:
+        core.abort_requests(list(index))
+        raise
+    return index
+
+
+def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_request: Any = None
+                    ) -> list[tuple[list[int], list[float] | None]]:
+    """``(token_ids, sampled log-probs or None)`` per prompt, in order: the in-process engine core stepped
+    directly, without ``LLMEngine``'s output processor (no ``RequestOutput`` objects, no per-step bookkeeping of
+    each request in Python: the decode loop is CPU-bound at small models and large batches). Needs the
+    in-process client (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and no stop strings (nothing is detokenized)."""
+    import torch
+
+    core = llm.llm_engine.engine_core
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logps: list[list[float] | None] = [[] if p.logprobs is not None else None for p in params]
+    index = _add_direct(llm, prompts, params, lora_request)
+    try:
         left = len(index)
-        finished = [False] * len(prompts)
         with torch.inference_mode():
             while left:
                 for out in core.get_output().outputs:
@@ -206,14 +215,129 @@ def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_reques
                         logps[i].extend(float(v) for v in out.new_logprobs.logprobs[:, 0])
                     if out.finish_reason is not None:
                         left -= 1
-                        finished[i] = True
-                if left and stop_when is not None and stop_when(finished):
-                    core.abort_requests([rid for rid, i in index.items() if not finished[i]])
-                    break
     except BaseException:  # a failure midway: nothing keeps decoding for nobody
         core.abort_requests(list(index))
         raise
     return list(zip(tokens, logps))
+
+
+#: ``(token ids, sampled log-probs or None)`` per prompt, and whether each ended (a stop token or its length)
+#: rather than being aborted: what the ``..._until`` generations return.
+Partial = tuple[list[tuple[list[int], list[float] | None]], list[bool]]
+
+
+def generate_tokens_until(llm: Any, prompts: list[Any], params: Any, on_finish: Callable[[int], bool],
+                          lora_request: Any = None) -> Partial:
+    """``generate_tokens`` that may stop early: ``on_finish(position)`` is called as each prompt's request
+    ends and returns whether enough have ended; after the engine step in which it first says so, every request
+    still running is aborted, keeping the tokens it has. The engine is left holding no request of ours, its
+    prefix cache intact (the aborted requests' cached blocks stay valid: no weight changed). Through the engine
+    core (``generate_direct_until``) where the engine allows it, else through ``LLMEngine``'s requests."""
+    per_row = params if isinstance(params, list) else [params] * len(prompts)
+    if can_generate_direct(llm):
+        return generate_direct_until(llm, prompts, per_row, on_finish, lora_request=lora_request)
+    return generate_requests_until(llm, prompts, per_row, on_finish, lora_request=lora_request)
+
+
+def generate_direct_until(llm: Any, prompts: list[Any], params: list[Any], on_finish: Callable[[int], bool],
+                          lora_request: Any = None) -> Partial:
+    """``generate_direct`` stopped by ``on_finish`` (see ``generate_tokens_until``). The engine core's outputs
+    are deltas (the step's new tokens and their log-probs) whatever a request's output kind."""
+    import torch
+
+    core = llm.llm_engine.engine_core
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logps: list[list[float] | None] = [[] if p.logprobs is not None else None for p in params]
+    ended = [False] * len(prompts)
+    index = _add_direct(llm, prompts, params, lora_request)
+    try:
+        stop, left = False, len(index)
+        with torch.inference_mode():
+            while left and not stop:
+                for out in core.get_output().outputs:
+                    i = index.get(out.request_id)
+                    if i is None or ended[i]:
+                        continue
+                    tokens[i].extend(out.new_token_ids)
+                    if out.new_logprobs is not None and logps[i] is not None:
+                        logps[i].extend(float(v) for v in out.new_logprobs.logprobs[:, 0])
+                    if out.finish_reason is not None:
+                        ended[i], left = True, left - 1
+                        stop = on_finish(i) or stop
+    except BaseException:  # a failure midway: nothing keeps decoding for nobody
+        core.abort_requests([rid for rid, i in index.items() if not ended[i]])
+        raise
+    running = [rid for rid, i in index.items() if not ended[i]]
+    if running:  # stopped early: the others keep what they have
+        core.abort_requests(running)
+    _drain(llm)
+    return list(zip(tokens, logps)), ended
+
+
+def _drain(llm: Any) -> None:
+    """Finish the batches an engine core with a batch queue (async scheduling) still has in flight, so that
+    none of their outputs reaches the next call; their tokens belong to aborted requests and are dropped."""
+    inner = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    for _ in range(64):
+        if not getattr(inner, "batch_queue", None):
+            return
+        llm.llm_engine.engine_core.get_output()
+
+
+def unfinished_requests(llm: Any) -> int:
+    """Requests the engine's scheduler still holds (waiting or running); 0 once every one ended or was
+    aborted. Where the scheduler is out of reach: the ``LLMEngine``'s own count."""
+    inner = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    scheduler = getattr(inner, "scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "get_num_unfinished_requests"):
+        return int(scheduler.get_num_unfinished_requests())
+    return int(llm.llm_engine.get_num_unfinished_requests())
+
+
+def generate_requests_until(llm: Any, prompts: list[Any], params: list[Any], on_finish: Callable[[int], bool],
+                            lora_request: Any = None) -> Partial:
+    """``generate_tokens_until`` through ``LLMEngine.add_request``/``step``/``abort_request``: each request set
+    to return only what each step adds (``RequestOutputKind.DELTA``), read as it comes."""
+    from hybridrl_vllm.packing import sampled_logprobs
+
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logps: list[list[float] | None] = [[] if p.logprobs is not None else None for p in params]
+    ended = [False] * len(prompts)
+    ids = {f"hybridrl-until-{i}": i for i in range(len(prompts))}
+    try:
+        for request_id, i in ids.items():
+            add_request(llm, request_id, prompts[i], deltas(params[i]), lora_request=lora_request)
+        stop, left = False, len(ids)
+        while left and not stop:
+            for out in step(llm):
+                i = ids.get(out.request_id)
+                if i is None or ended[i]:
+                    continue
+                new = list(out.outputs[0].token_ids)
+                tokens[i].extend(new)
+                if logps[i] is not None and new:
+                    logps[i].extend(sampled_logprobs(new, out.outputs[0].logprobs))
+                if out.finished:
+                    ended[i], left = True, left - 1
+                    stop = on_finish(i) or stop
+    except BaseException:
+        abort_requests(llm, [rid for rid, i in ids.items() if not ended[i]])
+        raise
+    running = [rid for rid, i in ids.items() if not ended[i]]
+    if running:
+        abort_requests(llm, running)
+    _drain(llm)
+    return list(zip(tokens, logps)), ended
+
+
+def deltas(params: Any) -> Any:
+    """A copy of ``params`` whose request returns, at each step, only the tokens (and log-probs) that step
+    added (``RequestOutputKind.DELTA``; the default, cumulative, would repeat all of them every step)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params = params.clone() if hasattr(params, "clone") else copy.copy(params)
+    params.output_kind = RequestOutputKind.DELTA
+    return params
 
 
 def context_length(llm: Any) -> int | None:

@@ -36,10 +36,12 @@ from hybridrl.engines import (
     WeightBucket,
 )
 from hybridrl.rollout.common import (
+    GroupCompletion,
     ReplicaLayout,
     check_context,
     engine_seed,
     pack_responses,
+    row_caps,
     special_ids,
     unpad_prompts,
 )
@@ -56,7 +58,7 @@ from hybridrl_vllm.options import (
 )
 from hybridrl_vllm.packing import sampled_logprobs
 from hybridrl_vllm.requests import RequestPump
-from hybridrl_vllm.sampling import per_request_kwargs, resolve_seed_mode, with_row_caps
+from hybridrl_vllm.sampling import per_request_kwargs, resolve_seed_mode
 from hybridrl_vllm.sleep import KV_CACHE, KV_ONLY, SleepState
 from hybridrl_vllm.weights import tied_aliases, with_aliases
 
@@ -253,7 +255,7 @@ class VLLMRollout(RolloutEngine):
         tokens (the engine core stepped directly, ``compat.generate_tokens``), and packed back to
         ``max_new_tokens`` columns. ``params.seed`` is mixed with the replica index and the row
         (``seed_mode="request"``), so rows and replicas draw distinct streams and tensor-parallel peers the same
-        one."""
+        one. A batch with ``max_new_tokens`` caps gives each request its row's cap (the width stays)."""
         if self.importing:
             raise RuntimeError("VLLMRollout.generate called during a weight import (finish_weight_import first)")
         self.state.on_generate()
@@ -262,9 +264,12 @@ class VLLMRollout(RolloutEngine):
         prompts = unpad_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])
         if not prompts:
             return pack_responses([], [], width, self.pad_id)
+        caps = row_caps(batch, width)
+        if caps is not None:
+            return self._generate_capped(prompts, caps, params)
         check_context(prompts, width, self.context_length)
-        rows = with_row_caps(per_request_kwargs(params, self.eos_ids, len(prompts), self.layout.replica,
-                                                self.seed_mode, self.flat_logprobs), batch)
+        rows = per_request_kwargs(params, self.eos_ids, len(prompts), self.layout.replica, self.seed_mode,
+                                  self.flat_logprobs)
         requests, sampling = compat.tokens_prompts(prompts), compat.make_sampling_params(rows)
         engine_start = time.perf_counter()
         results = compat.generate_tokens(self.llm, requests, sampling,
@@ -278,46 +283,63 @@ class VLLMRollout(RolloutEngine):
                                 "pack_s": time.perf_counter() - engine_end}
         return packed
 
+    def _generate_capped(self, prompts: list[list[int]], caps: list[int], params: SamplingParams) -> Batch:
+        """``generate`` with each row's own budget; a row of budget 0 gets no request and no token."""
+        width = int(params.max_new_tokens)
+        check_context(prompts, caps, self.context_length)
+        kwargs = per_request_kwargs(params, self.eos_ids, len(prompts), self.layout.replica, self.seed_mode,
+                                    self.flat_logprobs, caps=caps)
+        live = [i for i, cap in enumerate(caps) if cap > 0]
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logps: list[list[float]] = [[] for _ in prompts]
+        if live:
+            results = compat.generate_tokens(self.llm, compat.tokens_prompts([prompts[i] for i in live]),
+                                             compat.make_sampling_params([kwargs[i] for i in live]),
+                                             lora_request=self.lora.request() if self.lora is not None else None)
+            for i, (ids, lps) in zip(live, results):
+                tokens[i], logps[i] = ids, lps or []
+        return pack_responses(tokens, logps if params.logprobs else None, width, self.pad_id)
+
     @torch.inference_mode()
     def generate_until(self, batch: Batch, params: SamplingParams, share: float) -> Batch:
-        """See ``RolloutEngine.generate_until``: the engine core is stepped directly (as ``generate`` does) and,
-        once ``groups_to_complete(group_index, share)`` groups have every row finished, the other requests are
-        aborted and return their tokens so far. Every tensor-parallel rank sees the same outputs, so all stop at
-        the same step."""
+        """See ``RolloutEngine.generate_until``. Every row is queued at once (with ``generate``'s seeds and its
+        own cap) and the engine is stepped; as requests end, the groups whose rows have all ended are counted
+        (``GroupCompletion``), and after the step that completes enough of them the other requests are aborted,
+        keeping their tokens and log-probs so far. No request of the call stays in the engine; the prefix
+        cache stays valid (the aborted rows' blocks hold KV of these weights: a row resumed before the next
+        update reuses them)."""
         if self.importing:
             raise RuntimeError("VLLMRollout.generate_until called during a weight import")
-        if not compat.can_generate_direct(self.llm):
-            return super().generate_until(batch, params, share)
+        if GROUP_INDEX not in batch:
+            raise ValueError(f"generate_until needs '{GROUP_INDEX}' (B,): which rows sample one prompt")
         self.state.on_generate()
         width = int(params.max_new_tokens)
         prompts = unpad_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])
-        if not prompts:
-            out = pack_responses([], [], width, self.pad_id)
-            out.set(FINISHED, torch.zeros(0, dtype=torch.bool))
-            return out
-        check_context(prompts, width, self.context_length)
-        rows = with_row_caps(per_request_kwargs(params, self.eos_ids, len(prompts), self.layout.replica,
-                                                self.seed_mode, self.flat_logprobs), batch)
-        groups = batch[GROUP_INDEX]
-        needed = groups_to_complete(groups, share)
-        members: dict[int, list[int]] = {}
-        for row, group in enumerate(groups.tolist()):
-            members.setdefault(int(group), []).append(row)
+        caps = row_caps(batch, width) or [width] * len(prompts)
+        check_context(prompts, caps, self.context_length)
+        groups = GroupCompletion(batch[GROUP_INDEX].tolist(), groups_to_complete(batch[GROUP_INDEX], share))
+        for i, cap in enumerate(caps):
+            if cap <= 0:
+                groups.finish(i)
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logps: list[list[float]] = [[] for _ in prompts]
+        live = [i for i, cap in enumerate(caps) if cap > 0]
+        if live and not groups.done:
+            kwargs = per_request_kwargs(params, self.eos_ids, len(prompts), self.layout.replica, self.seed_mode,
+                                        self.flat_logprobs, caps=caps)
 
-        def enough(finished: list[bool]) -> bool:
-            return sum(all(finished[r] for r in rs) for rs in members.values()) >= needed
+            def on_finish(position: int) -> bool:
+                groups.finish(live[position])
+                return groups.done
 
-        sampling = compat.make_sampling_params(rows)
-        per_row = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        results = compat.generate_direct(self.llm, compat.tokens_prompts(prompts), per_row,
-                                         lora_request=self.lora.request() if self.lora is not None else None,
-                                         stop_when=enough)
-        tokens = [ids for ids, _ in results]
-        out = pack_responses(tokens, [lp for _, lp in results] if params.logprobs else None, width, self.pad_id)
-        caps = [r["max_tokens"] for r in rows]
-        stop = set(self.eos_ids) if not params.ignore_eos else set()
-        out.set(FINISHED, torch.tensor([len(t) >= cap or (bool(t) and t[-1] in stop) for t, cap in zip(tokens, caps)],
-                                       dtype=torch.bool))
+            results, _ = compat.generate_tokens_until(
+                self.llm, compat.tokens_prompts([prompts[i] for i in live]),
+                compat.make_sampling_params([kwargs[i] for i in live]), on_finish,
+                lora_request=self.lora.request() if self.lora is not None else None)
+            for i, (ids, lps) in zip(live, results):
+                tokens[i], logps[i] = ids, lps or []
+        out = pack_responses(tokens, logps if params.logprobs else None, width, self.pad_id)
+        out.set(FINISHED, torch.tensor(groups.finished, dtype=torch.bool))
         return out
 
     # --- single requests (multi-turn episodes) ---------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hybridrl.batch import MAX_NEW_TOKENS, Batch
 from hybridrl.engines import SamplingParams
 from hybridrl.rollout.common import request_seeds
 
@@ -57,26 +56,25 @@ def sampling_kwargs(params: SamplingParams, eos_ids: Sequence[int], *, flat_logp
 
 
 def per_request_kwargs(params: SamplingParams, eos_ids: Sequence[int], rows: int, replica: int,
-                       seed_mode: str = "request", flat_logprobs: bool = False) -> list[dict[str, Any]]:
+                       seed_mode: str = "request", flat_logprobs: bool = False,
+                       caps: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """The kwargs of each row's ``vllm.SamplingParams``; with ``seed_mode="request"`` and a seed, each row
-    carries its own (see ``request_seeds``)."""
+    carries its own (see ``request_seeds``). ``caps``: each row's token budget (the batch's ``max_new_tokens``,
+    at most ``params.max_new_tokens``; ``min_new_tokens`` shrinks to it); a row of budget 0 gets no request
+    (the caller leaves it out: vLLM asks for at least one token)."""
     if seed_mode not in SEED_MODES or seed_mode == "auto":
         raise ValueError(f"seed_mode must be 'request' or 'engine' here (resolve 'auto' first), got '{seed_mode}'")
+    if caps is not None and len(caps) != rows:
+        raise ValueError(f"{len(caps)} max_new_tokens caps for {rows} rows")
     shared = sampling_kwargs(params, eos_ids, flat_logprobs=flat_logprobs)
     seeds = request_seeds(params.seed, replica, rows) if seed_mode == "request" and not params.greedy else None
-    if seeds is None:
+    if seeds is None and caps is None:
         return [shared] * rows
-    return [{**shared, "seed": s} for s in seeds]
-
-
-
-def with_row_caps(rows: list[dict[str, Any]], batch: Batch) -> list[dict[str, Any]]:
-    """``rows`` with each request's ``max_tokens`` set to its row's ``max_new_tokens`` cap, when the batch has
-    one (at least 1: the driver never sends a row with nothing left to generate; ``min_tokens`` lowered to fit)."""
-    if MAX_NEW_TOKENS not in batch:
-        return rows
-    capped = []
-    for kwargs, cap in zip(rows, batch[MAX_NEW_TOKENS].tolist()):
-        cap = max(1, min(int(cap), kwargs["max_tokens"]))
-        capped.append({**kwargs, "max_tokens": cap, "min_tokens": min(kwargs["min_tokens"], cap)})
-    return capped
+    out = []
+    for i in range(rows):
+        kwargs = shared if seeds is None else {**shared, "seed": seeds[i]}
+        if caps is not None and caps[i] != shared["max_tokens"]:
+            cap = int(caps[i])
+            kwargs = {**kwargs, "max_tokens": cap, "min_tokens": min(int(shared["min_tokens"]), cap)}
+        out.append(kwargs)
+    return out
