@@ -308,3 +308,26 @@ def test_engine_is_found_through_the_registry(model_dir):
     cls = get_registry().backend("rollout", "hf").load()
     assert cls is HFRollout
     assert cls(EngineContext("rollout", "hf", str(model_dir), 0, 1)).eos_ids == [1]
+
+
+def test_a_resumed_row_is_checked_against_its_own_cap_and_stays_in_the_context(tmp_path):
+    """A row resumed near the context's end (prompt + tokens so far, a small cap left) is generated; with GPT-2's
+    absolute positions a finished row's pads must not run past the position table."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hybridrl.batch import MAX_NEW_TOKENS
+    from hybridrl.testing.batches import prompt_batch
+
+    folder = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=16, n_embd=32, n_layer=1, n_head=2, eos_token_id=1,
+                               pad_token_id=0)).save_pretrained(folder)
+    engine = HFRollout(EngineContext(role="rollout", backend="hf", model_path=str(folder), rank=0, world_size=1,
+                                     trainable=False))
+    batch = prompt_batch([list(range(2, 14)), [5, 6]], pad_id=0)  # 12 tokens: 4 positions left of 16
+    batch.set(MAX_NEW_TOKENS, torch.tensor([4, 10]))
+    out = engine.generate(batch, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
+    assert out["response_mask"].sum(-1).tolist() == [4, 10]
+    batch.set(MAX_NEW_TOKENS, torch.tensor([5, 10]))
+    with pytest.raises(ValueError, match="row 0: prompt of 12 tokens \\+ max_new_tokens=5"):
+        engine.generate(batch, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))

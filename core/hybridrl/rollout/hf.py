@@ -52,15 +52,18 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
-def check_prompt_lengths(prompt_mask: torch.Tensor, max_new_tokens: int, context_length: int | None) -> None:
+def check_prompt_lengths(prompt_mask: torch.Tensor, max_new_tokens: int | list[int], context_length: int | None
+                         ) -> None:
     """Refuse rows that cannot be generated: an empty prompt (nothing to condition on) or one that, with
-    ``max_new_tokens`` more tokens, would not fit the context. ``ValueError`` names the first bad row."""
+    ``max_new_tokens`` more tokens (one number, or each row's own cap), would not fit the context.
+    ``ValueError`` names the first bad row."""
     lengths = prompt_mask.to(torch.long).sum(dim=1).tolist()
-    for row, n in enumerate(lengths):
+    caps = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(lengths)
+    for row, (n, cap) in enumerate(zip(lengths, caps)):
         if n == 0:
             raise ValueError(f"row {row}: empty prompt (its prompt_mask has no token)")
-        if context_length is not None and n + max_new_tokens > context_length:
-            raise ValueError(f"row {row}: prompt of {n} tokens + max_new_tokens={max_new_tokens} exceeds the "
+        if context_length is not None and n + cap > context_length:
+            raise ValueError(f"row {row}: prompt of {n} tokens + max_new_tokens={cap} exceeds the "
                              f"model's context length {context_length} (max_position_embeddings)")
 
 
@@ -150,7 +153,9 @@ class HFRollout(RolloutEngine):
             raise RuntimeError("HFRollout.generate called while asleep; call wake() first")
         from transformers import DynamicCache
 
-        check_prompt_lengths(batch[PROMPT_MASK], int(params.max_new_tokens), self.context_length)
+        caps_given = batch[MAX_NEW_TOKENS].clamp(max=int(params.max_new_tokens)).tolist() \
+            if MAX_NEW_TOKENS in batch else int(params.max_new_tokens)
+        check_prompt_lengths(batch[PROMPT_MASK], caps_given, self.context_length)
         dev = self.device
         prompt_ids = batch[PROMPT_IDS].to(dev, torch.long)
         prompt_mask = batch[PROMPT_MASK].to(dev).long()
@@ -176,6 +181,7 @@ class HFRollout(RolloutEngine):
         attn = prompt_mask
         positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
         next_pos = prompt_mask.sum(dim=1, keepdim=True)  # (B, 1): position of the first response token
+        last_pos = next_pos + (caps.clamp(min=1) - 1)[:, None]  # (B, 1): position of a row's last token
         logits = self._prefill(prompt_ids, attn, positions, cache)
 
         for t in range(width):
@@ -196,7 +202,9 @@ class HFRollout(RolloutEngine):
                 break
             # Feed the new token (finished rows feed a pad whose output is never used).
             attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=dev)], dim=1)
-            logits = self._forward(response_ids[:, t:t + 1], attn, next_pos, cache)
+            # a finished row's pad goes to its last position: past its cap it might run off the context
+            logits = self._forward(response_ids[:, t:t + 1], attn, torch.where(finished[:, None], last_pos, next_pos),
+                                   cache)
             next_pos = next_pos + 1
 
         return self._result(response_ids, response_mask, log_probs), finished
