@@ -39,22 +39,22 @@ def expert_count(config: Mapping[str, Any]) -> int:
     return 0
 
 
-def moe_layout_problem(config: Mapping[str, Any], key: str = "model.path") -> str | None:
-    """Why the trainer cannot train this MoE config (None: dense, or a layout it knows). ``key`` names the
-    config key the model came from, for the message."""
+def moe_layout_problem(config: Mapping[str, Any]) -> str | None:
+    """Why the trainer cannot train this MoE config (None: dense, or a layout it knows); the caller names the
+    key the model came from."""
     experts = expert_count(config)
     if not experts:
         return None
     model_type = str(config.get("model_type", "")).lower()
     if model_type not in KNOWN_MOE_TYPES:
-        return (f"{key}: '{model_type or 'unknown'}' is a mixture-of-experts model ({experts} experts) whose expert "
+        return (f"'{model_type or 'unknown'}' is a mixture-of-experts model ({experts} experts) whose expert "
                 f"layout hybridrl does not know (known: {', '.join(KNOWN_MOE_TYPES)})")
     if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
-        return (f"{key}: '{model_type}' with dense layers between its expert layers (mlp_only_layers / "
+        return (f"'{model_type}' with dense layers between its expert layers (mlp_only_layers / "
                 "decoder_sparse_step) is a layout hybridrl does not know: every layer must hold experts")
     top_k = int(config.get("num_experts_per_tok") or 0)
     if not 0 < top_k <= experts:
-        return f"{key}: num_experts_per_tok {top_k} must be between 1 and num_experts {experts}"
+        return f"num_experts_per_tok {top_k} must be between 1 and num_experts {experts}"
     return None
 
 
