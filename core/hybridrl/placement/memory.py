@@ -226,12 +226,12 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
 def moe_fields(model_type: str, data: dict[str, Any]) -> dict[str, int]:
     """The ``ModelShape`` fields of a mixture-of-experts config (none for a dense one); an MoE layout this
     module does not know (``hybridrl.weights.experts.KNOWN_MOE_TYPES``) is a ``MemoryEstimateError``."""
-    from hybridrl.weights.experts import moe_layout_problem
+    from hybridrl.weights.experts import expert_count, moe_layout_problem
 
     problem = moe_layout_problem(data)
     if problem:
         raise MemoryEstimateError(problem)
-    experts = int(data.get("num_experts") or 0)
+    experts = expert_count(data)
     if not experts:
         return {}
     return {"num_experts": experts, "experts_per_token": int(data["num_experts_per_tok"]),
