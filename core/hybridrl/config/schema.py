@@ -300,6 +300,9 @@ class RewardModelConfig(Strict):
     def _one_source(self) -> RewardModelConfig:
         if (self.path is None) == (self.tiny is None):
             raise ValueError("give exactly one of roles.reward.model.path or roles.reward.model.tiny")
+        if self.tiny is not None and self.tiny.num_experts:
+            raise ValueError("roles.reward.model.tiny.num_experts: the tiny reward model is a dense Qwen2 "
+                             "classifier (leave num_experts at 0)")
         return self
 
 
