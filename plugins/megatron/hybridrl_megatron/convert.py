@@ -104,7 +104,13 @@ class ModelSpec:
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The spec as plain data (a dense model's without the MoE fields: as recorded before they existed)."""
+        data = asdict(self)
+        if not self.is_moe:
+            for key in ("qk_norm", "num_experts", "experts_per_token", "moe_ffn_hidden_size", "norm_topk_prob",
+                        "router_aux_loss_coef"):
+                del data[key]
+        return data
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelSpec:

@@ -412,8 +412,11 @@ class MegatronEngine(TrainEngine):
 
     def _layout_meta(self) -> dict[str, Any]:
         lay = self.layout
-        return {"world_size": self.ctx.world_size, "tensor_parallel": lay.tp, "pipeline_parallel": lay.pp,
+        meta = {"world_size": self.ctx.world_size, "tensor_parallel": lay.tp, "pipeline_parallel": lay.pp,
                 "data_parallel": lay.dp, "padded_vocab": self.padded_vocab, "model": self.spec.to_json()}
+        if lay.ep > 1:  # which experts a rank file holds (a dense checkpoint's record stays as it was)
+            meta["expert_parallel"] = lay.ep
+        return meta
 
     # --- memory -------------------------------------------------------------------------------------------
     def offload(self) -> None:
