@@ -16,6 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hybridrl_megatron.settings import layout_problem
+
 #: the default process group the current parallel state was built on (a new default group invalidates it).
 _built_on: Any = None
 
@@ -59,17 +61,6 @@ def _current_sizes() -> tuple[int, int, int] | None:
         return None
     return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
             ps.get_expert_model_parallel_world_size())
-
-
-def layout_problem(world_size: int, tp: int, pp: int, ep: int) -> str | None:
-    """Why ``tp`` x ``pp`` (x ``ep`` carved out of data parallelism) cannot lay out ``world_size`` ranks."""
-    if world_size % (tp * pp):
-        return f"tensor_parallel={tp} x pipeline_parallel={pp} does not divide the {world_size} ranks of the pool"
-    dp = world_size // (tp * pp)
-    if dp % ep:
-        return (f"expert_parallel={ep} does not divide the data-parallel size {dp} ({world_size} ranks / "
-                f"tensor_parallel={tp} / pipeline_parallel={pp}): expert groups are made of data-parallel ranks")
-    return None
 
 
 def init_parallel(world_size: int, tp: int | None, pp: int | None, ep: int | None = None) -> Layout:

@@ -55,6 +55,17 @@ OPTION_KEYS = ("tensor_parallel", "pipeline_parallel", "expert_parallel", "vocab
                "gradient_checkpointing", "head", "moe_aux_loss_coef")
 
 
+def layout_problem(world_size: int, tp: int, pp: int, ep: int) -> str | None:
+    """Why ``tp`` x ``pp`` (x ``ep`` carved out of data parallelism) cannot lay out ``world_size`` ranks."""
+    if world_size % (tp * pp):
+        return f"tensor_parallel={tp} x pipeline_parallel={pp} does not divide the {world_size} ranks of the pool"
+    dp = world_size // (tp * pp)
+    if dp % ep:
+        return (f"expert_parallel={ep} does not divide the data-parallel size {dp} ({world_size} ranks / "
+                f"tensor_parallel={tp} / pipeline_parallel={pp}): expert groups are made of data-parallel ranks")
+    return None
+
+
 def option_problems(role: str, options: Mapping[str, Any], training: TrainingOptions | None = None
                     ) -> list[tuple[str, str]]:
     """``(key, reason)`` for each bad or unknown key of the role's backend options (the key without prefix),
