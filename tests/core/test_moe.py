@@ -183,3 +183,21 @@ def test_unknown_moe_layout_is_refused_before_start(tmp_path):
     dense_between = {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [0]}
     assert "mlp_only_layers" in (moe_layout_problem(dense_between) or "")
     assert moe_layout_problem({"model_type": "qwen2", "hidden_size": 8}) is None
+
+
+def test_export_writes_an_moe_checkpoint_from_per_expert_weights(moe_pair, tmp_path):
+    """``hybridrl export`` gets the trainer's per-expert tensors; the HF folder it writes loads as the model."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.run.export import write_hf_model
+
+    a, b = moe_pair
+    out = write_hf_model(_saved(b), a, tmp_path / "out", torch.float32, {"step": 1})
+    saved = _saved(out)
+    assert set(saved) == set(_saved(b))
+    assert all(torch.equal(saved[n], t) for n, t in _saved(b).items())
+    ids = torch.tensor([[4, 8, 15, 16, 23]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32)(input_ids=ids).logits
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits
+    assert torch.equal(got, want)
