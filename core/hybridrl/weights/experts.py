@@ -28,7 +28,6 @@ KNOWN_MOE_TYPES = ("qwen2_moe", "qwen3_moe")
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 _FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
 
 
 def expert_count(config: Mapping[str, Any]) -> int:
@@ -97,11 +96,6 @@ def expert_views(targets: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
         if is_fused_expert(name, tensor):
             views.update(split_fused_expert(name, tensor))
     return views
-
-
-def is_per_expert_name(name: str) -> bool:
-    """Whether ``name`` is one expert's projection in the checkpoint layout."""
-    return _PER_EXPERT.match(name) is not None
 
 
 def fuse_experts(weights: Mapping[str, torch.Tensor], fused_names: Iterable[str]) -> dict[str, torch.Tensor]:
