@@ -91,12 +91,13 @@ def test_kv_bytes_per_token_match_a_real_cache():
     assert held == batch * length * shape_from_hf_config(config.to_dict()).kv_bytes_per_token(2)
 
 
-def test_mixture_of_experts_is_refused_with_a_reason():
+def test_unknown_mixture_of_experts_is_refused_with_a_reason():
     from hybridrl.placement.memory import MemoryEstimateError
 
     with pytest.raises(MemoryEstimateError, match="mixture-of-experts"):
-        shape_from_hf_config({"model_type": "qwen2_moe", "num_experts": 8, "hidden_size": 8, "num_attention_heads": 2,
-                              "num_hidden_layers": 1, "vocab_size": 10, "intermediate_size": 8})
+        shape_from_hf_config({"model_type": "mixtral", "num_local_experts": 8, "hidden_size": 8,
+                              "num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 10,
+                              "intermediate_size": 8})
 
 
 def _estimate(path: Path, overrides: list[str] = (), devices: int = 8, memory_gib: float = 80.0, check: bool = True):

@@ -32,6 +32,7 @@ EXAMPLE_CASES: dict[str, list[str]] = {
     "tool-calc": ["tool-calc.yaml", *CPU2],
     "quickstart-cuda": ["quickstart.yaml", "--cluster", "1x1"],
     "qwen7b-colocated": ["qwen7b-colocated.yaml", "--cluster", "1x8"],
+    "qwen3moe-colocated": ["qwen3moe-colocated.yaml", "--cluster", "1x8"],
     "qwen7b-colocated-one-device": ["qwen7b-colocated.yaml", "pools.main.devices_per_node=1", "--cluster", "1x8"],
     "qwen7b-colocated-141": ["qwen7b-colocated.yaml", "--cluster", "1x8", "--device-memory", "141"],
     "qwen7b-split": ["qwen7b-split.yaml", "--cluster", "1x8"],

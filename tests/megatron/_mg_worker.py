@@ -54,7 +54,9 @@ def run(rank: int, world_size: int, model_path: str, out: str, options: dict) ->
 
     engine = MegatronEngine(context(Path(model_path), rank=rank, world_size=world_size, **{**BASE_OPTIONS, **options}))
     info = engine.data_parallel()
-    result: dict = {"info": info, "layout": (engine.layout.tp, engine.layout.pp, engine.layout.dp)}
+    result: dict = {"info": info, "layout": (engine.layout.tp, engine.layout.pp, engine.layout.dp),
+                    "expert_parallel": engine.layout.ep,
+                    "experts_held": sorted({e.name for e in engine.table if ".local_experts." in e.name})}
     result["logits"] = engine.compute_logits(logits_input())
 
     local = make_batch(GLOBAL_BATCH, seed=1).chunk(info.dp_size)[info.dp_rank]

@@ -30,7 +30,8 @@ class Strict(BaseModel):
 
 
 class TinyModelConfig(Strict):
-    """A small Qwen2 built from this config (no download), with the bundled character tokenizer."""
+    """A small Qwen2 (or, with ``num_experts``, a Qwen3-MoE) built from this config (no download), with the bundled
+    character tokenizer."""
 
     hidden_size: int = Field(128, gt=0)
     num_layers: int = Field(4, gt=0)
@@ -45,6 +46,24 @@ class TinyModelConfig(Strict):
                                                              "it with role tokens and a chat template; or a folder "
                                                              "holding a saved tokenizer (its vocabulary sizes the "
                                                              "model)")
+    num_experts: int = Field(0, ge=0, description="0: a dense Qwen2; more: a Qwen3-MoE with this many routed "
+                                                  "experts in every layer (docs/moe.md)")
+    experts_per_token: int = Field(2, gt=0, description="with num_experts: the experts each token is routed to "
+                                                        "(top-k)")
+    moe_intermediate_size: int | None = Field(None, gt=0, description="with num_experts: each expert's MLP width "
+                                                                      "(default: intermediate_size / "
+                                                                      "experts_per_token)")
+
+    @model_validator(mode="after")
+    def _experts(self) -> TinyModelConfig:
+        if self.num_experts and self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token {self.experts_per_token} exceeds num_experts {self.num_experts}")
+        return self
+
+    @property
+    def expert_size(self) -> int:
+        """Each expert's MLP width (``moe_intermediate_size``, else the dense width split over the top-k)."""
+        return self.moe_intermediate_size or max(1, self.intermediate_size // self.experts_per_token)
 
 
 class ModelConfig(Strict):
@@ -304,6 +323,9 @@ class RewardModelConfig(Strict):
     def _one_source(self) -> RewardModelConfig:
         if (self.path is None) == (self.tiny is None):
             raise ValueError("give exactly one of roles.reward.model.path or roles.reward.model.tiny")
+        if self.tiny is not None and self.tiny.num_experts:
+            raise ValueError("roles.reward.model.tiny.num_experts: the tiny reward model is a dense Qwen2 "
+                             "classifier (leave num_experts at 0)")
         return self
 
 

@@ -1,4 +1,5 @@
-"""FLOPs of a dense decoder-only transformer, device peak FLOP/s, and the MFU of each phase of a step.
+"""FLOPs of a decoder-only transformer (dense, or mixture-of-experts counted by its active parameters), device
+peak FLOP/s, and the MFU of each phase of a step.
 
 Convention (PaLM appendix B, the one verl's counter uses, so numbers compare): a forward pass over a
 sequence of L tokens costs ``2 * N * L`` for the weight matmuls (N: parameters inside matmuls, the LM head
@@ -39,9 +40,11 @@ PHASE_WORK = {"gen": ("rollout", 1), "ref": ("ref", 1), "old_log_prob": ("actor"
 
 
 def matmul_params(shape: ModelShape, lm_head: bool = True) -> int:
-    """Weights that take part in a matmul per token: the decoder layers' projections and the LM head."""
-    h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
+    """Weights that take part in a matmul per token: the decoder layers' projections and the LM head. A
+    mixture-of-experts layer counts the router and the ``experts_per_token`` experts a token runs through (its
+    active parameters), not every expert: MFU is the work done, which the idle experts are not."""
+    h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.token_intermediate
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + shape.num_experts * h
     return shape.num_layers * per_layer + (shape.vocab_size * h if lm_head else 0)
 
 

@@ -226,7 +226,8 @@ def build_tiny_reward_model(cfg: Any, out_dir: str | Path) -> Path:
 
     _check(cfg)
     out = Path(out_dir)
-    spec = {"kind": "reward", "config": cfg.model_dump(mode="json")}
+    spec = {"kind": "reward", "config": cfg.model_dump(mode="json", exclude={"num_experts", "experts_per_token",
+                                                                            "moe_intermediate_size"})}
     try:
         if json.loads((out / REWARD_MARKER).read_text()) == spec:
             return out

@@ -30,6 +30,7 @@ from hybridrl.batch import (
 from hybridrl.engines import EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
 from hybridrl.lora import MergedAdapters, is_adapter_name
 from hybridrl.rollout.common import eos_and_pad
+from hybridrl.weights.experts import expert_views, to_checkpoint_layout
 
 log = logging.getLogger(__name__)
 
@@ -247,12 +248,16 @@ class HFRollout(RolloutEngine):
         targets = dict(self.model.named_parameters(remove_duplicate=False))
         for name, buf in self.model.named_buffers(remove_duplicate=False):
             targets.setdefault(name, buf)
+        # fused MoE experts also answer to their checkpoint names, one expert's projection each (a view)
+        targets.update(expert_views(targets))
         return targets
 
     def import_weights(self, bucket: WeightBucket) -> None:
         """Copy each ``(name, tensor)`` into the model's tensor of that HF name (cast to its dtype/device).
         With tied embeddings ``lm_head.weight`` and ``model.embed_tokens.weight`` are one tensor: either name
-        (or both) may be sent. With LoRA's ``sync: adapter`` the buckets hold adapters (``hybridrl.lora``), kept
+        (or both) may be sent. MoE experts arrive under their checkpoint names (``hybridrl.weights.experts``)
+        and land in their slice of the model's fused experts tensors (the fused names are accepted too). With
+        LoRA's ``sync: adapter`` the buckets hold adapters (``hybridrl.lora``), kept
         until ``finish_weight_import`` merges them. An unknown name raises ``KeyError``; a shape mismatch
         ``ValueError``."""
         targets = self._targets()
@@ -292,5 +297,6 @@ class HFRollout(RolloutEngine):
             self._sleeping = False
 
     def named_weights(self) -> Iterator[NamedTensor]:
-        """The model's parameters under their HF names (tied weights once, as ``named_parameters`` gives)."""
-        yield from self.model.named_parameters()
+        """The model's parameters under their HF names (tied weights once, as ``named_parameters`` gives), MoE
+        experts under the checkpoint's per-expert names."""
+        yield from to_checkpoint_layout(self.model.named_parameters())

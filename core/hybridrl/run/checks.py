@@ -16,6 +16,7 @@ from hybridrl.placement.plan import PlacementPlan
 from hybridrl.plugins.capabilities import HEAD_CAPABILITY
 from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError, load_object
 from hybridrl.roles import role_spec
+from hybridrl.weights.experts import moe_layout_problem
 
 Problems = list[tuple[str, str]]
 
@@ -54,6 +55,12 @@ def model_folder_problems(key: str, path: Path, tokenizer: bool) -> Problems:
     if not (path / "config.json").is_file():
         return [(key, f"'{path}' is not an HF checkpoint folder (no config.json)")]
     problems: Problems = []
+    try:
+        layout = moe_layout_problem(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError, AttributeError):  # an unreadable config is reported where it is loaded
+        layout = None
+    if layout is not None:
+        problems.append((key, f"'{path}': {layout}"))
     for index in sorted(path.glob("*.index.json")):
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))

@@ -199,10 +199,13 @@ def write_hf_model(weights: dict[str, torch.Tensor], model_path: Path, out: Path
     temporary folder and renamed, so ``out`` is never half-written."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from hybridrl.weights.experts import fuse_experts
+
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     expected = set(model.state_dict())
+    weights = fuse_experts(weights, expected)  # MoE experts come per expert; the model may hold them fused
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = sorted(expected - set(weights) - tied)
     unexpected = sorted(set(weights) - expected)

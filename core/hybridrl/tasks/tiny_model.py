@@ -1,5 +1,6 @@
 """A tiny Qwen2 causal LM built in code (no download) with the bundled character tokenizer (or its chat
-variant, or any saved tokenizer: ``model.tiny.tokenizer``).
+variant, or any saved tokenizer: ``model.tiny.tokenizer``); with ``model.tiny.num_experts`` a tiny Qwen3-MoE
+(routed experts in every layer, top-``experts_per_token``), so mixture-of-experts training runs on a CPU too.
 
 ``build_tiny_model(cfg, out_dir)`` writes an ordinary Hugging Face checkpoint folder (safetensors weights,
 ``config.json``, ``generation_config.json`` and the tokenizer), so every backend loads it like any other model.
@@ -73,6 +74,9 @@ def _spec(cfg: TinyModelConfig, tokenizer: Any) -> dict[str, Any]:
         del config["tokenizer"]
     if cfg.init_std == DEFAULT_INIT_STD:  # as before the key existed: those folders are reused
         del config["init_std"]
+    if not cfg.num_experts:  # a dense model's spec stays as it was before the MoE keys existed
+        for key in ("num_experts", "experts_per_token", "moe_intermediate_size"):
+            del config[key]
     return spec
 
 
@@ -90,14 +94,19 @@ def _check(cfg: TinyModelConfig) -> None:
         raise ValueError(f"tiny model: num_heads {cfg.num_heads} is not divisible by num_kv_heads {cfg.num_kv_heads}")
     if (cfg.hidden_size // cfg.num_heads) % 2:
         raise ValueError(f"tiny model: head size {cfg.hidden_size // cfg.num_heads} must be even (rotary embeddings)")
+    if cfg.num_experts and cfg.experts_per_token > cfg.num_experts:
+        raise ValueError(f"tiny model: experts_per_token {cfg.experts_per_token} exceeds num_experts "
+                         f"{cfg.num_experts}")
 
 
 def tiny_hf_config(cfg: TinyModelConfig, tokenizer: Any | None = None) -> Any:
-    """The ``Qwen2Config`` ``build_tiny_model`` builds from ``cfg`` (nothing is written: pre-flight compares
-    it with a checkpoint's before the model folder is built)."""
+    """The ``Qwen2Config`` (``Qwen3MoeConfig`` with ``num_experts``) ``build_tiny_model`` builds from ``cfg``
+    (nothing is written: pre-flight compares it with a checkpoint's before the model folder is built)."""
     from transformers import Qwen2Config
 
     tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer(cfg)
+    if cfg.num_experts:
+        return _moe_config(cfg, tokenizer)
     return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
@@ -115,15 +124,43 @@ def tiny_hf_config(cfg: TinyModelConfig, tokenizer: Any | None = None) -> Any:
     )
 
 
+def _moe_config(cfg: TinyModelConfig, tokenizer: Any) -> Any:
+    """A Qwen3-MoE: every layer's MLP is ``num_experts`` routed experts of width ``cfg.expert_size``, each
+    token going to its top ``experts_per_token`` (their weights renormalised, as Qwen3-30B-A3B does); the
+    load-balancing coefficient is transformers' default."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=cfg.expert_size,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.experts_per_token,
+        norm_topk_prob=True,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        max_position_embeddings=cfg.max_position,
+        initializer_range=cfg.init_std,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 def _write(cfg: TinyModelConfig, tokenizer: Any, folder: Path, spec: dict[str, Any]) -> None:
-    from transformers import GenerationConfig, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     config = tiny_hf_config(cfg, tokenizer)
     # Seed a private copy of the global RNG: the same cfg gives the same weights, and the caller's random
     # state is left untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -45,6 +45,7 @@ from hybridrl.engines import EngineContext, LossScale, Objective, TrainEngine, T
 from hybridrl.roles import role_spec
 from hybridrl.runtime.distributed import all_reduce_sum
 from hybridrl.weights.buckets import group_into_buckets
+from hybridrl.weights.experts import to_checkpoint_layout
 from hybridrl.weights.sync_check import GREEDY_MARGIN, greedy_margins
 from hybridrl_fsdp import layer_kernels, varlen_attention
 from hybridrl_fsdp.fused_head import install_log_prob_head
@@ -52,6 +53,7 @@ from hybridrl_fsdp.logprobs import chunked_log_probs
 from hybridrl_fsdp.lora import Adapters
 from hybridrl_fsdp.memory import OPTIMIZER_GROUP_BYTES
 from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter_rows
+from hybridrl_fsdp.moe import AUX_LOSS, Z_LOSS, RouterLoss, hf_config, router_class
 from hybridrl_fsdp.offload import HostCopy, OffloadPolicy, optimizer_state_tensors, step_group_by_group
 from hybridrl_fsdp.packing import PackedRows
 from hybridrl_fsdp.settings import FSDPSettings
@@ -80,6 +82,8 @@ class FSDPEngine(TrainEngine):
         self.master_dtype = torch.float32
         torch.manual_seed(ctx.seed)  # before anything random (seeds CUDA too)
         self.model = _load_model(ctx, self.settings)
+        #: a mixture-of-experts model's router losses, added to every update (``hybridrl_fsdp.moe``)
+        self.router_loss = _router_loss(self.model, self.settings) if ctx.trainable else None
         #: liger-kernel's fused RMSNorm / SwiGLU / rotary forwards in the layers (``hybridrl_fsdp.layer_kernels``)
         self.fused_layers = (layer_kernels.install(self.model)
                              if layer_kernels.resolve(self.settings.fused_kernels, self.device) else None)
@@ -328,12 +332,16 @@ class FSDPEngine(TrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
         metrics = WeightedMean()
         local_loss = torch.zeros((), dtype=torch.float32, device=self.device)  # summed on the device: no sync
+        router = _RouterTotals(self.device)
         for micro in self._on_device(plan):  # the objective's tensors meet the outputs on one device
-            if self.head == "value":
-                outputs = {VALUES: self._response_values(micro)}
-            else:
-                outputs = self._response_outputs(micro, temperature, with_entropy=ENTROPY in needs)
+            with self.router_loss.recording() if self.router_loss is not None else _nothing():
+                if self.head == "value":
+                    outputs = {VALUES: self._response_values(micro)}
+                else:
+                    outputs = self._response_outputs(micro, temperature, with_entropy=ENTROPY in needs)
             loss, micro_metrics = objective({k: outputs[k] for k in needs}, micro.batch, scale)
+            if self.router_loss is not None:
+                loss = loss + router.add(self.router_loss, micro, scale)
             loss.backward()
             local_loss += loss.detach().float()
             metrics.add(micro_metrics, len(micro.batch))
@@ -355,7 +363,7 @@ class FSDPEngine(TrainEngine):
         if self._release_after == "update":
             self.offload_policy.release_weights()
         return {**metrics.result(), "loss": global_loss / self.ctx.world_size, "grad_norm": grad_norm, "lr": lr,
-                "skipped_step": float(skipped)}
+                "skipped_step": float(skipped), **router.result(self.router_loss, self.ctx.device)}
 
     def _loss_scale(self, batch: Batch, n_micro: int) -> LossScale:
         """Global token/sequence counts (one all-reduce, which also checks the micro-batch counts agree)."""
@@ -388,7 +396,8 @@ class FSDPEngine(TrainEngine):
 
     # --- weights ------------------------------------------------------------------------------------------
     def export_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
-        """Full fp32 weights under HF names in buckets of about ``bucket_bytes`` (collective, lazy).
+        """Full fp32 weights under HF names in buckets of about ``bucket_bytes`` (collective, lazy). MoE experts
+        go under the checkpoint's per-expert names (``hybridrl.weights.experts``), as every engine loads them.
 
         A bucket closes once it holds ``bucket_bytes``; a tensor of at least ``bucket_bytes`` travels alone.
         Tensors stay on the engine's device (the bridge decides where they go)."""
@@ -425,8 +434,9 @@ class FSDPEngine(TrainEngine):
             yield from self.lora.named_tensors(_local_view, dtype=self.lora.base_dtype)
             yield from ((self.lora.hf_name(n), b) for n, b in _persistent_buffers(self.model))
             return
-        for name, param in self.model.named_parameters():
-            yield name, (param.to_local() if isinstance(param, DTensor) else param).detach()
+        yield from to_checkpoint_layout(
+            (name, (param.to_local() if isinstance(param, DTensor) else param).detach())
+            for name, param in self.model.named_parameters())
         yield from _persistent_buffers(self.model)
 
     @torch.no_grad()
@@ -436,11 +446,9 @@ class FSDPEngine(TrainEngine):
             yield from self.lora.named_tensors(lambda p: _gathered(p, wire_dtype), dtype=wire_dtype)
             yield from ((self.lora.hf_name(n), b) for n, b in _persistent_buffers(self.model))
             return
-        for name, param in self.model.named_parameters():
-            if isinstance(param, DTensor):
-                yield name, param.detach().to(wire_dtype).full_tensor()
-            else:
-                yield name, param.detach()
+        yield from to_checkpoint_layout(
+            (name, param.detach().to(wire_dtype).full_tensor() if isinstance(param, DTensor) else param.detach())
+            for name, param in self.model.named_parameters())
         yield from _persistent_buffers(self.model)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -459,8 +467,8 @@ class FSDPEngine(TrainEngine):
             for name, buffer in _persistent_buffers(self.model):
                 yield self.lora.hf_name(name), _full_copy(buffer, buffer.dtype)
             return
-        for name, param in self.model.named_parameters():
-            yield name, _full_copy(param, self.master_dtype)
+        yield from to_checkpoint_layout((name, _full_copy(param, self.master_dtype))
+                                        for name, param in self.model.named_parameters())
         for name, buffer in _persistent_buffers(self.model):
             yield name, _full_copy(buffer, buffer.dtype)
 
@@ -609,6 +617,57 @@ def _load_model(ctx: EngineContext, settings: FSDPSettings) -> nn.Module:
     elif settings.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def _router_loss(model: nn.Module, settings: FSDPSettings) -> RouterLoss | None:
+    """The router losses of an MoE model (None for a dense one), weighted by the options or, where they are
+    unset, by the model config's ``router_aux_loss_coef`` / ``router_z_loss_coef``."""
+    if router_class(model) is None:
+        if settings.moe_aux_loss_coef is not None or settings.moe_z_loss_coef is not None:
+            raise ValueError("options.moe_aux_loss_coef / moe_z_loss_coef: the model has no experts (not a "
+                             "mixture-of-experts model)")
+        return None
+    config = hf_config(model)
+    aux = settings.moe_aux_loss_coef
+    z = settings.moe_z_loss_coef
+    return RouterLoss(model, float(aux if aux is not None else getattr(config, "router_aux_loss_coef", 0.0) or 0.0),
+                      float(z if z is not None else getattr(config, "router_z_loss_coef", 0.0) or 0.0))
+
+
+class _RouterTotals:
+    """The router losses of an update's micro-batches, summed with each micro-batch's share (its real tokens
+    over the global ones, as the objective's ``LossScale`` shares its loss), for the loss and the metrics."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.aux = torch.zeros((), dtype=torch.float32, device=device)
+        self.z = torch.zeros((), dtype=torch.float32, device=device)
+        self.tokens = 0.0
+
+    def add(self, router: RouterLoss, micro: MicroBatch, scale: LossScale) -> torch.Tensor:
+        mask = None if micro.packed is not None else sequence_tensors(micro.batch)[1]
+        losses = router.losses(mask)
+        self.aux += losses.aux.detach() * losses.tokens
+        if losses.z is not None:
+            self.z += losses.z.detach() * losses.tokens
+        self.tokens += losses.tokens
+        share = float(micro.batch[RESPONSE_MASK].sum()) / max(scale.total_tokens, 1.0) * scale.dp_size
+        return router.weighted(losses) * share
+
+    def result(self, router: RouterLoss | None, device: str) -> dict[str, float]:
+        """``moe/aux_loss`` (and ``moe/z_loss``): token-weighted means over every rank (a collective when the
+        model has experts; nothing otherwise)."""
+        if router is None:
+            return {}
+        aux, z, tokens = all_reduce_sum([float(self.aux), float(self.z), self.tokens], device)
+        out = {AUX_LOSS: aux / max(tokens, 1.0)}
+        if router.z_coef:
+            out[Z_LOSS] = z / max(tokens, 1.0)
+        return out
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -8,6 +8,8 @@ what ``options.offload`` sends to host memory is off the device outside the phas
 head makes the logits a chunk at a time (``options.head_logits: keep`` keeps them for the backward). The
 activations saved for backward were counted tensor by tensor on a Qwen2 decoder layer
 (``ModelShape.saved_bytes_per_token_layer``); ``benchmarks/model_sizes.py`` checks the plan against the device.
+A mixture-of-experts model holds, shards, gathers and steps every expert (``ModelShape.param_count``), while
+each token's activations pass through its top-k experts only (``ModelShape.token_intermediate``).
 
 The search may choose the token budget of a micro-batch, ``gradient_checkpointing``, ``offload`` and, after
 those, ``head_logits``.
@@ -146,6 +148,9 @@ class FSDPMemory:
         else:
             mem.activations = layer_forward + forward_logits
         mem.notes.append(f"{tokens:.0f} tokens per micro-batch")
+        if shape.is_moe:  # every expert is sharded, gathered and stepped; a token computes with its top-k only
+            mem.notes.append(f"MoE: {shape.param_count() / 1e9:.2f}B parameters held, "
+                             f"{shape.active_param_count() / 1e9:.2f}B active per token")
         on_device_weights = 0.0 if settings.offload == "all" else mem.weights
         on_device_optimizer = mem.optimizer if settings.offload == "none" else 0.0
         mem.idle = on_device_weights + on_device_optimizer  # gradients are freed after the optimizer step

@@ -42,6 +42,10 @@ class FSDPSettings:
     fused_kernels: Any = "auto"  # liger-kernel's RMSNorm/SwiGLU/rotary in the layers (hybridrl_fsdp.layer_kernels)
     optimizer_implementation: str = "auto"  # AdamW's fused kernel or foreach ops (OPTIMIZER_IMPLEMENTATIONS)
     head_logits: str = "auto"  # the fused head keeps its logits for the backward or recomputes them (HEAD_LOGITS)
+    #: MoE: weight of the routers' load-balancing loss (None: the model config's router_aux_loss_coef)
+    moe_aux_loss_coef: float | None = None
+    #: MoE: weight of the router z-loss (None: the model config's router_z_loss_coef, else none)
+    moe_z_loss_coef: float | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> FSDPSettings:
@@ -59,7 +63,9 @@ class FSDPSettings:
                    fused_kernels=options.get("fused_kernels", cls.fused_kernels),
                    optimizer_implementation=str(options.get("optimizer_implementation",
                                                             cls.optimizer_implementation)),
-                   head_logits=str(options.get("head_logits", cls.head_logits)))
+                   head_logits=str(options.get("head_logits", cls.head_logits)),
+                   moe_aux_loss_coef=_coef(options.get("moe_aux_loss_coef")),
+                   moe_z_loss_coef=_coef(options.get("moe_z_loss_coef")))
 
     def keeps_head_logits(self) -> bool:
         """Whether the fused head keeps its logits for the backward: ``keep`` only (``auto`` is the memory plan's
@@ -111,6 +117,11 @@ def option_problems(role: str, options: Mapping[str, Any], training: Any = None)
     value = options.get("head_logits", "auto")
     if value not in HEAD_LOGITS:
         problems.append(("head_logits", f"must be one of {', '.join(HEAD_LOGITS)}, got {value!r}"))
+    for key in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+        value = options.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+                                  or value != value):
+            problems.append((key, f"must be a number >= 0 (the loss weight; unset: the model config's), got {value!r}"))
     head = options.get("head")
     if head is not None and head not in HEADS:
         problems.append(("head", f"unknown head '{head}' (known: {', '.join(HEADS)})"))
@@ -141,6 +152,10 @@ def option_problems(role: str, options: Mapping[str, Any], training: Any = None)
 def _flag(value: Any) -> bool:
     """A boolean option where ``auto`` (resolved by the pre-flight; unresolved: off) and None mean off."""
     return value is True or (isinstance(value, str) and value.lower() in ("true", "1", "yes"))
+
+
+def _coef(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _offload_mode(value: Any) -> str:

@@ -1,4 +1,4 @@
-"""Hugging Face <-> Megatron-core weight conversion for the Llama and Qwen2 families (pure tensor logic).
+"""Hugging Face <-> Megatron-core weight conversion for the Llama, Qwen2 and Qwen3-MoE families (pure tensor logic).
 
 Nothing here needs megatron-core or torch.distributed, so it is unit-tested on its own.
 
@@ -18,6 +18,20 @@ Megatron                                                   Hugging Face
 ``decoder.final_layernorm.weight``                         ``model.norm.weight``
 ``output_layer.weight`` (untied only)                      ``lm_head.weight``
 =========================================================  ============================================
+
+A mixture-of-experts layer (Qwen3-MoE; Megatron's local spec: a ``SequentialMLP`` of experts) replaces the
+MLP rows and adds Qwen3's per-head query/key norms:
+
+==============================================================  ===================================================
+``decoder.layers.L.self_attention.{q,k}_layernorm.weight``      ``model.layers.L.self_attn.{q,k}_norm.weight``
+``decoder.layers.L.mlp.router.weight``                          ``model.layers.L.mlp.gate.weight``
+``decoder.layers.L.mlp.experts.local_experts.E.linear_fc1``     ``...mlp.experts.E.{gate,up}_proj.weight``
+``decoder.layers.L.mlp.experts.local_experts.E.linear_fc2``     ``...mlp.experts.E.down_proj.weight``
+==============================================================  ===================================================
+
+``E`` is the global expert index in the "full" names used here; expert parallelism (``shard_ep``) gives each of
+``ep`` ranks a contiguous block of ``num_experts / ep`` experts, renumbered from 0 as Megatron's
+``local_experts`` are.
 
 Fused QKV uses Megatron's interleaved grouped-query layout: for each of the ``num_kv_heads`` query groups,
 the group's ``heads/kv_heads`` query heads, then its key head, then its value head (rows of ``head_dim``).
@@ -40,7 +54,7 @@ import torch
 
 from hybridrl.errors import HybridRLError
 
-SUPPORTED_FAMILIES = ("llama", "qwen2")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3_moe")
 
 #: HF files that describe the model besides its weights (copied next to converted weights).
 _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -70,6 +84,16 @@ class ModelSpec:
     max_position_embeddings: int
     rope_scaling_factor: float | None = None  # Llama 3 style scaling (Megatron's fixed 1/4/8192 variant)
     rope_linear_factor: float | None = None  # "linear" position interpolation
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's queries and keys
+    num_experts: int = 0  # routed experts per layer (0: a dense MLP)
+    experts_per_token: int = 0  # the router's top-k
+    moe_ffn_hidden_size: int = 0  # one expert's MLP width
+    norm_topk_prob: bool = True  # the top-k probabilities renormalised to sum to 1
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss weight the checkpoint was trained with
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def heads_per_group(self) -> int:
@@ -80,7 +104,13 @@ class ModelSpec:
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The spec as plain data (a dense model's without the MoE fields: as recorded before they existed)."""
+        data = asdict(self)
+        if not self.is_moe:
+            for key in ("qk_norm", "num_experts", "experts_per_token", "moe_ffn_hidden_size", "norm_topk_prob",
+                        "router_aux_loss_coef"):
+                del data[key]
+        return data
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelSpec:
@@ -94,8 +124,19 @@ class ModelSpec:
             problems.append(f"hidden_act '{config.get('hidden_act')}' (only silu)")
         if family == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
             problems.append("attention_bias/mlp_bias (biases on o_proj and the MLP have no local-spec counterpart)")
-        if family == "qwen2" and config.get("use_sliding_window"):
+        if family in ("qwen2", "qwen3_moe") and config.get("use_sliding_window"):
             problems.append("use_sliding_window")
+        moe: dict[str, Any] = {}
+        if family == "qwen3_moe":
+            experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+            if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
+                problems.append("dense layers between the expert layers (mlp_only_layers / decoder_sparse_step)")
+            if config.get("attention_bias"):
+                problems.append("attention_bias")
+            moe = {"qk_norm": True, "num_experts": experts, "experts_per_token": int(config["num_experts_per_tok"]),
+                   "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
+                   "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+                   "router_aux_loss_coef": float(config.get("router_aux_loss_coef") or 0.0)}
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
         hidden = int(config["hidden_size"])
@@ -123,11 +164,15 @@ class ModelSpec:
                    qkv_bias=family == "qwen2", tie_embeddings=bool(config.get("tie_word_embeddings", False)),
                    rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta,
                    max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-                   rope_scaling_factor=scaling, rope_linear_factor=linear)
+                   rope_scaling_factor=scaling, rope_linear_factor=linear, **moe)
 
 
 # --- names ------------------------------------------------------------------------------------------------
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+#: an expert's Megatron suffix -> its HF suffixes (``{e}``: the expert).
+_EXPERT_MAP = {"linear_fc1": ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+               "linear_fc2": ("mlp.experts.{e}.down_proj.weight",)}
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 #: Megatron layer suffix -> HF layer suffixes it is fused from (in fusion order).
@@ -140,7 +185,12 @@ _LAYER_MAP: dict[str, tuple[str, ...]] = {
     "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
     "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
+    "self_attention.q_layernorm.weight": ("self_attn.q_norm.weight",),
+    "self_attention.k_layernorm.weight": ("self_attn.k_norm.weight",),
+    "mlp.router.weight": ("mlp.gate.weight",),
 }
+_QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+_DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 _GLOBAL_MAP: dict[str, str] = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
@@ -153,8 +203,15 @@ VALUE_HEAD_NAMES = ("value_head.weight", "value_head.bias")
 
 
 def layer_suffixes(spec: ModelSpec) -> list[str]:
-    """The Megatron parameter suffixes of one decoder layer, in a fixed order."""
-    return [s for s in _LAYER_MAP if spec.qkv_bias or not s.endswith("linear_qkv.bias")]
+    """The Megatron parameter suffixes of one decoder layer, in a fixed order (an MoE layer: the router, then
+    each expert's two projections)."""
+    out = [s for s in _LAYER_MAP if (spec.qkv_bias or not s.endswith("linear_qkv.bias"))
+           and (spec.qk_norm or s not in _QK_NORMS) and (spec.is_moe or s != "mlp.router.weight")
+           and not (spec.is_moe and s in _DENSE_MLP)]
+    if spec.is_moe:
+        out += [f"mlp.experts.local_experts.{e}.{part}.weight" for e in range(spec.num_experts)
+                for part in ("linear_fc1", "linear_fc2")]
+    return out
 
 
 def mcore_names(spec: ModelSpec) -> list[str]:
@@ -172,6 +229,9 @@ def hf_names_for(mcore_name: str) -> list[str]:
     if mcore_name in _GLOBAL_MAP:
         return [_GLOBAL_MAP[mcore_name]]
     match = _LAYER_RE.match(mcore_name)
+    expert = _EXPERT_RE.match(match.group(2)) if match else None
+    if expert:
+        return [f"model.layers.{match.group(1)}.{s.format(e=expert.group(1))}" for s in _EXPERT_MAP[expert.group(2)]]
     if not match or match.group(2) not in _LAYER_MAP:
         raise ConversionError(f"no HF counterpart for Megatron parameter '{mcore_name}'")
     layer, suffix = match.groups()
@@ -182,6 +242,11 @@ def hf_shapes(spec: ModelSpec, mcore_name: str) -> list[tuple[str, tuple[int, ..
     """(HF name, shape) of the parts of one Megatron parameter, from the spec alone (receive buffers)."""
     h, d = spec.hidden_size, spec.head_dim
     suffix = mcore_name.split(".", 3)[-1] if mcore_name.startswith("decoder.layers.") else mcore_name
+    expert = _EXPERT_RE.match(suffix)
+    if expert:
+        i = spec.moe_ffn_hidden_size
+        sizes = [(i, h), (i, h)] if expert.group(2) == "linear_fc1" else [(h, i)]
+        return list(zip(hf_names_for(mcore_name), sizes))
     shapes: dict[str, list[tuple[int, ...]]] = {
         "embedding.word_embeddings.weight": [(spec.vocab_size, h)],
         "output_layer.weight": [(spec.vocab_size, h)],
@@ -196,6 +261,9 @@ def hf_shapes(spec: ModelSpec, mcore_name: str) -> list[tuple[str, tuple[int, ..
         "self_attention.linear_proj.weight": [(h, spec.num_heads * d)],
         "mlp.linear_fc1.weight": [(spec.ffn_hidden_size, h), (spec.ffn_hidden_size, h)],
         "mlp.linear_fc2.weight": [(h, spec.ffn_hidden_size)],
+        "self_attention.q_layernorm.weight": [(d,)],
+        "self_attention.k_layernorm.weight": [(d,)],
+        "mlp.router.weight": [(spec.num_experts, h)],
     }
     return list(zip(hf_names_for(mcore_name), shapes[suffix]))
 
@@ -292,8 +360,10 @@ def _tp_layout(mcore_name: str) -> str:
 
 def check_tp(spec: ModelSpec, tp_size: int) -> None:
     problems = []
-    for what, value in (("num_key_value_heads", spec.num_kv_heads), ("num_attention_heads", spec.num_heads),
-                        ("intermediate_size", spec.ffn_hidden_size)):
+    sizes = [("num_key_value_heads", spec.num_kv_heads), ("num_attention_heads", spec.num_heads)]
+    sizes.append(("moe_intermediate_size", spec.moe_ffn_hidden_size) if spec.is_moe
+                 else ("intermediate_size", spec.ffn_hidden_size))
+    for what, value in sizes:
         if value % tp_size:
             problems.append(f"{what} {value}")
     if problems:
@@ -332,6 +402,63 @@ def tp_partition_dim(mcore_name: str) -> int | None:
     gate/up tensor gathers along 0 and is then re-ordered by ``merge_tp``)."""
     layout = _tp_layout(mcore_name)
     return {"rows": 0, "gate_up": 0, "cols": 1}.get(layout)
+
+
+# --- expert parallelism --------------------------------------------------------------------------------------
+def check_ep(spec: ModelSpec, ep_size: int) -> None:
+    if ep_size > 1 and not spec.is_moe:
+        raise ConversionError(f"expert_parallel={ep_size} needs a mixture-of-experts model ({spec.family} has no "
+                              "experts)")
+    if spec.is_moe and spec.num_experts % ep_size:
+        raise ConversionError(f"expert_parallel={ep_size} does not divide num_experts={spec.num_experts}")
+
+
+def expert_of(mcore_name: str) -> int | None:
+    """The expert index of an expert's parameter (None for every other parameter)."""
+    match = _LAYER_RE.match(mcore_name)
+    expert = _EXPERT_RE.match(match.group(2)) if match else None
+    return int(expert.group(1)) if expert else None
+
+
+def renumber_expert(mcore_name: str, offset: int) -> str:
+    """``...local_experts.<e>...`` -> ``...local_experts.<e + offset>...`` (other names unchanged): a rank's
+    local expert names to the global ones (offset ``ep_rank * experts_per_rank``) or back (its negative)."""
+    e = expert_of(mcore_name)
+    if e is None:
+        return mcore_name
+    return mcore_name.replace(f".local_experts.{e}.", f".local_experts.{e + offset}.", 1)
+
+
+def ep_owner(spec: ModelSpec, mcore_name: str, ep_size: int) -> int | None:
+    """The expert-parallel rank holding an expert's parameter (None: every rank holds it)."""
+    e = expert_of(mcore_name)
+    return None if e is None else e // (spec.num_experts // ep_size)
+
+
+def shard_ep(state: Mapping[str, torch.Tensor], spec: ModelSpec, ep_size: int) -> list[dict[str, torch.Tensor]]:
+    """A full Megatron state dict -> each expert-parallel rank's: the shared parameters, and its block of
+    experts under local names."""
+    check_ep(spec, ep_size)
+    per_rank = spec.num_experts // max(1, ep_size) if spec.is_moe else 0
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(ep_size)]
+    for name, tensor in state.items():
+        owner = ep_owner(spec, name, ep_size)
+        for rank in range(ep_size) if owner is None else (owner,):
+            shards[rank][renumber_expert(name, -rank * per_rank)] = tensor
+    return shards
+
+
+def merge_ep(shards: list[Mapping[str, torch.Tensor]], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Inverse of ``shard_ep`` (the shared parameters are taken from rank 0)."""
+    per_rank = spec.num_experts // len(shards) if spec.is_moe else 0
+    out: dict[str, torch.Tensor] = {}
+    for rank, shard in enumerate(shards):
+        for name, tensor in shard.items():
+            if expert_of(name) is not None:
+                out[renumber_expert(name, rank * per_rank)] = tensor
+            elif rank == 0:
+                out[name] = tensor
+    return out
 
 
 def local_to_global_layer(name: str, offset: int) -> str:

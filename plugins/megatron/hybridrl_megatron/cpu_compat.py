@@ -10,6 +10,8 @@ layer spec most of it is device-agnostic, but a few places still talk to CUDA di
   tied embeddings under pipeline parallelism) -> redirected to the CPU by a ``TorchFunctionMode``.
 * the CUDA RNG tracker (``tensor_parallel.get_cuda_rng_tracker``, forked around dropout) -> a tracker of
   CPU generator states with the same names and seeds.
+* the MoE router's Transformer Engine GEMM, a name left unbound without Transformer Engine
+  (``install_moe_fallbacks``).
 
 Nothing in megatron-core is edited or patched on disk: the stand-ins are installed while ``cpu_megatron()``
 is entered (re-entrant; the engine enters it around every call) and removed when the outermost block
@@ -143,3 +145,14 @@ class CpuRNGStatesTracker:
         finally:
             self.states_[name] = torch.get_rng_state()
             torch.set_rng_state(outer)
+
+
+def install_moe_fallbacks() -> None:
+    """megatron-core 0.16's MoE router reads the name ``te_general_gemm`` that its ``moe_utils`` binds only when
+    Transformer Engine imports; without Transformer Engine (the local spec, every CPU run) the router's
+    forward fails on the missing name. Binding it to None selects the plain ``torch.mm`` path the router
+    already has for that case. Process state of Megatron's own module, set once, as ``install_rng_tracker``."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

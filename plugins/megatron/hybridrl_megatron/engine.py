@@ -42,9 +42,10 @@ from hybridrl.engines import DataParallelInfo, EngineContext, LossScale, Objecti
 from hybridrl.weights.buckets import group_into_buckets
 from hybridrl.weights.sync_check import GREEDY_MARGIN
 from hybridrl_megatron.convert import VALUE_HEAD_NAMES, HFCheckpoint, padded_vocab_size, write_hf_checkpoint
-from hybridrl_megatron.cpu_compat import install_rng_tracker, maybe_cpu
+from hybridrl_megatron.cpu_compat import install_moe_fallbacks, install_rng_tracker, maybe_cpu
 from hybridrl_megatron.logprobs import vocab_parallel_greedy_margins, vocab_parallel_log_probs
 from hybridrl_megatron.model import VALUE_HEAD_FILE, build_gpt, load_hf_weights, param_table, transformer_config
+from hybridrl_megatron.moe import clear_router_losses, router_loss_metrics
 from hybridrl_megatron.optim import MegatronStepper, TorchStepper
 from hybridrl_megatron.parallel import init_parallel
 from hybridrl_megatron.settings import MegatronSettings, option_problems
@@ -90,11 +91,14 @@ class MegatronEngine(TrainEngine):
         self.device = engine_device(ctx)
         self._compat = functools.partial(maybe_cpu, self.device.type)
         with self._compat():
-            self.layout = init_parallel(ctx.world_size, self.settings.tensor_parallel, self.settings.pipeline_parallel)
+            self.layout = init_parallel(ctx.world_size, self.settings.tensor_parallel, self.settings.pipeline_parallel,
+                                        self.settings.expert_parallel)
             torch.manual_seed(ctx.seed)
             self._seed_rng(ctx.seed)
             self.ckpt = HFCheckpoint(ctx.model_path)
             self.spec = self.ckpt.spec
+            if self.spec.is_moe:
+                install_moe_fallbacks()
             self.padded_vocab = padded_vocab_size(self.spec.vocab_size, self.layout.tp, self.settings.vocab_multiple)
             self.config = transformer_config(self.spec, self.settings, self.layout, ctx.device, ctx.torch_dtype)
             self.model = build_gpt(self.spec, self.config, self.layout, self.settings, self.head)
@@ -265,11 +269,14 @@ class MegatronEngine(TrainEngine):
         with self._compat():
             self.model.train()
             self.stepper.zero_grad()
+            if self.spec.is_moe:
+                clear_router_losses()
             self._run_schedule(micro_batches, loss_fn, forward_only=False)
             grad_norm, skipped = self.stepper.step()
             self.model.eval()
+            router = router_loss_metrics(self.spec, self.layout, n_micro, self.device)
         return {**metrics.result(), "loss": self._global_loss(sum(losses)), "grad_norm": grad_norm, "lr": lr,
-                "skipped_step": float(skipped)}
+                "skipped_step": float(skipped), **router}
 
     def _global_loss(self, local: float) -> float:
         """The batch loss: the sum of this data-parallel rank's shares, summed over data-parallel ranks of the
@@ -405,8 +412,11 @@ class MegatronEngine(TrainEngine):
 
     def _layout_meta(self) -> dict[str, Any]:
         lay = self.layout
-        return {"world_size": self.ctx.world_size, "tensor_parallel": lay.tp, "pipeline_parallel": lay.pp,
+        meta = {"world_size": self.ctx.world_size, "tensor_parallel": lay.tp, "pipeline_parallel": lay.pp,
                 "data_parallel": lay.dp, "padded_vocab": self.padded_vocab, "model": self.spec.to_json()}
+        if lay.ep > 1:  # which experts a rank file holds (a dense checkpoint's record stays as it was)
+            meta["expert_parallel"] = lay.ep
+        return meta
 
     # --- memory -------------------------------------------------------------------------------------------
     def offload(self) -> None:

@@ -52,6 +52,43 @@ def layout(cfg: Any, role: str, world_size: int) -> tuple[int, int, int]:
     return tp, pp, max(1, world_size // (tp * pp))
 
 
+def expert_parallel(cfg: Any, role: str) -> int:
+    """The role's ``expert_parallel`` (else the actor's, as ``layout``), 1 when unset."""
+    own, actor = role_options(cfg, role), role_options(cfg, "actor")
+    value = own.get("expert_parallel") if own.get("expert_parallel") is not None else actor.get("expert_parallel")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+
+def expert_parallel_problems(cfg: Any, role: str) -> list[tuple[str, str]]:
+    """``options.expert_parallel`` against the pool (it must divide the data-parallel ranks) and the model (it
+    must divide the experts; a dense model has none to split)."""
+    ep = role_options(cfg, role).get("expert_parallel")
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep <= 1:
+        return []  # unset, 1, or a bad value (the options checker names it)
+    from hybridrl.placement.memory import MemoryEstimateError, model_shape
+    from hybridrl_megatron.settings import layout_problem
+
+    key = f"roles.{role}.options.expert_parallel"
+    problems = []
+    pool = cfg.pools.get(getattr(getattr(cfg.roles, role, None), "pool", None) or "")
+    if pool is not None:
+        tp, pp, _ = layout(cfg, role, pool.size)
+        problem = layout_problem(pool.size, tp, pp, ep)
+        if problem and "expert_parallel" in problem:
+            problems.append((key, problem))
+    try:
+        shape, source = model_shape(cfg)
+    except MemoryEstimateError:  # no config to read here (its own check reports an unknown layout)
+        return problems
+    if not shape.is_moe:
+        problems.append((key, f"the model ({source}) has no experts to split: expert_parallel needs a "
+                              "mixture-of-experts model"))
+    elif shape.num_experts % ep:
+        problems.append((key, f"expert_parallel={ep} does not divide the model's {shape.num_experts} experts "
+                              f"({source})"))
+    return problems
+
+
 def recomputes(options: dict[str, Any]) -> bool:
     return options.get("recompute", options.get("gradient_checkpointing", False)) is True
 
@@ -84,9 +121,12 @@ class MegatronMemory:
         tp, pp, dp = layout(ctx.cfg, ctx.role, ctx.world_size)
         trainable = ctx.trainable
         cuda = ctx.device == "cuda"
-        part = shape.param_count() / (tp * pp)
+        ep = expert_parallel(ctx.cfg, ctx.role)
+        experts = shape.num_layers * shape.num_experts * 3 * shape.hidden_size * shape.moe_intermediate_size
+        part = (shape.param_count() - experts) / (tp * pp) + experts / (tp * pp * ep)  # experts split over ep too
         vocab = shape.vocab_size if role_spec(ctx.role).vocab_head else 1
-        mem = RoleMemory(ctx.role, ctx.pool, "train" if trainable else "frozen", f"TP{tp} PP{pp} DP{dp}",
+        split = f"TP{tp} PP{pp} DP{dp}" + (f" EP{ep}" if ep > 1 else "")
+        mem = RoleMemory(ctx.role, ctx.pool, "train" if trainable else "frozen", split,
                          tokens=tokens, checkpointing=settings.checkpointing)
         if tp * pp * dp != ctx.world_size:
             mem.notes.append(f"tensor_parallel x pipeline_parallel = {tp * pp} does not divide {ctx.world_size} "
@@ -119,7 +159,7 @@ class MegatronMemory:
         value = role_options(cfg, role).get("gradient_checkpointing")
         if value is not None and value != AUTO and not isinstance(value, bool):
             return [(f"roles.{role}.options.gradient_checkpointing", f"must be true, false or auto, got {value!r}")]
-        return []
+        return expert_parallel_problems(cfg, role)
 
     def choices(self, cfg: Any, role: str, knobs: Knobs, settings: TrainSettings | None, why: str
                 ) -> tuple[dict[str, Any], dict[str, Any], list[AutoChoice]]:

@@ -1,4 +1,4 @@
-"""Build a Megatron-core ``GPTModel`` stage for a Llama/Qwen2 checkpoint and fill it from the HF weights.
+"""Build a Megatron-core ``GPTModel`` stage for a Llama/Qwen2/Qwen3-MoE checkpoint and fill it from the HF weights.
 
 The local layer spec (plain PyTorch modules, no Transformer Engine) is used on every device: its attention
 takes the explicit padding-and-causal mask the engine builds for left-padded prompts. (Transformer Engine's
@@ -20,13 +20,16 @@ from hybridrl_megatron.convert import (
     ConversionError,
     HFCheckpoint,
     ModelSpec,
+    check_ep,
     check_tp,
+    expert_of,
     global_layer,
     is_vocab_parallel,
     local_to_global_layer,
     mcore_names,
     pad_vocab,
     padded_vocab_size,
+    renumber_expert,
     shard_tp,
     tp_partition_dim,
 )
@@ -56,10 +59,13 @@ def transformer_config(spec: ModelSpec, settings: MegatronSettings, layout: Layo
     if spec.num_layers % layout.pp:
         raise ConversionError(f"pipeline_parallel={layout.pp} does not divide num_hidden_layers={spec.num_layers}")
     check_tp(spec, layout.tp)
+    check_ep(spec, layout.ep)
     params_dtype = dtype if device == "cuda" else torch.float32
     kwargs = {}
     if settings.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if spec.is_moe:
+        kwargs.update(moe_config(spec, settings, layout))
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
@@ -74,6 +80,20 @@ def transformer_config(spec: ModelSpec, settings: MegatronSettings, layout: Layo
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         **kwargs,
     )
+
+
+def moe_config(spec: ModelSpec, settings: MegatronSettings, layout: Layout) -> dict:
+    """``TransformerConfig`` keys of a mixture-of-experts model. The router: top-k of the logits, then a softmax
+    over the k (the same weights as a softmax over all experts renormalised over the top k: Qwen3-MoE's
+    ``norm_topk_prob``); without renormalisation, the softmax over all experts first. Tokens reach their experts
+    through the all-gather dispatcher; the load-balancing loss is Megatron's ``aux_loss``, weighted by
+    ``options.moe_aux_loss_coef`` (default: the checkpoint's ``router_aux_loss_coef``)."""
+    coef = settings.moe_aux_loss_coef if settings.moe_aux_loss_coef is not None else spec.router_aux_loss_coef
+    return dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.experts_per_token,
+                moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_router_pre_softmax=not spec.norm_topk_prob,
+                moe_router_load_balancing_type="aux_loss" if coef > 0 else "none", moe_aux_loss_coeff=coef,
+                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_router_dtype="fp32",
+                expert_model_parallel_size=layout.ep, qk_layernorm=spec.qk_norm)
 
 
 class ValueHead(nn.Module):
@@ -104,7 +124,9 @@ def build_gpt(spec: ModelSpec, config, layout: Layout, settings: MegatronSetting
         kwargs["seq_len_interpolation_factor"] = spec.rope_linear_factor
     theta = spec.rope_theta
     model = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm", num_experts=spec.num_experts or None, moe_grouped_gemm=False,
+            qk_layernorm=spec.qk_norm),
         vocab_size=padded_vocab_size(spec.vocab_size, layout.tp, settings.vocab_multiple),
         max_sequence_length=spec.max_position_embeddings, pre_process=layout.first_stage,
         post_process=layout.last_stage, parallel_output=True,
@@ -136,9 +158,17 @@ def stage_layers(spec: ModelSpec, layout: Layout, stage: int) -> range:
     return range(stage * per_stage, (stage + 1) * per_stage)
 
 
-def stage_names(spec: ModelSpec, layout: Layout, stage: int, head: str = "lm") -> list[str]:
+def ep_experts(spec: ModelSpec, layout: Layout, ep_rank: int) -> range:
+    """Global indices of the experts expert-parallel rank ``ep_rank`` holds (a contiguous block)."""
+    per_rank = spec.num_experts // layout.ep
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def stage_names(spec: ModelSpec, layout: Layout, stage: int, head: str = "lm", ep_rank: int | None = None
+                ) -> list[str]:
     """The full Megatron names a pipeline stage exports (tied copies excluded), in ``mcore_names`` order; a
-    critic's last stage ends with the value head instead of an output layer."""
+    critic's last stage ends with the value head instead of an output layer. ``ep_rank``: only that
+    expert-parallel rank's experts (None: every expert)."""
     layers = stage_layers(spec, layout, stage)
     names = []
     full = [n for n in mcore_names(spec) if head == "lm" or n != "output_layer.weight"]
@@ -152,7 +182,8 @@ def stage_names(spec: ModelSpec, layout: Layout, stage: int, head: str = "lm") -
             keep = stage == 0
         else:  # final norm, untied output layer or value head
             keep = stage == layout.pp - 1
-        if keep:
+        expert = expert_of(name)
+        if keep and (expert is None or ep_rank is None or expert in ep_experts(spec, layout, ep_rank)):
             names.append(name)
     return names
 
@@ -167,7 +198,8 @@ def param_table(model: nn.Module, spec: ModelSpec, layout: Layout, head: str = "
                            f"{expected.start}..{expected.stop - 1}")
     table = []
     for local_name, param in model.named_parameters():
-        name = local_to_global_layer(local_name, offset)
+        name = renumber_expert(local_to_global_layer(local_name, offset), ep_experts(spec, layout, layout.ep_rank).start
+                               if spec.is_moe else 0)
         if head == "value" and name.startswith("output_layer."):
             name = "value_head." + name.removeprefix("output_layer.")
         tied_copy = name == "output_layer.weight" and spec.tie_embeddings
@@ -176,7 +208,7 @@ def param_table(model: nn.Module, spec: ModelSpec, layout: Layout, head: str = "
         table.append(ParamEntry(local_name, name, param, tied_copy))
     _mark_tensor_parallel(table)
     owned = {e.name for e in table if not e.tied_copy}
-    want = set(stage_names(spec, layout, layout.pp_rank, head))
+    want = set(stage_names(spec, layout, layout.pp_rank, head, ep_rank=layout.ep_rank))
     if owned != want:
         raise RuntimeError(f"stage {layout.pp_rank} parameters do not match the checkpoint: missing "
                            f"{sorted(want - owned)[:5]}, unexpected {sorted(owned - want)[:5]}")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridrl.engines import TrainingOptions
+from hybridrl_megatron.convert import expert_of
 from hybridrl_megatron.model import ParamEntry
 from hybridrl_megatron.parallel import Layout
 
@@ -93,24 +94,40 @@ class TorchStepper:
                 dist.all_reduce(e.param.grad, group=self.layout.embedding_group)
 
     def _average_over_data_parallel(self) -> None:
+        """Shared parameters: the mean over the data-parallel group. Experts (expert parallelism): a rank's
+        experts already hold the gradients of every token its expert-parallel group routed to them, so they are
+        summed over the ranks holding the same experts and divided by the whole data-parallel size (what
+        Megatron's DDP does)."""
         if self.layout.dp == 1:
             return
-        grads = [p.grad for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.layout.dp_group)
-        flat /= self.layout.dp
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
+        experts = [p.grad for e, p in zip(self.entries, self.params) if expert_of(e.name) is not None]
+        shared = [p.grad for e, p in zip(self.entries, self.params) if expert_of(e.name) is None]
+        for grads, group in ((shared, self.layout.dp_group), (experts, self.layout.expert_dp_group)):
+            if not grads:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if group is not self.layout.expert_dp_group or self.layout.expert_dp > 1:
+                dist.all_reduce(flat, group=group)
+            flat /= self.layout.dp
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def _global_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float64)
+        expert_sq = torch.zeros((), dtype=torch.float64)
         for e in self.entries:
             duplicate = not getattr(e.param, "tensor_model_parallel", False) and self.layout.tp_rank != 0
             if duplicate or e.tied_copy:
                 continue
-            sq += e.param.grad.double().pow(2).sum()
+            if expert_of(e.name) is not None:
+                expert_sq += e.param.grad.double().pow(2).sum()
+            else:
+                sq += e.param.grad.double().pow(2).sum()
+        if self.layout.ep > 1:  # each expert-parallel rank holds other experts
+            dist.all_reduce(expert_sq, group=self.layout.ep_group)
+        sq += expert_sq
         if self.layout.tp * self.layout.pp > 1:
             dist.all_reduce(sq, group=self.layout.mp_group)
         return float(sq.sqrt())

@@ -23,6 +23,11 @@ class MegatronSettings:
     vocab_multiple: int = 128  # Megatron pads the vocabulary to a multiple of this times tensor_parallel
     recompute: bool = False  # full activation recomputation of every layer (Megatron's "full/uniform/1")
     head: str = "lm"  # "lm" (actor, reference: log-probs) or "value" (critic: one value per position)
+    #: a mixture-of-experts model's experts split over this many data-parallel ranks (None: the layout already in
+    #: the process, else 1)
+    expert_parallel: int | None = None
+    #: MoE: weight of the routers' load-balancing loss (None: the model config's router_aux_loss_coef)
+    moe_aux_loss_coef: float | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], role: str = "actor") -> MegatronSettings:
@@ -40,11 +45,25 @@ class MegatronSettings:
             vocab_multiple=int(options.get("vocab_multiple", cls.vocab_multiple)),
             recompute=bool(options.get("recompute", options.get("gradient_checkpointing", False))),
             head=str(options.get("head") or role_spec(role).head or "lm"),
+            expert_parallel=optional_int("expert_parallel"),
+            moe_aux_loss_coef=None if options.get("moe_aux_loss_coef") is None else float(options["moe_aux_loss_coef"]),
         )
 
 
 #: keys of ``roles.<role>.options`` the backend reads (``gradient_checkpointing`` is an alias of ``recompute``).
-OPTION_KEYS = ("tensor_parallel", "pipeline_parallel", "vocab_multiple", "recompute", "gradient_checkpointing", "head")
+OPTION_KEYS = ("tensor_parallel", "pipeline_parallel", "expert_parallel", "vocab_multiple", "recompute",
+               "gradient_checkpointing", "head", "moe_aux_loss_coef")
+
+
+def layout_problem(world_size: int, tp: int, pp: int, ep: int) -> str | None:
+    """Why ``tp`` x ``pp`` (x ``ep`` carved out of data parallelism) cannot lay out ``world_size`` ranks."""
+    if world_size % (tp * pp):
+        return f"tensor_parallel={tp} x pipeline_parallel={pp} does not divide the {world_size} ranks of the pool"
+    dp = world_size // (tp * pp)
+    if dp % ep:
+        return (f"expert_parallel={ep} does not divide the data-parallel size {dp} ({world_size} ranks / "
+                f"tensor_parallel={tp} / pipeline_parallel={pp}): expert groups are made of data-parallel ranks")
+    return None
 
 
 def option_problems(role: str, options: Mapping[str, Any], training: TrainingOptions | None = None
@@ -62,7 +81,10 @@ def option_problems(role: str, options: Mapping[str, Any], training: TrainingOpt
     if head not in HEADS:
         problems.append(("head", f"head '{head}' is not one of {', '.join(HEADS)} (a reward model needs another "
                                  "backend)"))
-    for key in ("tensor_parallel", "pipeline_parallel", "vocab_multiple"):
+    coef = options.get("moe_aux_loss_coef")
+    if coef is not None and (isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0):
+        problems.append(("moe_aux_loss_coef", f"must be a number >= 0 (unset: the model config's), got {coef!r}"))
+    for key in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "vocab_multiple"):
         value = options.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             problems.append((key, f"must be a positive integer, got {value!r}"))

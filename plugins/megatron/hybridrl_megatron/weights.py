@@ -3,8 +3,10 @@
 Every rank walks the same list: stage by stage, parameter by parameter. The ranks of the owning stage
 all-gather the tensor-parallel shards into the full Megatron tensor and split it into its HF parts; with
 pipeline parallelism each part is then broadcast once from the owning stage to the other stages of the
-pipeline (receive buffers are sized from the model spec). So every rank ends with every full tensor: a
-colocated rollout on any rank can import them, and the object-store bridge takes rank 0's.
+pipeline (receive buffers are sized from the model spec). A mixture-of-experts model's experts live on one
+rank of each expert-parallel group: the owner broadcasts each of its experts' HF parts over that group first.
+So every rank ends with every full tensor: a colocated rollout on any rank can import them, and the
+object-store bridge takes rank 0's.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from hybridrl_megatron.convert import ModelSpec, from_mcore, hf_shapes, is_vocab_parallel, merge_tp
+from hybridrl_megatron.convert import ModelSpec, ep_owner, from_mcore, hf_shapes, is_vocab_parallel, merge_tp
 from hybridrl_megatron.model import ParamEntry, stage_names
 from hybridrl_megatron.parallel import Layout
 
@@ -38,12 +40,15 @@ def iter_full_hf(table: list[ParamEntry], spec: ModelSpec, layout: Layout, dtype
     for stage in range(layout.pp):
         src = layout.pp_ranks[stage]
         for name in stage_names(spec, layout, stage, head):
-            if stage == layout.pp_rank:
+            owner = ep_owner(spec, name, layout.ep) if spec.is_moe else None
+            if stage == layout.pp_rank and name in mine:
                 full = gather_tp(mine[name], layout, spec.vocab_size)
                 parts = [(n, t.contiguous()) for n, t in from_mcore(name, full, spec)]
             else:
                 parts = [(n, torch.empty(shape, dtype=dtype, device=device)) for n, shape in hf_shapes(spec, name)]
             for hf_name, tensor in parts:
+                if owner is not None and layout.ep > 1 and stage == layout.pp_rank:
+                    dist.broadcast(tensor, src=layout.ep_ranks[owner], group=layout.ep_group)
                 if layout.pp > 1:
                     dist.broadcast(tensor, src=src, group=layout.pp_group)
                 yield hf_name, tensor
