@@ -22,8 +22,8 @@ SMALL = ["data.prompts_per_step=4", "algorithm.n_samples=4", "trainer.progress=f
          "roles.reward.runner=inline", "algorithm.tis_cap=2.0", "roles.rollout.log_probs=true"]
 
 
-def started(tmp_path: Path, overrides: list[str]) -> Trainer:
-    cfg = load_config(QUICKSTART, [*SMALL, *overrides, f"trainer.out={tmp_path}"])
+def started(tmp_path: Path, overrides: list[str], config: Path = QUICKSTART) -> Trainer:
+    cfg = load_config(config, [*SMALL, *overrides, f"trainer.out={tmp_path}"])
     trainer = Trainer(prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster)))
     trainer.start()
     return trainer
@@ -69,5 +69,28 @@ def test_oversampled_steps_train_complete_groups_and_carry_the_rest(tmp_path, ra
             assert all(n <= s.cap for g in flight for s in g.samples for n in [len(s.tokens)])
         assert max(lags) == 1  # some samples were resumed under newer weights
         assert any(n > 0 for n in lengths)  # and some are in flight, partly generated
+    finally:
+        trainer.shutdown()
+
+
+def test_pipelined_split_pools_generate_the_next_groups_while_the_actor_trains(tmp_path, ray_local):
+    # the rollout on a pool of its own generates step k+1's groups (stopping once 4 of 8 are complete) while
+    # the actor trains step k: every token trains one or two updates after it was sampled, never more
+    trainer = started(tmp_path, ["roles.rollout.oversample=2", "roles.rollout.max_new_tokens=12",
+                                 "roles.rollout.ignore_eos=true",
+                                 "roles.rollout.response_lengths={median: 4, sigma: 1}"],
+                      ROOT / "examples" / "quickstart-pipelined.yaml")
+    try:
+        lags = []
+        for _ in range(4):
+            metrics = trainer.train_step()
+            batch = trainer.last_batch
+            assert len(batch) == 16 and batch[GROUP_INDEX].tolist() == torch.arange(4).repeat_interleave(4).tolist()
+            versions = batch[TOKEN_VERSIONS][batch[RESPONSE_MASK].bool()]
+            trained_against = trainer.actor_version - 1  # the update this step made started from it
+            assert int(versions.max()) <= trained_against and int(versions.min()) >= trained_against - 1
+            lags.append(metrics["async/version_lag_max"])
+            assert metrics["rollout/groups_carried"] == 4
+        assert max(lags[1:]) >= 1  # after the first step every batch was generated during the previous one
     finally:
         trainer.shutdown()

@@ -24,7 +24,7 @@ and the driver syncs only after collecting the previous batch).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hybridrl.batch import Batch
 from hybridrl.errors import HybridRLError
@@ -44,6 +44,8 @@ class GenerationJob:
     step: int
     version: int
     pending: PendingCall
+    #: groups in flight (``hybridrl.run.streaming``): which sample each request row is; None: a plain batch
+    rows: list[Any] | None = None
 
 
 class StalenessError(HybridRLError, RuntimeError):

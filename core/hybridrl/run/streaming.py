@@ -107,11 +107,12 @@ class GroupsInFlight:
         self.step = StepRollout()
 
     # --- a step's generation --------------------------------------------------------------------------
-    def begin_step(self, actor_version: int, next_prompts: Callable[[], list[PromptRow]]) -> None:
-        """Restart every sample holding a token older than the staleness bound allows, then fill the groups in
-        flight up to the target from the loader."""
+    def begin_step(self, train_version: int, next_prompts: Callable[[], list[PromptRow]]) -> None:
+        """Restart every sample holding a token older than the staleness bound allows for a batch trained
+        against actor version ``train_version``, then fill the groups in flight up to the target from the
+        loader."""
         self.step = StepRollout()
-        oldest_allowed = actor_version - self.max_staleness
+        oldest_allowed = train_version - self.max_staleness
         for group in self.groups:
             for sample in group.samples:
                 if sample.versions and min(sample.versions) < oldest_allowed:
@@ -283,9 +284,6 @@ def streaming_problems(cfg: Any, can_partial: bool, backend: str, multi_turn: bo
         problems.append((key, f"the rollout backend '{backend}' cannot stop a generation once enough groups are "
                               "complete (it does not declare the `partial` capability); use a backend that does "
                               "(hf, vllm) or leave oversample at 1 and partial unset"))
-    if cfg.trainer.pipelined:
-        problems.append((key, "groups in flight and trainer.pipelined are one or the other for now; set "
-                              "trainer.pipelined=false"))
     if multi_turn:
         problems.append((key, "multi-turn episodes (environment) are generated whole; leave oversample at 1 and "
                               "partial unset with an environment"))

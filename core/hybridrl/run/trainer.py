@@ -313,9 +313,9 @@ class Trainer:
         job, self.next_generation = self.next_generation, None
         if job is None:  # the first step (or one past trainer.steps): nothing was generated ahead
             with log.timer.phase("data"):
-                job = self.submit_generation(self.prompt_batch(), self.step)
+                job = self.submit_next(self.step, train_version=self.actor_version)
         with log.timer.phase("gen_wait"):
-            batch = self.collect_generation(job, log)
+            batch = self.collect_generation(job, log) if job.rows is None else self.collect_in_flight(job, log)
         log.timer.record("gen", log.compute["gen"])  # the rollout's own time; it overlapped the previous step
         staleness = staleness_of(job, self.actor_version, bound)
         stats = {"bytes": 0.0}
@@ -325,7 +325,7 @@ class Trainer:
                     stats = self.sync_weights()
                 self.rollout_version = self.actor_version
             with log.timer.phase("data"):
-                self.next_generation = self.submit_generation(self.prompt_batch(), self.step + 1)
+                self.next_generation = self.submit_next(self.step + 1, train_version=self.actor_version + 1)
         with log.timer.phase("reward"):
             log.metrics.update(self.score(batch, log))
         self.train_on(batch, log)
@@ -336,6 +336,38 @@ class Trainer:
         metrics["async/staleness"] = float(staleness)
         metrics["async/weights_version"] = float(job.version)
         return metrics
+
+    def submit_next(self, step: int, train_version: int) -> GenerationJob:
+        """The pipelined step's next generation: a prompt batch, or with groups in flight one
+        ``generate_until`` round over them (trained against actor version ``train_version``)."""
+        flight = self.in_flight
+        if flight is None:
+            return self.submit_generation(self.prompt_batch(), step)
+        flight.begin_step(train_version, self.next_prompts)
+        requests, rows = flight.requests()
+        params = dataclasses.replace(self.sampling, seed=self.cfg.trainer.seed * 100_003 + step)
+        pending = self.groups["rollout"].submit("rollout", "generate_until", requests, params,
+                                                flight.share_to_complete())
+        return GenerationJob(requests, step, self.rollout_version, pending, rows=rows)
+
+    def collect_in_flight(self, job: GenerationJob, log: StepLog) -> Batch:
+        """A submitted round's samples join the groups in flight; a step still short of complete groups (a
+        replica stopped at its own share) runs further rounds, waited for, on the same weights."""
+        flight = self.in_flight
+        assert flight is not None and job.rows is not None
+        flight.absorb(job.rows, log.took("gen", self.groups["rollout"].wait(job.pending)), job.version)
+        while flight.needs_more:
+            requests, rows = flight.requests()
+            params = dataclasses.replace(self.sampling, seed=self.cfg.trainer.seed * 100_003 + job.step
+                                         + 7_919 * flight.step.rounds)
+            out = log.took("gen", self.groups["rollout"].call("rollout", "generate_until", requests, params,
+                                                              flight.share_to_complete()))
+            flight.absorb(rows, out, job.version)
+        batch = flight.batch(flight.take(self.cfg.data.prompts_per_step))
+        flight.end_step()
+        batch.info["temperature"] = self.temperature
+        log.metrics.update(flight.metrics(batch, self.actor_version))
+        return batch
 
     # --- the pieces of a step -------------------------------------------------------------------------
     def submit_generation(self, batch: Batch, step: int, salt: int = 0) -> GenerationJob:
