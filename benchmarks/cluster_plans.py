@@ -1,4 +1,5 @@
-"""The plans of the shipped Qwen2.5 7B, 32B and 72B configs on 4 and 32 nodes of 8 GPUs, colocated and split.
+"""The plans of the shipped Qwen2.5 7B, 32B and 72B configs on 4 and 32 nodes of 8 GPUs, colocated and split, and
+of Qwen3-30B-A3B (mixture of experts) on 1 and 2 nodes.
 
 For each case it runs ``hybridrl plan CONFIG --cluster NxM --skip-engine-check OVERRIDES`` (no GPU, no engine:
 the plan, its memory estimate and its reshard volume) and keeps the figures the README's table quotes: the
@@ -40,6 +41,8 @@ CASES = {
     ("qwen32b-split", "32x8"): ["pools.train.nodes=24", "pools.gen.nodes=8"],
     ("qwen72b-colocated", "32x8"): ["pools.main.nodes=32"],
     ("qwen72b-split", "32x8"): ["pools.train.nodes=24", "pools.gen.nodes=8"],
+    ("qwen3moe-colocated", "1x8"): ["roles.rollout.backend=vllm"],
+    ("qwen3moe-colocated", "2x8"): ["pools.main.nodes=2", "roles.rollout.backend=vllm"],
 }
 
 POOL_PEAK = re.compile(r"^pool (\S+) \((\d+) device\(s\), ([^)]*)\): peak ([\d.]+) GiB in (\S+) .*?(ok|DOES NOT FIT)",
