@@ -41,7 +41,7 @@ RUN = [f"trainer.steps={STEPS}", "data.prompts_per_step=4", "algorithm.n_samples
        "roles.critic.lr=1e-3", "algorithm.kl.as=reward", "algorithm.kl.estimator=k1",
        "algorithm.kl.controller=adaptive", "algorithm.kl.target=0.5", "algorithm.kl.horizon=100"]
 #: metrics that measure the machine (time, memory, bytes moved), not the computation.
-MACHINE = ("timing/", "compute/", "perf/", "memory/", "reshard/", "gc/")
+MACHINE = ("timing/", "compute/", "perf/", "memory/", "reshard/", "gc/", "device/")
 
 
 def make_trainer(out: Path, *overrides: str) -> Trainer:
@@ -224,7 +224,7 @@ def test_resume_never_refuses_a_run_folder_and_overwrite_moves_it_aside(full_run
     with pytest.raises(ConfigError) as err:
         prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster))
     reason = dict(err.value.problems)["trainer.out"]
-    assert "holds a previous run (checkpoints/ (latest, step_000004), metrics.jsonl (4 rows))" in reason, reason
+    assert "holds a previous run (checkpoints/ (latest, step_000004), metrics.jsonl (4 rows)" in reason, reason
     assert "--overwrite" in reason
     assert folder_state(out) == before
     setup = prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster), overwrite=True)

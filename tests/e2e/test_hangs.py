@@ -26,7 +26,7 @@ from _live_run import psutil, running, wait_for
 
 from hybridrl.run import checkpoint as ckpt
 
-STEP_TIMEOUT_S = 20  # long enough for a loaded machine's engine start-up, which the number also bounds
+STEP_TIMEOUT_S = 45  # long enough for a loaded machine's engine start-up, which the number also bounds
 
 
 def of_sessions(sessions: list[Path]) -> list[str]:
