@@ -233,6 +233,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
     registry = _registry()
     rows = describe_plugins()
+    if args.name:
+        return _describe_backend(registry, rows, args.name)
     print(f"{'plugin':<18} {'distribution':<20} {'version':<9} registers")
     for row in rows:
         items = []
@@ -245,6 +247,22 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         if row.error is not None:  # installed, but its import raised: skipped by runs (hybridrl.plugins.discovery)
             items = [f"FAILED TO IMPORT: {row.error}"]
         print(f"{row.name:<18} {row.distribution:<20} {row.version:<9} {', '.join(items) or '-'}")
+    return 0
+
+
+def _describe_backend(registry: Any, rows: list[Any], name: str) -> int:
+    """``hybridrl plugins NAME``: the backend(s) of that name (``hybridrl.plugins.describe``)."""
+    from hybridrl.plugins.describe import UnknownBackend, describe_backend, find_backends
+
+    try:
+        specs = find_backends(registry, name)
+    except UnknownBackend as exc:
+        print(f"hybridrl: {exc}", file=sys.stderr)
+        return exc.exit_status
+    dists = {row.name: (row.distribution, row.version) for row in rows}
+    for i, spec in enumerate(specs):
+        distribution, version = dists.get(spec.plugin, ("(unknown)", "-"))
+        print(("\n" if i else "") + "\n".join(describe_backend(spec, distribution, version)))
     return 0
 
 
@@ -294,7 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dtype of the saved weights (default: the run's model.dtype)")
     export.set_defaults(func=cmd_export)
     _cluster_parser(sub)
-    plugins = sub.add_parser("plugins", help="list plugins, what they register, and engine availability")
+    plugins = sub.add_parser("plugins", help="list plugins, what they register, and engine availability; "
+                                             "with NAME, one backend's capabilities and options")
+    plugins.add_argument("name", nargs="?", help="a backend name (fsdp, hf, vllm ...): its kind, distribution, "
+                                                 "capabilities, max ranks and option keys")
     plugins.set_defaults(func=cmd_plugins)
     return parser
 

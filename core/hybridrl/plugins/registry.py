@@ -117,6 +117,9 @@ class BackendSpec:
     #: ``fn(role, options, training) -> [(key, reason)]`` (or ``"module:function"``, loaded without the engine):
     #: the backend's check of its own settings, run by pre-flight (``run.checks.option_problems``).
     check_options: Any = None
+    #: the backend's own option keys for people (``hybridrl plugins NAME``): a sequence of
+    #: ``hybridrl.plugins.options.OptionDoc`` or ``"module:attr"`` naming one; None: not declared.
+    options: Any = None
     #: ``fn(role, options, device) -> [(key, value, reason)]`` (or ``"module:function"``, loaded without the
     #: engine): the backend's own ``auto`` options, resolved by pre-flight for ``device`` ("cpu", "cuda") and
     #: recorded with the core's auto choices (``placement.auto.resolve_backend_options``).
@@ -222,7 +225,7 @@ class Registry:
     def _add_backend(self, kind: BackendKind, name: str, target: Any, requires: str | list[str] | tuple[str, ...],
                      install_hint: str, process_family: str, devices: tuple[str, ...], supports: Iterable[str],
                      max_ranks: int | None, check_options: Any, resolve_options: Any = None,
-                     **hooks: Any) -> None:
+                     options: Any = None, **hooks: Any) -> None:
         key = (kind, name)
         if key in self.backends:
             raise RegistryError(
@@ -236,34 +239,37 @@ class Registry:
         reqs = (requires,) if isinstance(requires, str) else tuple(requires)
         self.backends[key] = BackendSpec(kind, name, target, self.current_plugin, reqs, install_hint,
                                          process_family, tuple(devices), declared, max_ranks, check_options,
-                                         resolve_options, **hooks)
+                                         options, resolve_options, **hooks)
 
     def add_train_engine(self, name: str, target: Any, *, requires: str | list[str] = (), install_hint: str = "",
                          process_family: str = "torch-dist", devices: tuple[str, ...] = ("cpu", "cuda"),
                          supports: Iterable[str] = (), max_ranks: int | None = None, check_options: Any = None,
                          resolve_options: Any = None, memory_model: Any = None, oom_fixes: Any = None,
-                         shares_prompts: Any = None) -> None:
+                         shares_prompts: Any = None, options: Any = None) -> None:
         """Register a ``TrainEngine`` class (or ``"module:Class"``) under ``name``; ``supports`` names its
         optional capabilities (``capabilities.TRAIN_CAPABILITIES``), ``max_ranks`` the most ranks it spans,
         ``check_options`` its pre-flight check of its own settings (see ``BackendSpec.check_options``),
         ``resolve_options`` its own ``auto`` settings (``BackendSpec.resolve_options``), ``memory_model``,
         ``oom_fixes`` and ``shares_prompts`` what the planner, the out-of-memory answer and the FLOP count ask
-        of it (see ``BackendSpec``)."""
+        of it, ``options`` its option keys for people (see ``BackendSpec``)."""
         self._add_backend("train", name, target, requires, install_hint, process_family, devices, supports, max_ranks,
-                          check_options, resolve_options, memory_model=memory_model, oom_fixes=oom_fixes,
+                          check_options, resolve_options, options, memory_model=memory_model, oom_fixes=oom_fixes,
                           shares_prompts=shares_prompts)
 
     def add_rollout(self, name: str, target: Any, *, requires: str | list[str] = (), install_hint: str = "",
                     process_family: str = "any", devices: tuple[str, ...] = ("cpu", "cuda"),
                     supports: Iterable[str] = (), max_ranks: int | None = None, check_options: Any = None,
-                    resolve_options: Any = None, memory_model: Any = None, oom_fixes: Any = None) -> None:
+                    resolve_options: Any = None, memory_model: Any = None, oom_fixes: Any = None,
+                    options: Any = None) -> None:
         """Register a ``RolloutEngine`` class (or ``"module:Class"``) under ``name``; ``supports`` names its
         optional capabilities (``capabilities.ROLLOUT_CAPABILITIES``), ``max_ranks`` the most ranks it spans,
         ``check_options`` its pre-flight check of its own settings (see ``BackendSpec.check_options``),
         ``resolve_options`` its own ``auto`` settings (``BackendSpec.resolve_options``), ``memory_model`` and
-        ``oom_fixes`` what the planner and the out-of-memory answer ask of it (see ``BackendSpec``)."""
+        ``oom_fixes`` what the planner and the out-of-memory answer ask of it, ``options`` its option keys for
+        people (see ``BackendSpec``)."""
         self._add_backend("rollout", name, target, requires, install_hint, process_family, devices, supports,
-                          max_ranks, check_options, resolve_options, memory_model=memory_model, oom_fixes=oom_fixes)
+                          max_ranks, check_options, resolve_options, options, memory_model=memory_model,
+                          oom_fixes=oom_fixes)
 
     def add_bridge(self, trainer: str, rollout: str, transport: str, target: Any, *, scope: str = "cluster") -> None:
         """Register a reshard bridge for a backend pair; later registrations of the same key win. ``scope``

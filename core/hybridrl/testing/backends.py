@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hybridrl.engines import EngineContext, RolloutEngine, TrainEngine, TrainingOptions
+from hybridrl.lora import LoraSpec
 from hybridrl.plugins.registry import BackendEntry, RegistryError, load_object
 from hybridrl.roles import role_spec
 
@@ -97,16 +98,24 @@ def role_options(role: str, **overrides: Any) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
 
-def build_engine(kind: Kind, name: str, model_path: str, device: str, dtype: str = "float32",
-                 role: str | None = None, options: dict[str, Any] | None = None) -> Any:
-    """Construct the backend's engine for one rank of one, inside a one-rank process group."""
-    cls = engine_class(kind, name)
-    ensure_process_group(device)
+def engine_context(kind: Kind, name: str, model_path: str, device: str, dtype: str = "float32",
+                   role: str | None = None, options: dict[str, Any] | None = None,
+                   lora: LoraSpec | None = None) -> EngineContext:
+    """The ``EngineContext`` of rank 0 of 1, as the worker makes it for ``role`` (``lora``: the run's adapters)."""
     role = role or ("actor" if kind == "train" else "rollout")
     if kind == "train":
         training, own = TrainingOptions.split(options or {})
     else:
         training, own = TrainingOptions(), dict(options or {})
-    ctx = EngineContext(role=role, backend=name, model_path=str(model_path), rank=0, world_size=1, device=device,
-                        dtype=dtype, seed=0, trainable=role_spec(role).trainable, options=own, training=training)
-    return cls(ctx)
+    return EngineContext(role=role, backend=name, model_path=str(model_path), rank=0, world_size=1, device=device,
+                         dtype=dtype, seed=0, trainable=role_spec(role).trainable, options=own, training=training,
+                         lora=lora)
+
+
+def build_engine(kind: Kind, name: str, model_path: str, device: str, dtype: str = "float32",
+                 role: str | None = None, options: dict[str, Any] | None = None,
+                 lora: LoraSpec | None = None) -> Any:
+    """Construct the backend's engine for one rank of one, inside a one-rank process group."""
+    cls = engine_class(kind, name)
+    ensure_process_group(device)
+    return cls(engine_context(kind, name, model_path, device, dtype, role, options, lora))

@@ -144,11 +144,12 @@ class KitBase:
 
 def engine_factory(kind: str, name: str, model_path: Path, device: str, dtype: str,
                    options: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
-    """``make(role=None, path=None, **option_overrides)`` builds a fresh engine of the backend."""
+    """``make(role=None, path=None, lora=None, **option_overrides)`` builds a fresh engine of the backend
+    (``lora``: a ``hybridrl.lora.LoraSpec``, the adapters of a LoRA run)."""
 
-    def make(role: str | None = None, path: Path | None = None, **overrides: Any) -> Any:
+    def make(role: str | None = None, path: Path | None = None, lora: Any = None, **overrides: Any) -> Any:
         role = role or ("actor" if kind == "train" else "rollout")
         return backends.build_engine(kind, name, str(path or model_path), device, dtype, role=role,  # type: ignore[arg-type]
-                                     options=options(role, **overrides))
+                                     options=options(role, **overrides), lora=lora)
 
     return make

@@ -18,6 +18,7 @@ import torch
 from hybridrl.batch import FINISHED, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch, complete_groups
 from hybridrl.engines import SamplingParams
 from hybridrl.testing import backends
+from hybridrl.testing import lora as kit_lora
 from hybridrl.testing import partial as cut
 from hybridrl.testing.batches import prompt_batch
 from hybridrl.testing.checks import check, layout_problems, reference_problems, stop_problems, violated
@@ -54,6 +55,9 @@ POSITIONS = ("a left-padded row must decode as its prompt alone: position ids co
 REQUESTS = ("generate_request (capability 'requests') must follow generate's contract: tokens up to and including "
             "the stop token, the log-probs of the sampling distribution, concurrent requests independent")
 NAMED_WEIGHTS = "named_weights (capability 'named_weights') must give the engine's weights under their HF names"
+LORA_ADAPTERS = ("import_weights of LoRA adapters (capability 'lora_adapters', ctx.lora.sync 'adapter') must serve "
+                 "them on the base: greedy outputs those of the merged weights W0 + alpha/rank * B @ A, at every sync "
+                 "(each sync's adapters replace the last: merged onto the base, not onto the previous merge)")
 PARTIAL_CAPS = ("with the 'partial' capability every row must honour its max_new_tokens cap, in generate and "
                 "generate_until: the first cap tokens of an uncapped run (all of it when shorter), at the width of "
                 "params.max_new_tokens, finished")
@@ -451,6 +455,33 @@ class RolloutEngineContract(KitBase):
         check(backend_name, PARTIAL_RESUME, cut.resumed_problems(
             [prompts[i] for i in open_rows], [heads[i] for i in open_rows], resumed, full.index(open_rows), policy_ref,
             self.greedy_tie_tolerance, self.logit_rtol))
+
+    def test_lora_adapters_serve_the_merged_weights(self, backend_name: str, engine_slot: EngineSlot,
+                                                    prompts: Batch, kit_models: KitModels,
+                                                    policy_ref: ReferenceModel) -> None:
+        """Capability ``lora_adapters``: two syncs of random adapters on every projection, in buckets of three
+        tensors (a pair may span buckets, as in a bridge's stream); after each, greedy outputs must be those
+        of the checkpoint with that sync's adapters merged in."""
+        self._declares(backend_name, "lora_adapters")
+        spec = kit_lora.ROLLOUT_LORA
+        base = policy_ref.named_weights()
+        engine = engine_slot.fresh(lora=spec)
+        try:
+            problems = []
+            for sync, seed in enumerate((11, 12), start=1):
+                adapters = list(kit_lora.random_adapters(base, spec.rank, seed).items())
+                for i in range(0, len(adapters), 3):
+                    engine.import_weights([(name, tensor.clone()) for name, tensor in adapters[i:i + 3]])
+                engine.finish_weight_import()
+                want = ReferenceModel(kit_models.policy, kit_lora.merged(base, adapters, spec.scaling).items())
+                out = engine.generate(prompts, GREEDY_PARAMS)
+                problems += [f"sync {sync}: {p}" for p in
+                             layout_problems(out, len(prompts), KIT_WIDTH, kit_models.vocab_size)
+                             or self._matches(out, kit_models, want, GREEDY_PARAMS)]
+            check(backend_name, LORA_ADAPTERS, problems)
+        finally:
+            del engine
+            engine_slot.drop()
 
     @pytest.mark.gpu
     def test_sleep_releases_device_memory(self, backend_name: str, kit_device: str, engine_slot: EngineSlot,

@@ -29,10 +29,12 @@ from hybridrl.batch import (
     left_pad,
     right_pad,
 )
+from hybridrl.lora import LoraSpec
 from hybridrl.testing import backends
 from hybridrl.testing.batches import FIRST_PLAIN_ID, PolicyGradientLoss, policy_gradient_loss, rows, sequence_batch
 from hybridrl.testing.checks import check, violated
 from hybridrl.testing.fixtures import KitBase, cli_device, engine_factory, free_device_memory
+from hybridrl.testing.lora import TRAIN_LORA, adapter_name_problems, merged
 from hybridrl.testing.models import KitModels
 from hybridrl.testing.reference import ReferenceModel, entropy
 from hybridrl.weights.sync_check import GREEDY_MARGIN
@@ -61,6 +63,21 @@ REWARD_HEAD = ("compute_scores (capability 'reward_head') must give one float32 
                "row's last real token: the same for a row alone as in its padded batch, changed when that token "
                "changes")
 
+LORA_ONLY_ADAPTERS = ("with LoRA (capability 'lora') an update must train the adapters alone: export_adapter "
+                      "changes, the base (reference_view's export_weights) stays the checkpoint")
+LORA_NAMES = ("export_adapter (capability 'lora') must give every adapter once under peft's saved names "
+              "(base_model.model.<module>.lora_A/B.weight), A (rank, in) and B (out, rank), for layers of the "
+              "checkpoint")
+LORA_MERGED = ("export_weights of a LoRA engine (capability 'lora') must be the policy: the checkpoint with "
+               "alpha/rank * B @ A added to each adapted weight, under HF names, and the engine's log-probs those of "
+               "a transformers forward of these weights")
+LORA_REFERENCE = ("reference_view of a LoRA engine (capability 'lora') must compute the base's log-probs (the "
+                  "checkpoint's: adapters disabled) after the adapters trained")
+FUSED_CPU = ("options.fused_kernels (capability 'fused_layer_kernels') off CUDA must be refused with a ValueError "
+             "naming fused_kernels, or fall back to log-probs that agree with a transformers forward")
+FUSED_AGREE = ("options.fused_kernels: true (capability 'fused_layer_kernels') must give the log-probs and entropies "
+               "of the unfused engine, within fused_atol")
+
 SEQUENCE_KEYS = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
 
 
@@ -79,6 +96,31 @@ def weight_problems(before: dict[str, torch.Tensor], after: dict[str, torch.Tens
     return problems
 
 
+def checkpoint_weights(kit: KitModels) -> dict[str, torch.Tensor]:
+    """The kit policy's saved tensors in fp32."""
+    from safetensors.torch import load_file
+
+    return {n: t.float() for n, t in load_file(str(kit.policy / "model.safetensors")).items()}
+
+
+def export_problems(saved: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tied: bool, atol: float
+                    ) -> list[str]:
+    """``got`` (an export) against ``saved``: the same names (a tied output head may be left out) and values."""
+    saved = dict(saved)
+    if tied and "lm_head.weight" in got and "model.embed_tokens.weight" in saved:
+        saved.setdefault("lm_head.weight", saved["model.embed_tokens.weight"])
+    problems = [f"'{n}' not exported" for n in saved if n not in got and not (tied and n == "lm_head.weight")]
+    problems += [f"'{n}' is not a name of the checkpoint" for n in got if n not in saved]
+    return problems + weight_problems({n: saved[n] for n in got if n in saved}, got, atol)
+
+
+def adapters_of(engine: Any, bucket_bytes: int = 1 << 30) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """``export_adapter``'s names in order (repeats kept) and fp32 CPU copies."""
+    items = [(n, t.detach().to("cpu", torch.float32).clone())
+             for b in engine.export_adapter(bucket_bytes) for n, t in b]
+    return [n for n, _ in items], dict(items)
+
+
 class TrainEngineContract(KitBase):
     """The train-engine battery. Subclass with ``backend = "<registered train name>"``; optional class
     attributes: ``device``, ``dtype``, ``engine_options``, ``logprob_atol``, ``lr``, ``export_atol``."""
@@ -89,6 +131,13 @@ class TrainEngineContract(KitBase):
     export_atol: float = 0.0
     #: sequences per micro-batch (``ctx.training.micro_batch``): the kit's batches need several.
     micro_batch: int = 2
+    #: the adapters of the LoRA checks (capability ``lora``) and the learning rate that trains them.
+    lora_spec: LoraSpec = TRAIN_LORA
+    lora_lr: float = 1e-2
+    #: |export_weights - (checkpoint + alpha/rank * B A)| allowed (the merge in fp32 on both sides).
+    lora_atol: float = 1e-5
+    #: |fused - unfused| allowed between log-probs and entropies on CUDA (``fused_layer_kernels``).
+    fused_atol: float = 1e-3
 
     @pytest.fixture(scope="class")
     def kit_device(self, request: pytest.FixtureRequest, backend_name: str) -> str:
@@ -167,9 +216,7 @@ class TrainEngineContract(KitBase):
     # --- weights ----------------------------------------------------------------------------------------
     def test_export_is_the_checkpoint(self, backend_name: str, make_trainer: Callable[..., Any],
                                       kit_models: KitModels) -> None:
-        from safetensors.torch import load_file
-
-        saved = {n: t.float() for n, t in load_file(str(kit_models.policy / "model.safetensors")).items()}
+        saved = checkpoint_weights(kit_models)
         tied = kit_models_tied(kit_models)
         engine = make_trainer()
         for bucket_bytes in (1 << 30, 4096):
@@ -178,14 +225,8 @@ class TrainEngineContract(KitBase):
             problems = [f"bucket_bytes={bucket_bytes}: '{n}' exported {names.count(n)} times"
                         for n in sorted(set(names)) if names.count(n) > 1]
             got = {n: t.detach().to("cpu", torch.float32) for b in buckets for n, t in b}
-            if tied and "lm_head.weight" in got and "model.embed_tokens.weight" in saved:
-                saved.setdefault("lm_head.weight", saved["model.embed_tokens.weight"])
-            problems += [f"bucket_bytes={bucket_bytes}: '{n}' not exported" for n in saved
-                         if n not in got and not (tied and n == "lm_head.weight")]
-            problems += [f"bucket_bytes={bucket_bytes}: '{n}' is not a name of the checkpoint" for n in got
-                         if n not in saved]
-            problems += [f"bucket_bytes={bucket_bytes}: {p}" for p in
-                         weight_problems({n: saved[n] for n in got if n in saved}, got, self.export_atol)]
+            problems += [f"bucket_bytes={bucket_bytes}: {p}" for p in export_problems(saved, got, tied,
+                                                                                      self.export_atol)]
             check(backend_name, EXPORT, problems)
 
     def test_log_probs_match_transformers(self, backend_name: str, make_trainer: Callable[..., Any], batch: Batch,
@@ -299,6 +340,120 @@ class TrainEngineContract(KitBase):
         if float((engine.compute_scores(changed)[SCORES][0] - scores[0]).abs()) == 0.0:
             problems.append(f"row 0: changing its last response token ({last}) left its score as it was")
         check(backend_name, REWARD_HEAD, problems)
+
+    # --- declared capabilities: LoRA ------------------------------------------------------------------------
+    @pytest.fixture(scope="class")
+    def lora_trained(self, backend_name: str, make_trainer: Callable[..., Any], batch: Batch
+                     ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """A LoRA engine after one update (lr ``lora_lr``), and its adapters before it."""
+        self._declares(backend_name, "lora")
+        engine = make_trainer(lora=self.lora_spec, lr=self.lora_lr)
+        _, before = adapters_of(engine)
+        self._update(backend_name, engine, batch)
+        return engine, before
+
+    def _reference_view(self, request: pytest.FixtureRequest, backend_name: str, engine: Any, kit_device: str,
+                        kit_models: KitModels) -> Any:
+        """The reference role's view of ``engine``, its context made as the worker makes it."""
+        ctx = backends.engine_context("train", backend_name, str(kit_models.policy), kit_device, self.dtype, "ref",
+                                      self._options(request.config, "ref", micro_batch=self.micro_batch))
+        return engine.reference_view(ctx)
+
+    def test_lora_update_trains_only_the_adapters(self, request: pytest.FixtureRequest, backend_name: str,
+                                                  lora_trained: tuple[Any, dict[str, torch.Tensor]], kit_device: str,
+                                                  kit_models: KitModels) -> None:
+        engine, before = lora_trained
+        _, after = adapters_of(engine)
+        problems = [] if weight_problems(before, after) else [
+            f"an update with lr={self.lora_lr} left every adapter unchanged"]
+        base = exported(self._reference_view(request, backend_name, engine, kit_device, kit_models))
+        problems += [f"the base after the update: {p}" for p in export_problems(
+            checkpoint_weights(kit_models), base, kit_models_tied(kit_models), self.export_atol)]
+        check(backend_name, LORA_ONLY_ADAPTERS, problems)
+
+    def test_lora_export_adapter_has_peft_names(self, backend_name: str,
+                                                lora_trained: tuple[Any, dict[str, torch.Tensor]],
+                                                kit_models: KitModels) -> None:
+        engine, _ = lora_trained
+        saved = checkpoint_weights(kit_models)
+        for bucket_bytes in (1 << 30, 4096):
+            names, tensors = adapters_of(engine, bucket_bytes)
+            check(backend_name, LORA_NAMES, [f"bucket_bytes={bucket_bytes}: {p}" for p in
+                                             adapter_name_problems(names, tensors, saved, self.lora_spec.rank)])
+
+    def test_lora_export_is_the_merged_policy(self, backend_name: str,
+                                              lora_trained: tuple[Any, dict[str, torch.Tensor]], batch: Batch,
+                                              kit_models: KitModels) -> None:
+        engine, _ = lora_trained
+        saved = checkpoint_weights(kit_models)
+        _, adapters = adapters_of(engine)
+        try:
+            want = merged(saved, adapters.items(), self.lora_spec.scaling)
+        except (KeyError, ValueError) as exc:
+            violated(backend_name, LORA_MERGED, [f"the adapters cannot be merged into the checkpoint: {exc}"])
+        got = exported(engine)
+        check(backend_name, LORA_MERGED, export_problems(want, got, kit_models_tied(kit_models), self.lora_atol))
+        layout, agree = self._log_prob_problems(engine, batch, ReferenceModel(kit_models.policy, got.items()), None,
+                                                False)
+        check(backend_name, LAYOUT, layout)
+        check(backend_name, LORA_MERGED, [f"against export_weights: {p}" for p in agree])
+
+    def test_lora_reference_view_is_the_base(self, request: pytest.FixtureRequest, backend_name: str,
+                                             lora_trained: tuple[Any, dict[str, torch.Tensor]], kit_device: str,
+                                             batch: Batch, kit_models: KitModels, policy_ref: ReferenceModel) -> None:
+        engine, _ = lora_trained
+        view = self._reference_view(request, backend_name, engine, kit_device, kit_models)
+        layout, agree = self._log_prob_problems(view, batch, policy_ref, None, False)
+        check(backend_name, LAYOUT, layout)
+        check(backend_name, LORA_REFERENCE, agree)
+
+    # --- declared capabilities: fused layer kernels ------------------------------------------------------
+    def test_fused_kernels_off_cuda_refuse_or_fall_back(self, backend_name: str, make_trainer: Callable[..., Any],
+                                                        kit_device: str, batch: Batch,
+                                                        policy_ref: ReferenceModel) -> None:
+        self._declares(backend_name, "fused_layer_kernels")
+        if kit_device == "cuda":
+            pytest.skip("the kit runs on CUDA: test_fused_kernels_match_the_unfused_path checks the fused path")
+        problems = []
+        for choice in (True, "auto"):
+            try:
+                engine = make_trainer(fused_kernels=choice)
+            except ValueError as exc:
+                if "fused_kernels" not in str(exc):
+                    problems.append(f"fused_kernels={choice!r}: ValueError without the option's name: {exc}")
+                continue
+            except Exception as exc:  # noqa: BLE001 - the wrong error type is the finding
+                problems.append(f"fused_kernels={choice!r}: {type(exc).__name__} instead of ValueError: {exc}")
+                continue
+            layout, agree = self._log_prob_problems(engine, batch, policy_ref, None, True)
+            problems += [f"fused_kernels={choice!r} on {kit_device}: {p}" for p in layout + agree]
+            del engine
+        check(backend_name, FUSED_CPU, problems)
+
+    @pytest.mark.gpu
+    def test_fused_kernels_match_the_unfused_path(self, backend_name: str, make_trainer: Callable[..., Any],
+                                                  kit_device: str, batch: Batch) -> None:
+        self._declares(backend_name, "fused_layer_kernels")
+        if kit_device != "cuda":
+            pytest.skip(f"the fused layer kernels run on CUDA only; the kit runs '{backend_name}' on {kit_device}")
+        sent = batch.select(*SEQUENCE_KEYS)
+        outs = []
+        for choice in (False, True):
+            engine = make_trainer(fused_kernels=choice)
+            outs.append(engine.compute_log_probs(sent, with_entropy=True))
+            del engine
+            free_device_memory()
+        mask = batch[RESPONSE_MASK].bool()
+        problems = []
+        for key in (LOG_PROBS, ENTROPY):
+            missing = [name for name, out in zip(("unfused", "fused"), outs) if key not in out]
+            if missing:
+                problems.append(f"'{key}' missing from the {' and '.join(missing)} result")
+                continue
+            diff = float((outs[1][key].float()[mask] - outs[0][key].float()[mask]).abs().max())
+            if not diff <= self.fused_atol:
+                problems.append(f"'{key}': |fused - unfused| up to {diff:.2e} > fused_atol {self.fused_atol:g}")
+        check(backend_name, FUSED_AGREE, problems)
 
     # --- updates ----------------------------------------------------------------------------------------
     def test_zero_lr_update_changes_nothing(self, backend_name: str, make_trainer: Callable[..., Any],

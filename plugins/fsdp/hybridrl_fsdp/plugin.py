@@ -22,6 +22,7 @@ def hybridrl_register_backends(registry):
                               supports={"checkpoint", "greedy_margins", "value_head", "reward_head", "offload", "lora",
                                         *FUSED_LAYERS},
                               check_options="hybridrl_fsdp.settings:option_problems",
+                              options="hybridrl_fsdp.settings:OPTIONS",
                               resolve_options="hybridrl_fsdp.settings:auto_options",
                               memory_model="hybridrl_fsdp.memory:FSDP_MEMORY",
                               oom_fixes="hybridrl_fsdp.memory:oom_fixes",

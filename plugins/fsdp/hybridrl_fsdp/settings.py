@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hybridrl.plugins.options import dataclass_options
 from hybridrl.roles import role_spec
 from hybridrl_fsdp.layer_kernels import CHOICES as FUSED_KERNEL_CHOICES
 from hybridrl_fsdp.offload import MODES as OFFLOAD_MODES
@@ -76,6 +77,26 @@ class FSDPSettings:
         """Whether packs hold each distinct prompt once. Only the engine's own varlen attention reads that
         layout, so ``auto`` is on wherever it runs (packing, no ``attn_implementation``), on every device."""
         return self.packing and not self.attn_implementation and self.share_prompts is not False
+
+
+#: one line per option for ``hybridrl plugins fsdp`` (``OPTIONS``); every field of ``FSDPSettings`` has one.
+OPTION_DESCRIPTIONS = {
+    "gradient_checkpointing": "recompute each layer's activations in the backward (true, false or auto: the plan's)",
+    "attn_implementation": "a transformers attention name; unset: the engine's varlen attention (packing) or sdpa",
+    "head": f"the model head: {', '.join(HEADS)} (default: the role's: critic value, reward reward, else lm)",
+    "fused_lm_head": "log-probs and entropies through the fused head, without the full logits",
+    "offload": "what stays in host memory between the role's phases (auto: the plan's choice)",
+    "packing": "padding-free micro-batches: rows end to end, varlen attention",
+    "packed_attention": f"the varlen kernel of packed rows: {', '.join(PACKED_ATTENTION)}",
+    "share_prompts": "a packed micro-batch holds each distinct prompt once (auto: with packing and varlen attention)",
+    "fused_kernels": "liger-kernel's RMSNorm / SwiGLU / rotary kernels in the layers (auto: on CUDA where installed)",
+    "optimizer_implementation": f"how AdamW steps: {', '.join(OPTIMIZER_IMPLEMENTATIONS)}",
+    "head_logits": f"the fused head keeps its logits for the backward or recomputes them: {', '.join(HEAD_LOGITS)}",
+    "moe_aux_loss_coef": "MoE: weight of the routers' load-balancing loss (unset: the model config's)",
+    "moe_z_loss_coef": "MoE: weight of the router z-loss (unset: the model config's, else none)",
+}
+OPTIONS = dataclass_options(FSDPSettings, OPTION_DESCRIPTIONS,
+                            {"share_prompts": "bool | auto", "fused_kernels": "bool | auto"})
 
 
 def auto_options(role: str, options: Mapping[str, Any], device: str) -> list[tuple[str, Any, str]]:

@@ -12,5 +12,6 @@ def hybridrl_register_backends(registry):
                               install_hint="pip install 'hybridrl-megatron[engine]'",
                               supports={"checkpoint", "greedy_margins", "value_head", "offload"},
                               check_options="hybridrl_megatron.settings:option_problems",
+                              options="hybridrl_megatron.settings:OPTIONS",
                               memory_model="hybridrl_megatron.memory:MEGATRON_MEMORY",
                               oom_fixes="hybridrl_megatron.memory:oom_fixes")

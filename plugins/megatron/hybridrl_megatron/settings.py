@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridrl.engines import TrainingOptions
+from hybridrl.plugins.options import OptionDoc, dataclass_options
 from hybridrl.roles import role_spec
 
 HEADS = ("lm", "value")
@@ -53,6 +54,21 @@ class MegatronSettings:
 #: keys of ``roles.<role>.options`` the backend reads (``gradient_checkpointing`` is an alias of ``recompute``).
 OPTION_KEYS = ("tensor_parallel", "pipeline_parallel", "expert_parallel", "vocab_multiple", "recompute",
                "gradient_checkpointing", "head", "moe_aux_loss_coef")
+
+
+#: one line per option for ``hybridrl plugins megatron`` (``OPTIONS``).
+OPTION_DESCRIPTIONS = {
+    "tensor_parallel": "ranks that split each layer (unset: the layout already in the process, else 1)",
+    "pipeline_parallel": "ranks that split the layers into stages (unset: the layout already in the process, else 1)",
+    "vocab_multiple": "the vocabulary is padded to a multiple of this times tensor_parallel",
+    "recompute": "full activation recomputation of every layer",
+    "head": f"the model head: {', '.join(HEADS)} (default: the role's)",
+    "expert_parallel": "MoE: experts split over this many data-parallel ranks (unset: the layout in the process, "
+                       "else 1)",
+    "moe_aux_loss_coef": "MoE: weight of the routers' load-balancing loss (unset: the model config's)",
+}
+OPTIONS = (*dataclass_options(MegatronSettings, OPTION_DESCRIPTIONS),
+           OptionDoc("gradient_checkpointing", "bool", False, "an alias of recompute"))
 
 
 def layout_problem(world_size: int, tp: int, pp: int, ep: int) -> str | None:
