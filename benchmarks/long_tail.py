@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -40,7 +39,7 @@ RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 
 from grpo_step import write_prompts  # noqa: E402  (benchmarks/ is not a package)
-from model_sizes import ensure_model  # noqa: E402
+from model_sizes import ensure_model, train_run  # noqa: E402
 
 ARMS: dict[str, list[str]] = {
     "sync": [],
@@ -112,16 +111,8 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: Path, data: Path, tim
     cfg_path = workdir / f"config-{args.workload}-{arm}.json"
     cfg_path.write_text(json.dumps(workload(args, model_dir, data, run_dir)))
     overrides = [*ARMS[arm], *args.override]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-    start = time.perf_counter()
     with BusySampler() as busy:
-        try:
-            proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", str(cfg_path), "trainer.resume=never",
-                                   *overrides], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-            code, log = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:  # keep the steps that finished
-            code, log = -1, f"timed out after {timeout:.0f}s\n{exc.stdout or ''}{exc.stderr or ''}"
-    wall = time.perf_counter() - start
+        code, log, wall = train_run(cfg_path, overrides, timeout)
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.log_dir) / f"long_tail_{args.workload}_{arm}.log").write_text(str(log)[-300_000:])

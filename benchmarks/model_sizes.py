@@ -162,15 +162,7 @@ def run_size(args: argparse.Namespace, size: str, timeout: float) -> dict[str, A
     cfg_path = workdir / f"config-{name}.json"
     cfg_path.write_text(json.dumps(cfg))
     overrides = overrides_of(args, size)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", str(cfg_path), "trainer.resume=never",
-                               *overrides], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-        code, log = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:  # keep the steps that finished
-        code, log = -1, f"timed out after {timeout:.0f}s\n{_text(exc.stdout)}{_text(exc.stderr)}"
-    wall = time.perf_counter() - start
+    code, log, wall = train_run(cfg_path, overrides, timeout)
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.log_dir) / f"model_sizes_{name}.log").write_text(log[-400_000:])
@@ -180,6 +172,20 @@ def run_size(args: argparse.Namespace, size: str, timeout: float) -> dict[str, A
     if profiles:
         result["profiles"] = profiles
     return result
+
+
+def train_run(cfg_path: Path, overrides: list[str], timeout: float) -> tuple[int, str, float]:
+    """``hybridrl train CONFIG trainer.resume=never OVERRIDES`` (``benchmarks/`` importable, for the reward):
+    its exit status (-1: cut at ``timeout``, the steps it finished kept), output and wall seconds."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", str(cfg_path), "trainer.resume=never",
+                               *overrides], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        code, log = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:  # keep the steps that finished
+        code, log = -1, f"timed out after {timeout:.0f}s\n{_text(exc.stdout)}{_text(exc.stderr)}"
+    return code, log, time.perf_counter() - start
 
 
 def _text(value: Any) -> str:

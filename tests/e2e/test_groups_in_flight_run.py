@@ -48,49 +48,43 @@ def test_oversample_one_reproduces_the_synchronous_steps(tmp_path, ray_local):
         assert b["async/version_lag_max"] == 0
 
 
+RAGGED = ["roles.rollout.oversample=2", "roles.rollout.max_new_tokens=12", "roles.rollout.ignore_eos=true",
+          "roles.rollout.response_lengths={median: 4, sigma: 1}"]
+
+
+def in_flight_steps(trainer: Trainer, steps: int) -> list[dict[str, float]]:
+    """``steps`` steps, each checked: four complete groups of four trained, four left in flight, every trained
+    token sampled by the weights the update started from or the ones before (trainer.max_staleness=1)."""
+    history = []
+    for _ in range(steps):
+        history.append(trainer.train_step())
+        batch = trainer.last_batch
+        assert len(batch) == 16 and batch[GROUP_INDEX].tolist() == torch.arange(4).repeat_interleave(4).tolist()
+        versions = batch[TOKEN_VERSIONS][batch[RESPONSE_MASK].bool()]
+        trained_against = trainer.actor_version - 1  # the version this step's update started from
+        assert trained_against - 1 <= int(versions.min()) and int(versions.max()) <= trained_against
+        assert history[-1]["rollout/groups_carried"] == 4
+        assert all(len(s.tokens) <= s.cap for g in trainer.in_flight for s in g.samples)
+    return history
+
+
 def test_oversampled_steps_train_complete_groups_and_carry_the_rest(tmp_path, ray_local):
     # long, ragged responses: forced lengths 1..12 tokens (ignore_eos), 8 groups in flight for 4 a step
-    trainer = started(tmp_path, ["roles.rollout.oversample=2", "roles.rollout.max_new_tokens=12",
-                                 "roles.rollout.ignore_eos=true",
-                                 "roles.rollout.response_lengths={median: 4, sigma: 1}"])
+    trainer = started(tmp_path, RAGGED)
     try:
-        lags = []
-        for _ in range(4):
-            metrics = trainer.train_step()
-            batch = trainer.last_batch
-            assert len(batch) == 16 and batch[GROUP_INDEX].tolist() == torch.arange(4).repeat_interleave(4).tolist()
-            versions = batch[TOKEN_VERSIONS][batch[RESPONSE_MASK].bool()]
-            assert int(versions.max()) <= trainer.actor_version - 1  # sampled before this step's update
-            assert int(versions.min()) >= trainer.actor_version - 1 - 1  # within max_staleness=1
-            assert metrics["rollout/groups_carried"] == 4
-            lags.append(metrics["async/version_lag_max"])
-            flight = trainer.in_flight
-            lengths = [len(s.tokens) for g in flight for s in g.samples]
-            assert all(n <= s.cap for g in flight for s in g.samples for n in [len(s.tokens)])
-        assert max(lags) == 1  # some samples were resumed under newer weights
-        assert any(n > 0 for n in lengths)  # and some are in flight, partly generated
+        history = in_flight_steps(trainer, 4)
+        assert max(m["async/version_lag_max"] for m in history) == 1  # some samples resumed under newer weights
+        assert any(s.tokens and not s.finished for g in trainer.in_flight for s in g.samples)  # and some partial
     finally:
         trainer.shutdown()
 
 
 def test_pipelined_split_pools_generate_the_next_groups_while_the_actor_trains(tmp_path, ray_local):
     # the rollout on a pool of its own generates step k+1's groups (stopping once 4 of 8 are complete) while
-    # the actor trains step k: every token trains one or two updates after it was sampled, never more
-    trainer = started(tmp_path, ["roles.rollout.oversample=2", "roles.rollout.max_new_tokens=12",
-                                 "roles.rollout.ignore_eos=true",
-                                 "roles.rollout.response_lengths={median: 4, sigma: 1}"],
-                      ROOT / "examples" / "quickstart-pipelined.yaml")
+    # the actor trains step k
+    trainer = started(tmp_path, RAGGED, ROOT / "examples" / "quickstart-pipelined.yaml")
     try:
-        lags = []
-        for _ in range(4):
-            metrics = trainer.train_step()
-            batch = trainer.last_batch
-            assert len(batch) == 16 and batch[GROUP_INDEX].tolist() == torch.arange(4).repeat_interleave(4).tolist()
-            versions = batch[TOKEN_VERSIONS][batch[RESPONSE_MASK].bool()]
-            trained_against = trainer.actor_version - 1  # the update this step made started from it
-            assert int(versions.max()) <= trained_against and int(versions.min()) >= trained_against - 1
-            lags.append(metrics["async/version_lag_max"])
-            assert metrics["rollout/groups_carried"] == 4
-        assert max(lags[1:]) >= 1  # after the first step every batch was generated during the previous one
+        history = in_flight_steps(trainer, 4)
+        assert min(m["async/version_lag_max"] for m in history[1:]) >= 1  # generated during the previous step
     finally:
         trainer.shutdown()

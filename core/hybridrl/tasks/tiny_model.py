@@ -102,54 +102,23 @@ def _check(cfg: TinyModelConfig) -> None:
 def tiny_hf_config(cfg: TinyModelConfig, tokenizer: Any | None = None) -> Any:
     """The ``Qwen2Config`` (``Qwen3MoeConfig`` with ``num_experts``) ``build_tiny_model`` builds from ``cfg``
     (nothing is written: pre-flight compares it with a checkpoint's before the model folder is built)."""
-    from transformers import Qwen2Config
+    from transformers import Qwen2Config, Qwen3MoeConfig
 
     tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer(cfg)
-    if cfg.num_experts:
-        return _moe_config(cfg, tokenizer)
-    return Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_position,
-        initializer_range=cfg.init_std,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-
-
-def _moe_config(cfg: TinyModelConfig, tokenizer: Any) -> Any:
-    """A Qwen3-MoE: every layer's MLP is ``num_experts`` routed experts of width ``cfg.expert_size``, each
-    token going to its top ``experts_per_token`` (their weights renormalised, as Qwen3-30B-A3B does); the
-    load-balancing coefficient is transformers' default."""
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        moe_intermediate_size=cfg.expert_size,
-        num_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.experts_per_token,
-        norm_topk_prob=True,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.hidden_size // cfg.num_heads,
-        max_position_embeddings=cfg.max_position,
-        initializer_range=cfg.init_std,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    shared = dict(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                  num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position,
+                  initializer_range=cfg.init_std, tie_word_embeddings=True, use_sliding_window=False,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    if not cfg.num_experts:
+        return Qwen2Config(**shared)
+    # a Qwen3-MoE: every layer's MLP is ``num_experts`` routed experts of width ``cfg.expert_size``, each token
+    # going to its top ``experts_per_token`` (their weights renormalised, as Qwen3-30B-A3B does); the
+    # load-balancing coefficient is transformers' default
+    return Qwen3MoeConfig(**shared, moe_intermediate_size=cfg.expert_size, num_experts=cfg.num_experts,
+                          num_experts_per_tok=cfg.experts_per_token, norm_topk_prob=True,
+                          head_dim=cfg.hidden_size // cfg.num_heads)
 
 
 def _write(cfg: TinyModelConfig, tokenizer: Any, folder: Path, spec: dict[str, Any]) -> None:
