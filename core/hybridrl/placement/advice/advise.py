@@ -74,8 +74,8 @@ def plan_candidate(cluster: ClusterSpec, registry: Any, device_bytes: float | No
             return Planned(auto.cfg, plan, dropped=f"memory: not estimated: backend '{backend}' of role {role} "
                                                    "registers no memory model")
         peaks = {p.pool: p.peak / GIB for p in est.pools}
-        over = [p for p in est.pools if p.fits is False or (device_bytes and p.peak > device_bytes)]
-        if over:
+        over = [p for p in est.pools if device_bytes is not None and p.peak > device_bytes]
+        if over and device_bytes is not None:
             p = over[0]
             return Planned(auto.cfg, plan, peaks, dropped=f"memory: pool {p.pool} needs {p.peak / GIB:.1f} GiB in "
                                                           f"{p.peak_phase} > {device_bytes / GIB:.0f} GiB")
@@ -101,8 +101,8 @@ def advise(config: str | Path, overrides: Sequence[str], cluster: ClusterSpec, p
             dropped.append(Ranked(candidate, Planned(dropped=f"config: {exc}"), why=f"config: {exc}"))
             continue
         planned = planner(cfg, candidate)
-        if planned.dropped is not None:
-            dropped.append(Ranked(candidate, planned, why=planned.dropped))
+        if planned.dropped is not None or planned.cfg is None:
+            dropped.append(Ranked(candidate, planned, why=planned.dropped or "not planned"))
             continue
         kept.append(Ranked(candidate, planned, predict(candidate, planned.cfg, planned.plan, profile,
                                                        planned.reshard)))
