@@ -173,3 +173,24 @@ def test_a_profile_missing_a_phase_names_it(tmp_path):
 def test_profile_and_write_need_advise(capsys):
     assert main(["plan", str(QUICKSTART), "--device", "cpu", "--cluster", "1x1", "--write", "x.yaml"]) == 2
     assert "--write: only with --advise" in capsys.readouterr().err
+
+
+def test_the_step_adds_serial_phases_and_overlaps_pipelined_ones():
+    """Colocated and sync split: the phases one after the other; pipelined: the longer of gen and train."""
+    from hybridrl.placement.memory import model_shape
+    from hybridrl.plugins.discovery import get_registry
+
+    cluster = ClusterSpec(1, 2, "cpu", declared=True)
+    profile = fit_profile(RECORDED)
+    planner = plan_candidate(cluster, get_registry(()), None, model_shape(load_config(QUICKSTART))[0])
+    ranked = {r.candidate.name: r.prediction for r in advise(QUICKSTART, [], cluster, profile, planner)}
+    colocated, split, pipelined = (ranked["colocated 1x2"], ranked["split train 1x1:gen 1x1"],
+                                   ranked["pipelined train 1x1:gen 1x1"])
+    assert colocated and split and pipelined
+    assert colocated.step == pytest.approx(sum(colocated.phases.values()))
+    assert "wake" not in split.phases and split.step == pytest.approx(sum(split.phases.values()))
+    p = pipelined.phases
+    train = p.get("ref", 0.0) + p["old_log_prob"] + p["update_actor"]
+    assert pipelined.step == pytest.approx(max(p["gen"], train) + p["reshard"] + p["fixed"])
+    assert pipelined.step < split.step
+    assert split.samples_per_s == pytest.approx(16 * 16 / split.step)  # quickstart: 16 prompts x 16 samples
