@@ -106,10 +106,22 @@ def advise(config: str | Path, overrides: Sequence[str], cluster: ClusterSpec, p
             continue
         kept.append(Ranked(candidate, planned, predict(candidate, planned.cfg, planned.plan, profile,
                                                        planned.reshard)))
-    kept.sort(key=lambda r: -r.prediction.samples_per_s if r.prediction else 0.0)
+    kept.sort(key=rank_key)
     for r in kept[1:]:
         r.why = why_it_loses(r, kept[0])
     return kept + dropped
+
+
+#: the order of the kinds of map among those equally fast: on-policy before pipelined, fewer pools first
+KIND_ORDER = {"colocated": 0, "split": 1, "pipelined": 2}
+#: maps within this share of the best's samples/s tie with it
+TIE = 0.01
+
+
+def rank_key(r: Ranked) -> tuple[float, int, int, int]:
+    """Faster first; among maps equally fast (to 6 digits) the on-policy, fewer-pool, lower-tp one."""
+    speed = r.prediction.samples_per_s if r.prediction else 0.0
+    return (-round(speed, 6), KIND_ORDER.get(r.candidate.kind, 3), len(r.candidate.pools), r.candidate.tp)
 
 
 def why_it_loses(r: Ranked, best: Ranked) -> str:
@@ -117,6 +129,8 @@ def why_it_loses(r: Ranked, best: Ranked) -> str:
     p = r.prediction
     assert p is not None
     reasons = []
+    if best.prediction and p.samples_per_s >= (1 - TIE) * best.prediction.samples_per_s:
+        reasons.append("ties the best (a simpler map ranks first)")
     if r.candidate.kind != "colocated":
         if p.bound == "gen":
             reasons.append("gen-bound")
