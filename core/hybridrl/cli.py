@@ -45,6 +45,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     registry = _registry(cfg)
     cluster = parse_cluster(args.cluster, args.device) if args.cluster else detect_cluster(cfg.cluster)
+    if args.advise:
+        return _advise(args, cfg, registry, cluster)
+    if args.profile or args.write:
+        raise ConfigError([("--profile" if args.profile else "--write", "only with --advise")])
     backends, plan, problems = check_config(cfg, registry, cluster, check_engines=False)
     if problems:
         raise ConfigError(problems)
@@ -101,6 +105,65 @@ def _plan_memory(args: argparse.Namespace, cfg: RunConfig, plan, registry, backe
     tables = ([render_memory(auto.estimate)] if auto.estimate is not None else []) + _reshard_lines(cfg, plan, shape)
     plan.memory_table = "\n".join(tables) or None
     return auto.notes()
+
+
+def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: ClusterSpec) -> int:
+    """``plan --advise``: the candidate maps ranked by the cost model (``hybridrl.placement.advice``)."""
+    from pathlib import Path
+
+    from hybridrl.placement.advice.advise import advise, plan_candidate, render, write_config
+    from hybridrl.placement.advice.profile import default_profile, fit_profile
+    from hybridrl.placement.memory import (
+        GIB,
+        MemoryEstimateError,
+        device_memory_bytes,
+        model_shape,
+        model_shapes_by_role,
+    )
+
+    bandwidth = parse_bandwidths(args.bandwidth or [])
+    here = Path(args.config).resolve().parent
+    bases = (here, here.parent)
+    try:
+        shape, _ = model_shape(cfg, args.model_config, bases)
+    except MemoryEstimateError:
+        shape = None
+    if args.profile:
+        profile = fit_profile(args.profile, bandwidth)
+    else:
+        profile = default_profile(cluster.device, shape.active_param_count() if shape else None)
+        profile.bandwidth.update(bandwidth)
+    declared = args.device_memory if args.device_memory is not None else cfg.cluster.device_memory_gb
+    host_gib = args.host_memory if args.host_memory is not None else cfg.cluster.host_memory_gb
+    planner = plan_candidate(cluster, registry, device_memory_bytes(cluster.device, declared), shape,
+                             model_shapes_by_role(cfg, bases), None if host_gib is None else host_gib * GIB)
+    ranked = advise(args.config, args.overrides, cluster, profile, planner)
+    print(render(ranked, profile, cluster))
+    if args.write:
+        best = next((r for r in ranked if r.prediction is not None), None)
+        if best is None:
+            raise ConfigError([("--write", "no candidate map fits, nothing to write")])
+        print(f"wrote {write_config(args.config, args.overrides, best.candidate, args.write)}")
+    return 0
+
+
+def parse_bandwidths(items: list[str]) -> dict[str, float]:
+    """``--bandwidth nvlink=300`` (GB/s) -> ``{"nvlink": 300e9}``; an unknown link kind or a bad number: one
+    sentence naming it."""
+    from hybridrl.placement.advice.profile import LINK_BANDWIDTH
+
+    out = {}
+    for item in items:
+        kind, _, value = item.partition("=")
+        try:
+            gbs = float(value)
+        except ValueError:
+            gbs = -1.0
+        if kind not in LINK_BANDWIDTH or gbs <= 0:
+            raise ConfigError([("--bandwidth", f"expected KIND=GB/s with KIND one of {', '.join(LINK_BANDWIDTH)} "
+                                               f"and a positive number, got '{item}'")])
+        out[kind] = gbs * 1e9
+    return out
 
 
 def _reshard_lines(cfg: RunConfig, plan, shape) -> list[str]:
@@ -292,6 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="host memory of one node in GiB, checked against what offloading and a sleeping rollout "
                            "keep there (default: cluster.host_memory_gb, else not checked)")
     plan.add_argument("--model-config", metavar="PATH", help="HF config.json (or its folder) to size the model from")
+    plan.add_argument("--advise", action="store_true",
+                      help="rank candidate device maps of --cluster by predicted step time (docs/advisor.md)")
+    plan.add_argument("--profile", metavar="RUN", help="with --advise: fit the cost model from this run folder "
+                                                       "(spans.jsonl, metrics.jsonl) instead of the default profile")
+    plan.add_argument("--write", metavar="FILE", help="with --advise: write the best map's config (your YAML plus "
+                                                      "its overrides) to FILE")
+    plan.add_argument("--bandwidth", action="append", metavar="KIND=GB/s",
+                      help="with --advise: a link's bandwidth (nvlink, pcie, net, ...), repeatable")
     plan.set_defaults(func=cmd_plan)
     report = sub.add_parser("report", help="plots and a Markdown summary of a run, in RUN/report/")
     report.add_argument("run", help="the run folder (trainer.out) holding metrics.jsonl and config.json")

@@ -1,0 +1,197 @@
+"""Rank the candidate maps of a config on a cluster: each candidate's config is planned and its memory
+estimated exactly as ``hybridrl plan`` does (``plan_candidate``); those the memory models refuse, or cannot
+estimate, are dropped with the reason; the others get a predicted step (``predict``) and are ranked by
+samples/s. ``render`` prints the table, ``write_config`` the winner as the user's YAML plus its overrides."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridrl.config import ConfigError, RunConfig, load_config
+from hybridrl.placement.advice.candidates import Candidate, candidate_maps
+from hybridrl.placement.advice.predict import Prediction, predict
+from hybridrl.placement.advice.profile import CostProfile
+from hybridrl.placement.memory import GIB
+from hybridrl.placement.plan import ClusterSpec
+
+#: a busy fraction below this makes a pool "idle" in the table's reasons
+IDLE = 0.5
+
+
+@dataclass
+class Planned:
+    """A candidate's config, plan and memory estimate, or why it was dropped."""
+
+    cfg: RunConfig | None = None
+    plan: Any = None  # PlacementPlan
+    peak_gib: dict[str, float] = field(default_factory=dict)  # pool -> peak per device
+    reshard: Any = None  # ReshardEstimate
+    dropped: str | None = None
+
+
+@dataclass
+class Ranked:
+    candidate: Candidate
+    planned: Planned
+    prediction: Prediction | None = None
+    why: str = ""
+
+
+#: plans one candidate's config: (config, its candidate) -> Planned
+Planner = Callable[[RunConfig, Candidate], Planned]
+
+
+def plan_candidate(cluster: ClusterSpec, registry: Any, device_bytes: float | None, shape: Any,
+                   shapes: dict[str, Any] | None = None, host_bytes: float | None = None) -> Planner:
+    """The planner ``hybridrl plan`` amounts to: placement (``check_config``), the auto settings and the memory
+    estimate (``resolve_auto``) and the reshard volume, for the declared cluster and model shape."""
+
+    def planner(cfg: RunConfig, candidate: Candidate) -> Planned:
+        from hybridrl.placement.auto import resolve_auto
+        from hybridrl.placement.reshard import estimate_reshard
+        from hybridrl.run.preflight import check_config
+
+        try:
+            backends, plan, problems = check_config(cfg, registry, cluster, check_engines=False)
+        except ConfigError as exc:
+            return Planned(dropped=f"config: {exc}")
+        if problems or plan is None:
+            key, why = problems[0] if problems else ("", "no plan")
+            return Planned(dropped=f"config: {key}: {why}")
+        names = {role: entry.name for role, entry in backends.items()}
+        auto = resolve_auto(cfg, plan, registry, names, shape, device_bytes, "", shapes, host_bytes)
+        if auto.problems:
+            key, why = auto.problems[0]
+            return Planned(dropped=f"config: {key}: {why}")
+        est = auto.estimate
+        if est is None:
+            return Planned(auto.cfg, plan, dropped="memory: not estimated (no model shape)")
+        if est.unestimated:
+            role, _, backend = est.unestimated[0]
+            return Planned(auto.cfg, plan, dropped=f"memory: not estimated: backend '{backend}' of role {role} "
+                                                   "registers no memory model")
+        peaks = {p.pool: p.peak / GIB for p in est.pools}
+        over = [p for p in est.pools if device_bytes is not None and p.peak > device_bytes]
+        if over and device_bytes is not None:
+            p = over[0]
+            return Planned(auto.cfg, plan, peaks, dropped=f"memory: pool {p.pool} needs {p.peak / GIB:.1f} GiB in "
+                                                          f"{p.peak_phase} > {device_bytes / GIB:.0f} GiB")
+        if any(w.startswith("roles.rollout") for w in est.warnings):
+            return Planned(auto.cfg, plan, peaks, dropped="memory: " + next(
+                w for w in est.warnings if w.startswith("roles.rollout")))
+        return Planned(auto.cfg, plan, peaks, estimate_reshard(auto.cfg, plan, shape))
+
+    return planner
+
+
+def advise(config: str | Path, overrides: Sequence[str], cluster: ClusterSpec, profile: CostProfile,
+           planner: Planner) -> list[Ranked]:
+    """Every candidate map of the config at ``config`` (with the user's ``overrides``) on ``cluster``, the kept
+    ones ranked by predicted samples/s (best first), then the dropped ones with their reason."""
+    base = load_config(config, list(overrides))
+    kept: list[Ranked] = []
+    dropped: list[Ranked] = []
+    for candidate in candidate_maps(base, cluster.nodes, cluster.devices_per_node):
+        try:
+            cfg = load_config(config, [*overrides, *candidate.overrides])
+        except ConfigError as exc:
+            dropped.append(Ranked(candidate, Planned(dropped=f"config: {exc}"), why=f"config: {exc}"))
+            continue
+        planned = planner(cfg, candidate)
+        if planned.dropped is not None or planned.cfg is None:
+            dropped.append(Ranked(candidate, planned, why=planned.dropped or "not planned"))
+            continue
+        kept.append(Ranked(candidate, planned, predict(candidate, planned.cfg, planned.plan, profile,
+                                                       planned.reshard)))
+    kept.sort(key=rank_key)
+    for r in kept[1:]:
+        r.why = why_it_loses(r, kept[0])
+    return kept + dropped
+
+
+#: the order of the kinds of map among those equally fast: on-policy before pipelined, fewer pools first
+KIND_ORDER = {"colocated": 0, "split": 1, "pipelined": 2}
+#: maps within this share of the best's samples/s tie with it
+TIE = 0.01
+
+
+def rank_key(r: Ranked) -> tuple[float, int, int, int]:
+    """Faster first; among maps equally fast (to 6 digits) the on-policy, fewer-pool, lower-tp one."""
+    speed = r.prediction.samples_per_s if r.prediction else 0.0
+    return (-round(speed, 6), KIND_ORDER.get(r.candidate.kind, 3), len(r.candidate.pools), r.candidate.tp)
+
+
+def why_it_loses(r: Ranked, best: Ranked) -> str:
+    """The reasons a kept map is slower than the best, in the table's words."""
+    p = r.prediction
+    assert p is not None
+    reasons = []
+    if best.prediction and p.samples_per_s >= (1 - TIE) * best.prediction.samples_per_s:
+        reasons.append("ties the best (a simpler map ranks first)")
+    if r.candidate.kind != "colocated":
+        if p.bound == "gen":
+            reasons.append("gen-bound")
+        elif p.bound == "train":
+            reasons.append("train-bound")
+    else:
+        reasons.append("phases take turns")
+    for pool, share in p.busy.items():
+        if share < IDLE:
+            reasons.append(f"idle {pool} pool")
+    if p.phases.get("reshard", 0.0) > 0.2 * p.step:
+        reasons.append("reshard")
+    best_gen = best.prediction.phases["gen"] if best.prediction else 0.0
+    if r.candidate.tp != best.candidate.tp and p.bound != "train" and p.phases["gen"] > 1.1 * best_gen:
+        reasons.append(f"tp{r.candidate.tp} generates slower")
+    return ", ".join(dict.fromkeys(reasons)) or "slower"
+
+
+def render(ranked: list[Ranked], profile: CostProfile, cluster: ClusterSpec) -> str:
+    """The ranked table ``hybridrl plan --advise`` prints."""
+    header = ("#", "map", "step s", "samples/s", "busy per pool", "peak GiB", "why it loses")
+    rows: list[tuple[str, ...]] = [header]
+    for i, r in enumerate(ranked, 1):
+        p = r.prediction
+        peak = ", ".join(f"{pool} {gib:.1f}" for pool, gib in r.planned.peak_gib.items()) or "-"
+        if p is None:
+            rows.append(("-", r.candidate.name, "-", "-", "-", peak, r.why))
+            continue
+        busy = ", ".join(f"{pool} {share:.0%}" for pool, share in p.busy.items())
+        rows.append((str(i), r.candidate.name, f"{p.step:.2f}", f"{p.samples_per_s:.1f}", busy, peak,
+                     "best" if i == 1 else r.why))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    lines = [f"device-map advice for {cluster.describe()}; costs: {profile.source}" +
+             ("" if profile.profiled else " (unprofiled: a default throughput profile; give --profile RUN for "
+                                          "measured rates)")]
+    for n, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    best = next((r for r in ranked if r.prediction is not None), None)
+    if best is None:
+        lines.append("no candidate map fits: see the reasons above")
+    else:
+        lines.append(f"best: {best.candidate.name}: {' '.join(best.candidate.overrides)}")
+        if best.candidate.kind == "pipelined":
+            lines.append("note: pipelined trains on batches at most 1 update stale (trainer.max_staleness=1)")
+    return "\n".join(lines)
+
+
+def write_config(config: str | Path, overrides: Sequence[str], candidate: Candidate, out: str | Path) -> Path:
+    """The user's YAML (their keys, in their order) with their overrides and the candidate's applied; pools the
+    map does not use are removed."""
+    import yaml
+
+    from hybridrl.config.loading import apply_overrides, load_yaml
+
+    data = load_yaml(Path(config).read_text()) or {}
+    data = apply_overrides(dict(data), [*overrides, *candidate.overrides])
+    data["pools"] = {k: v for k, v in (data.get("pools") or {}).items() if v is not None}
+    path = Path(out)
+    head = f"# {Path(config).name} with the device map '{candidate.name}' (hybridrl plan --advise):\n" + \
+        "".join(f"#   {o}\n" for o in candidate.overrides if not o.endswith("=null"))
+    path.write_text(head + yaml.safe_dump(data, sort_keys=False))
+    return path

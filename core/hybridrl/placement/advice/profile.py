@@ -1,0 +1,208 @@
+"""The cost model: how long each phase of a step takes, fitted from a profiled run folder or taken from a
+documented default (``default_profile``) when there is none.
+
+The forms, chosen to be fitted from the few steps of a short profiling run:
+
+* **generation**, per rollout replica (``tensor_parallel`` devices): ``time = gen_fixed + gen_round * rounds /
+  tp ** TP_EXPONENT`` with ``rounds = L * ceil(S / concurrency)``: ``L`` the mean response length, ``S`` the
+  sequences a replica is given per step and ``concurrency`` the sequences it decodes at once
+  (``roles.rollout.options.max_num_seqs``, else ``DEFAULT_CONCURRENCY``). Decoding is memory-bound: a round of
+  ``concurrency`` sequences costs about what one sequence does. With fewer than two distinct ``rounds`` among the
+  profiled steps the intercept cannot be told apart and is taken as 0.
+* **train, reference and old log-probs**: tokens per second per device (data-parallel scaling is linear).
+* **reshard**: ``reshard_fixed`` plus the bytes of one sync over the link between the pools
+  (``LINK_BANDWIDTH``, overridable).
+* **wake and sleep** of a colocated rollout, and the driver's fixed per-step work (data, rule rewards,
+  advantages): seconds per step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridrl.errors import HybridRLError
+
+#: bytes/s of the link kinds of ``hybridrl.placement.topology`` (and ``self``: a copy inside one process, ``tcp``:
+#: gloo between CPU slots): NVLink 4 ~450 GB/s, PCIe 5 x16 ~64 GB/s, a 400 Gb/s InfiniBand NIC ~50 GB/s.
+LINK_BANDWIDTH: dict[str, float] = {"self": 1000e9, "nvlink": 450e9, "nvswitch": 450e9, "pcie": 64e9, "net": 50e9,
+                                    "tcp": 1.25e9}
+#: speed-up of a decode round with ``tp`` tensor-parallel ranks is ``tp ** TP_EXPONENT`` (all-reduces cost the rest)
+TP_EXPONENT = 0.8
+#: sequences a replica decodes at once when the rollout options do not say (``max_num_seqs``)
+DEFAULT_CONCURRENCY = 256
+#: the default (unprofiled) profile's device: sustained FLOP/s of a train or forward pass, memory bytes/s of a
+#: decode round, by device kind (an H100-class GPU at ~35% of its bf16 peak; a few CPU cores)
+DEFAULT_FLOPS = {"cuda": 140e12, "cpu": 50e9}
+DEFAULT_MEMORY_BW = {"cuda": 1.8e12, "cpu": 20e9}
+#: the default profile's per-step seconds: a generate call's set-up, wake, sleep, the driver's work, a sync's
+#: set-up (on a CPU slot a tenth of these)
+DEFAULT_SECONDS = {"gen_fixed": 1.0, "wake": 2.0, "sleep": 1.0, "fixed": 1.0, "reshard_fixed": 0.5}
+#: parameters assumed by the default profile when the model's shape cannot be read
+DEFAULT_PARAMS = 7e9
+
+#: the phases the model predicts; the other ``timing/<phase>`` of a step (data, reward, adv ...) are fixed work
+MODELLED = ("gen", "wake", "sleep", "ref", "old_log_prob", "update_actor", "reshard")
+#: timings that are no phase of a steady step
+NOT_FIXED = ("step", "sync_check", "val", "gen_baseline", "overlap_saved", "values", "update_critic")
+PROFILE_HOWTO = ("record one with `hybridrl train CONFIG trainer.steps=3 trainer.out=RUN` (a run writes "
+                 "spans.jsonl and metrics.jsonl into trainer.out)")
+
+
+class ProfileError(HybridRLError, ValueError):
+    """A profile run folder that lacks what the cost model is fitted from (the message says how to record it)."""
+
+    exit_status = 2
+
+
+@dataclass
+class CostProfile:
+    """The fitted (or default) costs. Rates are per device; seconds are per step."""
+
+    gen_fixed: float  # s per generate call
+    gen_round: float  # s per decode round of one replica at tensor_parallel 1
+    train_tps: float  # update_actor tokens/s per device (tokens counted once per epoch)
+    ref_tps: float  # reference forward tokens/s per device
+    old_log_prob_tps: float  # actor forward tokens/s per device
+    wake: float
+    sleep: float
+    fixed: float  # the driver's work per step
+    reshard_fixed: float  # s per sync besides the bytes
+    response_length: float | None = None  # mean response tokens; None: the config's max_new_tokens
+    prompt_length: float | None = None  # mean prompt tokens; None: half the config's max_prompt_len
+    tp_exponent: float = TP_EXPONENT
+    profiled: bool = False
+    source: str = "default"
+    bandwidth: dict[str, float] = field(default_factory=lambda: dict(LINK_BANDWIDTH))
+
+    def gen_seconds(self, sequences_per_replica: int, response_length: float, concurrency: int, tp: int) -> float:
+        rounds = response_length * math.ceil(sequences_per_replica / max(1, concurrency))
+        return self.gen_fixed + self.gen_round * rounds / max(1, tp) ** self.tp_exponent
+
+
+def default_profile(device: str, active_params: float | None) -> CostProfile:
+    """The unprofiled costs of a model of ``active_params`` on ``device``: train at 6 FLOPs per parameter and
+    token, forward at 2, a decode round reads the weights once (bf16 on GPUs, fp32 on CPU slots)."""
+    params = active_params or DEFAULT_PARAMS
+    flops = DEFAULT_FLOPS.get(device, DEFAULT_FLOPS["cuda"])
+    scale = 1.0 if device == "cuda" else 0.1
+    weight_bytes = params * (2 if device == "cuda" else 4)
+    s = {k: v * scale for k, v in DEFAULT_SECONDS.items()}
+    return CostProfile(gen_fixed=s["gen_fixed"], gen_round=weight_bytes / DEFAULT_MEMORY_BW.get(device, 1.8e12),
+                       train_tps=flops / (6 * params), ref_tps=flops / (2 * params),
+                       old_log_prob_tps=flops / (2 * params), wake=s["wake"], sleep=s["sleep"], fixed=s["fixed"],
+                       reshard_fixed=s["reshard_fixed"], source=f"default ({device}, {params / 1e9:.2g}B parameters)")
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b x`` (``a >= 0``); with fewer than two distinct ``x``, ``a = 0``."""
+    if len(set(round(x, 9) for x in xs)) < 2:
+        return 0.0, sum(ys) / max(sum(xs), 1e-12)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    if a < 0:  # a negative set-up time is noise: the line through the origin
+        return 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return a, b
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                raise ProfileError(f"{path}:{n} is not a JSON line; {PROFILE_HOWTO}") from None
+    return rows
+
+
+def _get(data: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or node.get(part) is None:
+            return default
+        node = node[part]
+    return node
+
+
+def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None) -> CostProfile:
+    """The cost model of the run folder ``run`` (its ``spans.jsonl``, ``metrics.jsonl`` and ``config.json``); the
+    first step is left out (warm-up) when there are more. Raises ``ProfileError`` naming what is missing."""
+    from hybridrl.observe.spans import SPANS_FILE, SpansError, load_spans
+
+    folder = Path(run)
+    if not folder.is_dir():
+        raise ProfileError(f"--profile {run}: no such run folder; {PROFILE_HOWTO}")
+    missing = [name for name in (SPANS_FILE, "metrics.jsonl", "config.json") if not (folder / name).is_file()]
+    if missing:
+        raise ProfileError(f"--profile {run}: the run folder has no {', '.join(missing)}; {PROFILE_HOWTO}")
+    try:
+        by_step = load_spans(folder / SPANS_FILE)
+    except SpansError as exc:
+        raise ProfileError(f"--profile {run}: {exc}; {PROFILE_HOWTO}") from None
+    metrics = {int(r["step"]): r for r in _read_jsonl(folder / "metrics.jsonl") if "step" in r}
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except ValueError:
+        raise ProfileError(f"--profile {run}: config.json is not JSON; {PROFILE_HOWTO}") from None
+    steps = sorted(s for s in by_step if s in metrics)
+    if len(steps) > 1:
+        steps = steps[1:]
+    has_ref = _get(config, "roles.ref") is not None and (_get(config, "algorithm.kl.coef", 0) or 0) > 0
+    needed = ["gen", "update_actor"] + (["ref"] if has_ref else [])
+    seen = {s.phase for step in steps for s in by_step[step]}
+    absent = [p for p in needed if p not in seen]
+    if not steps or absent:
+        what = ", ".join(absent) if steps else "any step with both spans and metrics"
+        raise ProfileError(f"--profile {run}: the run recorded no spans of {what} (the cost model needs gen, "
+                           f"update_actor{' and ref' if has_ref else ''}); {PROFILE_HOWTO}")
+    sequences = int(_get(config, "data.prompts_per_step", 1)) * int(_get(config, "algorithm.n_samples", 1))
+    tp = max(1, int(_get(config, "roles.rollout.tensor_parallel", 1)))
+    concurrency = int(_get(config, "roles.rollout.options.max_num_seqs", DEFAULT_CONCURRENCY))
+    xs, ys, lengths, prompt_lengths = [], [], [], []
+    rates: dict[str, list[tuple[float, float]]] = {"update_actor": [], "ref": [], "old_log_prob": []}
+    for step in steps:
+        spans, row = by_step[step], metrics[step]
+        length = float(row.get("response_length/mean") or 0.0)
+        for span in spans:
+            seconds = span.end - span.start
+            if span.phase == "gen" and span.role == "rollout":
+                replicas = max(1, len(span.ranks) // tp)
+                per_replica = math.ceil(sequences / replicas)
+                if not length and span.tokens:
+                    length = span.tokens / sequences
+                xs.append(length * math.ceil(per_replica / concurrency) / tp ** TP_EXPONENT)
+                ys.append(seconds)
+            elif span.phase in rates and span.tokens and span.ranks:
+                rates[span.phase].append((float(span.tokens), seconds * len(span.ranks)))
+                if span.phase == "ref":
+                    prompt_lengths.append(span.tokens / sequences - length)
+        lengths.append(length)
+    gen_fixed, gen_round = fit_line(xs, ys)
+
+    def rate(phase: str) -> float:
+        tokens, device_seconds = sum(t for t, _ in rates[phase]), sum(s for _, s in rates[phase])
+        return tokens / device_seconds if device_seconds > 0 else math.inf
+
+    def median(key: str) -> float:
+        values = [float(metrics[s][key]) for s in steps if metrics[s].get(key) is not None]
+        return statistics.median(values) if values else 0.0
+
+    fixed = statistics.median(sum(float(v) for k, v in metrics[s].items() if k.startswith("timing/")
+                                  and k.removeprefix("timing/") not in MODELLED + NOT_FIXED) for s in steps)
+    links = {**LINK_BANDWIDTH, **(bandwidth or {})}
+    colocated = _get(config, "roles.rollout.pool") == _get(config, "roles.actor.pool")
+    moved = median("reshard/bytes") / links["self" if colocated else "net"]
+    return CostProfile(gen_fixed=gen_fixed, gen_round=gen_round, train_tps=rate("update_actor"), ref_tps=rate("ref"),
+                       old_log_prob_tps=rate("old_log_prob"), wake=median("timing/wake"),
+                       sleep=median("timing/sleep"), fixed=fixed,
+                       reshard_fixed=max(0.0, median("timing/reshard") - moved),
+                       response_length=statistics.fmean(lengths) if lengths else None,
+                       prompt_length=max(0.0, statistics.fmean(prompt_lengths)) if prompt_lengths else None,
+                       profiled=True, source=f"profile {run} ({len(steps)} step(s))", bandwidth=links)

@@ -1,0 +1,196 @@
+"""The device-map advisor (``hybridrl.placement.advice``): the cost model's fit, the ranking, the refusals and
+``hybridrl plan --advise``. CPU only: the profiles are recorded (``tests/core/profiles/quickstart``, 4 steps of
+``examples/quickstart.yaml`` on one CPU slot) or written here with known rates."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hybridrl.cli import main
+from hybridrl.config import load_config
+from hybridrl.placement.advice.advise import advise, plan_candidate
+from hybridrl.placement.advice.profile import CostProfile, ProfileError, fit_line, fit_profile
+from hybridrl.placement.plan import ClusterSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDED = Path(__file__).parent / "profiles" / "quickstart"
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+QWEN7B = ROOT / "examples" / "qwen7b-colocated.yaml"
+
+
+def _write_run(folder: Path, steps: list[tuple[float, float]], gen_a: float, gen_b: float, train_tps: float,
+               ref_tps: float, devices: int = 2, skip: tuple[str, ...] = ()) -> None:
+    """A run folder whose phases took exactly what the given rates say: ``steps`` are (response length, prompt
+    length); 4 prompts x 4 samples, one replica per device, ``devices`` devices in one colocated pool."""
+    folder.mkdir(parents=True)
+    sequences = 16
+    spans, metrics = [], []
+    t = 1000.0
+    for step, (length, prompt) in enumerate(steps, 1):
+        tokens = int(sequences * (length + prompt))
+        phases = {"gen": gen_a + gen_b * length, "ref": tokens / (ref_tps * devices),
+                  "update_actor": tokens / (train_tps * devices), "data": 0.1, "adv": 0.2, "reshard": 0.05}
+        spans.append({"step": step, "phase": "step", "role": "driver", "pool": None, "ranks": [], "start": t,
+                      "end": t + sum(phases.values()), "tokens": None})
+        for phase, seconds in phases.items():
+            if phase in skip:
+                continue
+            role = {"gen": "rollout", "ref": "ref", "update_actor": "actor", "reshard": "actor"}.get(phase, "driver")
+            pooled = role != "driver"
+            spans.append({"step": step, "phase": phase, "role": role, "pool": "main" if pooled else None,
+                          "ranks": [[0, devices - 1]] if pooled else [], "start": t, "end": t + seconds,
+                          "tokens": int(sequences * length) if phase == "gen" else tokens if pooled else None})
+            t += seconds
+        metrics.append({"step": step, "response_length/mean": length, "reshard/bytes": 0.0,
+                        **{f"timing/{p}": s for p, s in phases.items()}})
+    (folder / "spans.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    config = {"data": {"prompts_per_step": 4}, "algorithm": {"n_samples": 4, "kl": {"coef": 0.01}},
+              "roles": {"actor": {"pool": "main"}, "ref": {"pool": "main"},
+                        "rollout": {"pool": "main", "tensor_parallel": 1}}}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_the_fit_recovers_the_rates_a_run_was_made_with(tmp_path):
+    steps = [(100.0, 20.0), (100.0, 20.0), (200.0, 20.0), (400.0, 30.0), (300.0, 10.0)]
+    _write_run(tmp_path / "run", steps, gen_a=0.5, gen_b=0.02, train_tps=500.0, ref_tps=2000.0)
+    profile = fit_profile(tmp_path / "run")
+    assert profile.profiled
+    assert profile.gen_fixed == pytest.approx(0.5, rel=1e-3)
+    assert profile.gen_round == pytest.approx(0.02, rel=1e-3)
+    assert profile.train_tps == pytest.approx(500.0, rel=1e-2)  # token counts are whole numbers
+    assert profile.ref_tps == pytest.approx(2000.0, rel=1e-2)
+    assert profile.fixed == pytest.approx(0.3)  # data + adv: the driver's work
+    assert profile.response_length == pytest.approx(250.0)  # the first step (warm-up) left out
+
+
+def test_one_response_length_fits_the_line_through_the_origin():
+    assert fit_line([10.0, 10.0], [2.0, 2.0]) == (0.0, pytest.approx(0.2))
+    assert fit_line([1.0, 2.0, 3.0], [1.5, 2.5, 3.5]) == (pytest.approx(0.5), pytest.approx(1.0))
+
+
+def test_the_recorded_quickstart_profile_fits():
+    profile = fit_profile(RECORDED)
+    assert profile.profiled and "3 step(s)" in profile.source
+    assert 0 < profile.train_tps < float("inf") and 0 < profile.ref_tps < float("inf")
+    assert profile.response_length == pytest.approx(2.96, abs=0.05)  # quickstart answers 2 digits + EOS
+    assert profile.gen_round > 0
+
+
+def _best_split_gen_devices(profile: CostProfile) -> int:
+    cluster = ClusterSpec(1, 8, "cpu", declared=True)
+    registry = __import__("hybridrl.plugins.discovery", fromlist=["get_registry"]).get_registry(())
+    cfg = load_config(QUICKSTART)
+    from hybridrl.placement.memory import model_shape
+
+    planner = plan_candidate(cluster, registry, None, model_shape(cfg)[0])
+    ranked = advise(QUICKSTART, [], cluster, profile, planner)
+    best = next(r for r in ranked if r.prediction is not None and r.candidate.kind != "colocated")
+    return best.candidate.devices("gen")
+
+
+def test_a_gen_heavy_profile_gives_generation_more_devices():
+    base = fit_profile(RECORDED)
+    gen_heavy = replace(base, gen_round=base.gen_round * 1000, gen_fixed=0.0)
+    train_heavy = replace(base, gen_round=base.gen_round / 1000, train_tps=base.train_tps / 10)
+    assert _best_split_gen_devices(gen_heavy) > _best_split_gen_devices(train_heavy)
+
+
+def test_maps_the_memory_models_refuse_are_dropped_with_the_reason(capsys):
+    status = main(["plan", str(QWEN7B), "--advise", "--cluster", "1x2", "--device-memory", "40",
+                   "--skip-engine-check"])
+    out = capsys.readouterr().out
+    assert status == 0
+    dropped = [line for line in out.splitlines() if line.startswith("-  ") and not set(line) <= {"-", " "}]
+    assert dropped and all("memory: pool" in line and "GiB" in line for line in dropped)
+    assert "unprofiled" in out
+
+
+def test_a_backend_without_a_memory_model_is_named(monkeypatch):
+    import hybridrl.placement.auto as auto
+
+    real = auto.memory_models
+    monkeypatch.setattr(auto, "memory_models", lambda *a, **k: {**real(*a, **k), "rollout": None})
+    from hybridrl.placement.memory import model_shape
+    from hybridrl.plugins.discovery import get_registry
+
+    cluster = ClusterSpec(1, 2, "cuda", declared=True)
+    cfg = load_config(QWEN7B)
+    ranked = advise(QWEN7B, [], cluster, fit_profile(RECORDED),
+                    plan_candidate(cluster, get_registry(()), 80 * 2**30, model_shape(cfg, None, [ROOT])[0]))
+    assert ranked and all(r.prediction is None for r in ranked)
+    assert all("backend 'hf' of role rollout registers no memory model" in r.why for r in ranked)
+
+
+def test_write_keeps_the_users_keys_and_adds_the_winners_overrides(tmp_path, capsys):
+    out = tmp_path / "best.yaml"
+    status = main(["plan", str(QUICKSTART), "--advise", "--cluster", "1x2", "--device", "cpu",
+                   "--profile", str(RECORDED), "--write", str(out), "trainer.steps=7"])
+    text = capsys.readouterr().out
+    assert status == 0 and "profile" in text and "unprofiled" not in text
+    best = next(line for line in text.splitlines() if line.startswith("best: "))
+    written = load_config(out)
+    assert written.trainer.steps == 7 and written.trainer.trackers == ["console", "jsonl"]  # the user's keys
+    for override in best.split(": ", 2)[2].split():
+        key, _, value = override.partition("=")
+        if value == "null":
+            assert key.split(".")[1] not in written.pools
+        elif key == "roles.rollout.pool":
+            assert written.roles.rollout.pool == value
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--cluster", "2by8"], "expected NODESxDEVICES like 2x8, got '2by8'"),
+    (["--cluster", "1x2", "--profile", "no/such/run"], "no such run folder"),
+    (["--cluster", "1x2", "--bandwidth", "warp=9"], "expected KIND=GB/s"),
+])
+def test_bad_input_is_one_sentence_and_exit_status_2(args, words, capsys):
+    assert main(["plan", str(QUICKSTART), "--advise", "--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+def test_a_profile_without_spans_says_how_to_record_one(tmp_path):
+    (tmp_path / "run").mkdir()
+    for name in ("metrics.jsonl", "config.json"):
+        (RECORDED / name).read_text()
+        (tmp_path / "run" / name).write_text((RECORDED / name).read_text())
+    with pytest.raises(ProfileError, match=r"no spans.jsonl; record one with `hybridrl train CONFIG"):
+        fit_profile(tmp_path / "run")
+
+
+def test_a_profile_missing_a_phase_names_it(tmp_path):
+    _write_run(tmp_path / "run", [(10.0, 5.0), (20.0, 5.0)], 0.1, 0.01, 100.0, 100.0, skip=("update_actor",))
+    with pytest.raises(ProfileError, match="no spans of update_actor") as exc:
+        fit_profile(tmp_path / "run")
+    assert exc.value.exit_status == 2
+
+
+def test_profile_and_write_need_advise(capsys):
+    assert main(["plan", str(QUICKSTART), "--device", "cpu", "--cluster", "1x1", "--write", "x.yaml"]) == 2
+    assert "--write: only with --advise" in capsys.readouterr().err
+
+
+def test_the_step_adds_serial_phases_and_overlaps_pipelined_ones():
+    """Colocated and sync split: the phases one after the other; pipelined: the longer of gen and train."""
+    from hybridrl.placement.memory import model_shape
+    from hybridrl.plugins.discovery import get_registry
+
+    cluster = ClusterSpec(1, 2, "cpu", declared=True)
+    profile = fit_profile(RECORDED)
+    planner = plan_candidate(cluster, get_registry(()), None, model_shape(load_config(QUICKSTART))[0])
+    ranked = {r.candidate.name: r.prediction for r in advise(QUICKSTART, [], cluster, profile, planner)}
+    colocated, split, pipelined = (ranked["colocated 1x2"], ranked["split train 1x1:gen 1x1"],
+                                   ranked["pipelined train 1x1:gen 1x1"])
+    assert colocated and split and pipelined
+    assert colocated.step == pytest.approx(sum(colocated.phases.values()))
+    assert "wake" not in split.phases and split.step == pytest.approx(sum(split.phases.values()))
+    p = pipelined.phases
+    train = p.get("ref", 0.0) + p["old_log_prob"] + p["update_actor"]
+    assert pipelined.step == pytest.approx(max(p["gen"], train) + p["reshard"] + p["fixed"])
+    assert pipelined.step < split.step
+    assert split.samples_per_s == pytest.approx(16 * 16 / split.step)  # quickstart: 16 prompts x 16 samples
