@@ -1,38 +1,11 @@
 """The rollout role's settings as the vLLM engine reads them, and the ``vllm.LLM`` arguments they make
 (engine-free: no vLLM import, so the translation is tested without the engine).
 
-Keys of ``roles.rollout`` (typed) and ``roles.rollout.options`` (free-form) that this backend reads:
-
-=========================  ==========================================================================
-``tensor_parallel``        ranks per engine replica (consecutive ranks of the pool)
-``gpu_memory_utilization`` ``auto`` (default): the KV cache holds the step's sequences (the ``workload`` the
-                           pre-flight writes), sized from what is free when the engine starts, after the
-                           trainers' resident state (``hybridrl.rollout.kv_budget``); or a number: vLLM's
-                           own share of the device's *total* memory (weights, activations, graphs and KV
-                           cache), which must be free when it starts
-``kv_cache_gb``            fixed KV-cache size instead of either (GiB)
-``workload``               ``{sequences, tokens_per_sequence}`` of one step (written by the pre-flight)
-``max_model_len``          context length (default: the model's)
-``max_num_seqs``           sequences decoded at once (default: vLLM's)
-``max_num_batched_tokens`` tokens per engine step (default: vLLM's)
-``enforce_eager``          no CUDA graphs / torch.compile (default: on for CPU, off for GPU)
-``enable_prefix_caching``  default: vLLM's (on); the prompts of a GRPO group share their prefix
-``sleep_mode``             allocate so that ``sleep`` can release memory (default: on for GPU)
-``sleep_level``            1, 2, ``auto`` or ``kv_cache`` (weights stay resident; see ``hybridrl_vllm.sleep``)
-``seed_mode``              ``request`` (one seed per row, reproducible), ``engine`` (one stream:
-                           fast on GPU) or ``auto`` (request on CPU, engine on GPU)
-``weight_load``            ``auto``, ``direct`` (``load_weights`` into the live parameters: CUDA, unquantized) or
-                           ``layerwise`` (vLLM's in-place reload that re-runs weight processing:
-                           needed where weights are repacked after loading, e.g. on CPU, or quantized)
-``fast_import``            with ``direct`` loads, copy each tensor straight into its slice of the live
-                           parameters after the first update taught where it goes (``copy_plan``)
-``copy_graphs``            on CUDA, replay a bucket's planned copies from a CUDA graph once the same bucket
-                           (names and addresses) came at two updates in a row (default on;
-                           ``copy_plan.GraphedCopies``)
-``tied_weights``           ``{alias: source}`` names to send twice with the layerwise reload (default:
-                           ``lm_head.weight`` <- ``model.embed_tokens.weight`` when embeddings are tied)
-``engine_kwargs``          any other ``vllm.LLM`` keyword arguments (they win)
-=========================  ==========================================================================
+The keys of ``roles.rollout`` (typed) and ``roles.rollout.options`` (free-form) this backend reads are
+``OPTIONS`` below (``hybridrl plugins vllm`` prints them); the pre-flight also writes ``workload``
+(``{sequences, tokens_per_sequence}`` of one step) for the ``auto`` KV cache, and ``tied_weights``
+(``{alias: source}``, default ``lm_head.weight`` <- ``model.embed_tokens.weight`` when embeddings are tied) names
+tensors sent twice with the layerwise reload.
 """
 
 from __future__ import annotations
@@ -41,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.plugins.options import dataclass_options
 from hybridrl.rollout.common import (
     ENGINE_OPTION_CASTS,
     check_choice,
@@ -231,3 +205,31 @@ def llm_kwargs(opts: VLLMOptions, *, model_path: str, dtype: str, device: str, s
 
 #: the pre-flight check of the rollout's settings (registered as the backend's ``check_options``).
 option_problems = parse_check(VLLMOptions.from_options)
+
+
+#: one line per option for ``hybridrl plugins vllm`` (``OPTIONS``); every field of ``VLLMOptions`` has one.
+OPTION_DESCRIPTIONS = {
+    "tensor_parallel": "ranks per engine replica (consecutive ranks of the pool)",
+    "gpu_memory_utilization": "auto: the KV cache holds the step's sequences, sized from what is free when the "
+                              "engine starts (hybridrl.rollout.kv_budget); or vLLM's share of the device's total "
+                              "memory, which must be free when it starts",
+    "kv_cache_gb": "a fixed KV-cache size (GiB) instead of either",
+    "max_model_len": "context length (default: the model's)",
+    "max_num_seqs": "sequences decoded at once (default: vLLM's)",
+    "max_num_batched_tokens": "tokens per engine step (default: vLLM's)",
+    "enforce_eager": "no CUDA graphs or torch.compile (default: on for CPU, off for GPU)",
+    "enable_prefix_caching": "default: vLLM's (on); the prompts of a GRPO group share their prefix",
+    "sleep_mode": "allocate so that sleep can release memory (default: on for GPU)",
+    "sleep_level": "1, 2, auto or kv_cache (weights stay resident; hybridrl_vllm.sleep)",
+    "seed_mode": "request (one seed per row, reproducible), engine (one stream: fast on GPU) or auto (request on "
+                 "CPU, engine on GPU)",
+    "weight_load": "auto, direct (load_weights into the live parameters: CUDA, unquantized) or layerwise (vLLM's "
+                   "in-place reload that re-runs weight processing: CPU, quantized)",
+    "fast_import": "with direct loads, copy each tensor straight into its slice of the live parameters after the "
+                   "first update taught where it goes (copy_plan)",
+    "copy_graphs": "on CUDA, replay a bucket's planned copies from a CUDA graph once the same bucket came at two "
+                   "updates in a row",
+    "engine_kwargs": "any other vllm.LLM keyword arguments (they win)",
+}
+OPTIONS = dataclass_options(VLLMOptions, OPTION_DESCRIPTIONS,
+                            types={"gpu_memory_utilization": "float | auto", "sleep_level": "int | auto | kv_cache"})
