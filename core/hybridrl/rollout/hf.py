@@ -135,7 +135,7 @@ class HFRollout(RolloutEngine):
         decoding the log-softmax of the (EOS-masked) logits without temperature.
         ``return_routing`` (an MoE model): also ``routed_experts`` ``(B, R, layers, top_k)`` int64, the experts
         each response token was routed to when it was fed back (-1 where it never was: padding, a row's last
-        token); the prompt tokens' routing is not returned.
+        token, which predicts nothing); the prompt tokens' routing is not returned.
         ``ignore_eos``: an EOS does not end the row (it may still be sampled), every row gets
         ``max_new_tokens`` tokens.
 
@@ -216,8 +216,11 @@ class HFRollout(RolloutEngine):
             with self.routing.capturing() if routed is not None else nullcontext():
                 logits = self._forward(response_ids[:, t:t + 1], attn,
                                        torch.where(finished[:, None], last_pos, next_pos), cache)
-            if routed is not None and self.routing is not None:  # token t's experts, where it is a real token
-                routed[:, t] = torch.where(live[:, None, None], self.routing.take().view(n, *routed.shape[2:]), -1)
+            if routed is not None and self.routing is not None:
+                # token t's experts where it was fed at its own position: a row's last token (a stop token, fed
+                # at another position only to keep the batch going) is never followed, its routing unused
+                fed = (live & ~finished)[:, None, None]
+                routed[:, t] = torch.where(fed, self.routing.take().view(n, *routed.shape[2:]), -1)
             next_pos = next_pos + 1
 
         return self._result(response_ids, response_mask, log_probs, routed), finished
