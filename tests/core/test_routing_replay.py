@@ -39,6 +39,9 @@ def test_replay_is_refused_where_it_cannot_run():
     no_trainer = problems(QUICKSTART_MOE, "algorithm.routing_replay=true", "plugins=[_preflight_helpers]",
                           "roles.actor.backend=nockpt")
     assert "'routing_replay'" in no_trainer["roles.actor.backend"]
+    measured = problems(QUICKSTART_MOE, "roles.rollout.return_routing=true", "plugins=[_preflight_helpers]",
+                        "roles.actor.backend=nockpt")
+    assert measured["roles.actor.backend"].startswith("roles.rollout.return_routing:")
     no_rollout = problems(QUICKSTART_MOE, "algorithm.routing_replay=true", "plugins=[_preflight_helpers]",
                           "roles.rollout.backend=noroute")
     assert "'return_routing'" in no_rollout["roles.rollout.backend"]

@@ -53,9 +53,9 @@ def routing_problems(cfg: RunConfig, backends: dict[str, Any], multi_turn: bool 
         problems.append(("roles.rollout.backend", f"{key} needs the experts the rollout routed each token to; backend "
                                                   f"'{rollout.name}' does not declare 'return_routing'"))
     actor = backends.get("actor")
-    if replay and actor is not None and not actor.can("routing_replay"):
-        problems.append(("roles.actor.backend", f"algorithm.routing_replay: backend '{actor.name}' does not declare "
-                                                "'routing_replay' (routing its forward by given experts)"))
+    if actor is not None and not actor.can("routing_replay"):  # it also measures the mismatch
+        problems.append(("roles.actor.backend", f"{key}: backend '{actor.name}' does not declare 'routing_replay' "
+                                                "(routing its forward by given experts, measuring the mismatch)"))
     if cfg.roles.rollout.oversample > 1:
         problems.append(("roles.rollout.oversample", f"{key} with groups in flight (oversample > 1) is not supported "
                                                      "yet: partial samples would lose their routing between rounds"))
