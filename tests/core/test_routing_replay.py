@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, ROUTED_EXPERTS, Batch, left_pad
+from hybridrl.batch import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    PROMPT_ROUTED_EXPERTS,
+    RESPONSE_MASK,
+    ROUTED_EXPERTS,
+    Batch,
+    left_pad,
+)
 from hybridrl.config import TinyModelConfig, load_config
 from hybridrl.engines import EngineContext, SamplingParams
 from hybridrl.placement.plan import ClusterSpec
@@ -63,18 +71,23 @@ def test_hf_rollout_returns_each_fed_tokens_experts(tmp_path):
 
     engine = HFRollout(EngineContext("rollout", "hf", str(build_tiny_model(TINY, tmp_path / "m")), rank=0,
                                      world_size=1))
-    ids, mask = left_pad([[5, 6, 7], [8, 9], [10, 11, 12, 13]], pad_id=0)
+    ids, mask = left_pad([[5, 6, 7], [8, 9], [10, 11, 12, 13], [8, 9]], pad_id=0)
     batch = Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask})
     params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2, return_routing=True)
     out = engine.generate(batch, params)
     routed, real = out[ROUTED_EXPERTS], out[RESPONSE_MASK].bool()
-    assert routed.shape == (3, 6, TINY.num_layers, TINY.experts_per_token) and routed.dtype == torch.long
+    assert routed.shape == (4, 6, TINY.num_layers, TINY.experts_per_token) and routed.dtype == torch.long
+    prompt = out[PROMPT_ROUTED_EXPERTS]  # the prefill's, once per distinct prompt, copied to the rows sharing it
+    assert prompt.shape == (4, 4, TINY.num_layers, TINY.experts_per_token)
+    assert bool((prompt[mask.bool()] >= 0).all()) and bool((prompt[~mask.bool()] == -1).all())
+    assert torch.equal(prompt[1], prompt[3]) and not torch.equal(prompt[0], prompt[2])
     last = real.long().cumsum(1) == real.long().sum(1, keepdim=True)  # a row's last token and what follows
     assert bool((routed[real & ~last] >= 0).all()) and bool((routed[~real | last] == -1).all())
     assert bool((routed < TINY.num_experts).all())
     ok = routed[real & ~last]
     assert bool((ok[..., 0] != ok[..., 1]).all())  # top-k: distinct experts
-    assert ROUTED_EXPERTS not in engine.generate(batch, SamplingParams(max_new_tokens=6, seed=2))
+    plain = engine.generate(batch, SamplingParams(max_new_tokens=6, seed=2))
+    assert ROUTED_EXPERTS not in plain and PROMPT_ROUTED_EXPERTS not in plain
 
 
 def test_hf_rollout_refuses_routing_of_a_dense_model(tmp_path):

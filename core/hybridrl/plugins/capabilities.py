@@ -35,7 +35,8 @@ ROLLOUT_CAPABILITIES: dict[str, str] = {
     "partial": "generate_until stops once its share of groups is complete and returns the other rows' tokens so far "
                "(roles.rollout.oversample, partial rollouts)",
     "return_routing": "generate with params.return_routing returns routed_experts (B, R, layers, top_k): the experts "
-                      "each response token was routed to in every MoE layer (algorithm.routing_replay)",
+                      "each response token was routed to in every MoE layer, and prompt_routed_experts "
+                      "(B, P, layers, top_k) the prompt's at prefill (algorithm.routing_replay)",
 }
 KNOWN = {"train": TRAIN_CAPABILITIES, "rollout": ROLLOUT_CAPABILITIES}
 

@@ -20,6 +20,7 @@ from hybridrl.batch import (
     MAX_NEW_TOKENS,
     PROMPT_IDS,
     PROMPT_MASK,
+    PROMPT_ROUTED_EXPERTS,
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
@@ -135,7 +136,8 @@ class HFRollout(RolloutEngine):
         decoding the log-softmax of the (EOS-masked) logits without temperature.
         ``return_routing`` (an MoE model): also ``routed_experts`` ``(B, R, layers, top_k)`` int64, the experts
         each response token was routed to when it was fed back (-1 where it never was: padding, a row's last
-        token, which predicts nothing); the prompt tokens' routing is not returned.
+        token, which predicts nothing), and ``prompt_routed_experts`` ``(B, P, layers, top_k)``, the prompt tokens'
+        at prefill (-1 at padding).
         ``ignore_eos``: an EOS does not end the row (it may still be sampled), every row gets
         ``max_new_tokens`` tokens.
 
@@ -177,7 +179,9 @@ class HFRollout(RolloutEngine):
         routed = self._routing_buffer(n, width, params)
         finished = caps <= 0
         if n == 0 or width == 0 or bool(finished.all()):
-            return self._result(response_ids, response_mask, log_probs, routed), finished
+            unrouted = (None if routed is None else
+                        routed.new_full((n, prompt_ids.shape[1], *routed.shape[2:]), -1))
+            return self._result(response_ids, response_mask, log_probs, routed, unrouted), finished
         groups = batch[GROUP_INDEX].to(dev) if groups_needed is not None else None
 
         generator = None
@@ -192,7 +196,15 @@ class HFRollout(RolloutEngine):
         positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
         next_pos = prompt_mask.sum(dim=1, keepdim=True)  # (B, 1): position of the first response token
         last_pos = next_pos + (caps.clamp(min=1) - 1)[:, None]  # (B, 1): position of a row's last token
-        logits = self._prefill(prompt_ids, attn, positions, cache)
+        with self.routing.capturing() if routed is not None and self.routing is not None else nullcontext():
+            logits = self._prefill(prompt_ids, attn, positions, cache)
+        prompt_routed = None
+        if routed is not None and self.routing is not None:  # the prompts' routing, copied to the rows sharing one
+            first = distinct_prompts(prompt_ids, attn)[1] if self._shares_prefill(prompt_ids, attn) else None
+            taken = self.routing.take().view(n if first is None else len(first), prompt_ids.shape[1],
+                                             *routed.shape[2:])
+            taken = taken if first is None else taken[distinct_prompts(prompt_ids, attn)[0]]
+            prompt_routed = torch.where(attn.bool()[:, :, None, None], taken, -1)
 
         for t in range(width):
             if t < params.min_new_tokens:
@@ -223,7 +235,13 @@ class HFRollout(RolloutEngine):
                 routed[:, t] = torch.where(fed, self.routing.take().view(n, *routed.shape[2:]), -1)
             next_pos = next_pos + 1
 
-        return self._result(response_ids, response_mask, log_probs, routed), finished
+        return self._result(response_ids, response_mask, log_probs, routed, prompt_routed), finished
+
+    @staticmethod
+    def _shares_prefill(prompt_ids: torch.Tensor, attn: torch.Tensor) -> bool:
+        """Whether ``_prefill`` runs each distinct prompt once (rows repeat one)."""
+        group, first = distinct_prompts(prompt_ids, attn)
+        return len(first) != len(group)
 
     def _routing_buffer(self, n: int, width: int, params: SamplingParams) -> torch.Tensor | None:
         """``(n, width, layers, top_k)`` of -1 to fill when ``params.return_routing`` (None otherwise)."""
@@ -261,11 +279,12 @@ class HFRollout(RolloutEngine):
         return logits[group]
 
     @staticmethod
-    def _result(ids: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, routed: torch.Tensor | None = None
-                ) -> Batch:
+    def _result(ids: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, routed: torch.Tensor | None = None,
+                prompt_routed: torch.Tensor | None = None) -> Batch:
         tensors = {RESPONSE_IDS: ids.cpu(), RESPONSE_MASK: mask.cpu(), ROLLOUT_LOG_PROBS: log_probs.cpu()}
-        if routed is not None:
+        if routed is not None and prompt_routed is not None:
             tensors[ROUTED_EXPERTS] = routed.cpu()
+            tensors[PROMPT_ROUTED_EXPERTS] = prompt_routed.cpu()
         return Batch.from_tensors(tensors)
 
     # --- weights ----------------------------------------------------------------------------------

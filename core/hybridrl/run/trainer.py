@@ -35,6 +35,7 @@ from hybridrl.batch import (
     OLD_LOG_PROBS,
     PROMPT_IDS,
     PROMPT_MASK,
+    PROMPT_ROUTED_EXPERTS,
     PROMPT_TEXT,
     REF_LOG_PROBS,
     RESPONSE_IDS,
@@ -567,7 +568,8 @@ class Trainer:
     def actor_view(self, batch: Batch, keys: tuple[str, ...]) -> Batch:
         """``keys`` of ``batch`` for the actor's forward: with the rollout's routing (``routed_experts``) when it
         returned it, and whether to replay it (``algorithm.routing_replay``) or only measure the mismatch."""
-        view = batch.select(*dict.fromkeys((*keys, *((ROUTED_EXPERTS,) if ROUTED_EXPERTS in batch else ()))))
+        routing = tuple(k for k in (ROUTED_EXPERTS, PROMPT_ROUTED_EXPERTS) if k in batch)
+        view = batch.select(*dict.fromkeys((*keys, *routing)))
         if ROUTED_EXPERTS in batch:
             view.info["routing_replay"] = self.cfg.algorithm.routing_replay
         return view

@@ -180,7 +180,8 @@ class FSDPEngine(TrainEngine):
         ``info['routing_replay']``, route by them (``hybridrl_fsdp.routing_replay``)."""
         replay = self._replay()
         layout = token_routing(micro.batch, micro.packed)
-        with replay.routing(layout.experts.to(self.device), bool(micro.batch.info.get("routing_replay"))):
+        with replay.routing(layout.experts.to(self.device), bool(micro.batch.info.get("routing_replay")),
+                            layout.response):
             yield layout
 
     @torch.no_grad()
