@@ -45,6 +45,9 @@ GROUP_INDEX = "group_index"  # (B,) which prompt of the step a row samples (a GR
 MAX_NEW_TOKENS = "max_new_tokens"  # (B,) optional per-row cap on the response, at most the params' max_new_tokens
 FINISHED = "finished"  # (B,) bool: ``generate_until``'s row ended (a stop token or its cap), not cut short
 TOKEN_VERSIONS = "token_versions"  # (B, R) int64: the actor version whose weights sampled each response token
+ROUTED_EXPERTS = "routed_experts"  # (B, R, layers, top_k) int64: each response token's rollout experts (-1: none)
+PROMPT_ROUTED_EXPERTS = "prompt_routed_experts"  # (B, P, layers, top_k) int64: the prompt's, at prefill (-1: pad)
+ROUTING_MISMATCH = "routing_mismatch"  # (B, R) 1.0 where the trainer's own top-k differs from ``routed_experts``
 BASELINE_SCORES = "baseline_scores"  # (B,) the score of one greedy response per prompt, per row of its group
 #: multi-turn rows: 1 on every real response token (model and observation); see the module docstring.
 RESPONSE_ATTENTION_MASK = "response_attention_mask"

@@ -101,6 +101,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: bool = True  # return the sampled tokens' log-probs (False: engines that can skip their cost)
+    return_routing: bool = False  # MoE: also return ``routed_experts`` (engines declaring ``return_routing``)
 
     @property
     def greedy(self) -> bool:

@@ -36,3 +36,6 @@ def hybridrl_register_backends(registry):
     # Declared by a module that does not exist: pre-flight must answer from the declarations alone.
     registry.add_train_engine("ghost_one_rank", "nowhere_at_all.engine:Engine", max_ranks=1,
                               supports={"checkpoint"})
+    # A rollout that returns no MoE routing (never built either).
+    registry.add_rollout("noroute", "nowhere_at_all.engine:Rollout", process_family="any",
+                         supports={"sleep", "named_weights"})

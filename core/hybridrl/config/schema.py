@@ -195,6 +195,10 @@ class AlgorithmConfig(Strict):
     old_log_probs: Literal["auto", "recompute"] = Field(
         "auto", description="auto: skip the actor's old-log-prob pass where it provably equals the update's own "
                             "log-probs (one optimizer step per batch, KL not folded into the reward)")
+    routing_replay: bool = Field(
+        False, description="MoE routing replay: the actor routes each response token to the experts the rollout "
+                           "routed it to (router weights still from the actor's logits), so its log-probs and "
+                           "importance ratios are those of the sampling engine's routing (docs/moe.md)")
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -292,6 +296,9 @@ class RolloutConfig(RoleBase):
         "auto", description="the engine returns the sampled tokens' log-probs; auto: only when something reads them "
                             "(truncated importance sampling, a component that declares it needs them), since they "
                             "cost the engine a log-softmax per sampled token; true also logs rollout/logp_diff")
+    return_routing: bool | Literal["auto"] = Field(
+        "auto", description="MoE: the engine returns the experts each response token was routed to (routed_experts); "
+                            "auto: on with algorithm.routing_replay; true without replay logs moe/routing_mismatch")
     oversample: float = Field(
         1.0, ge=1, description="prompt groups in flight per step, as a multiple of data.prompts_per_step: a step "
                                "trains the first data.prompts_per_step groups to complete and the rest stay in "

@@ -22,6 +22,9 @@ TRAIN_CAPABILITIES: dict[str, str] = {
     "lora": "LoRA adapters (EngineContext.lora): trains only them, export_adapter, reference_view (roles.actor.lora)",
     "fused_layer_kernels": "options.fused_kernels: fused RMSNorm / SwiGLU / rotary kernels on CUDA, which keep less "
                            "for backward (the memory plan counts it; auto turns them on)",
+    "routing_replay": "an MoE forward (compute_log_probs, update) given routed_experts with "
+                      "batch.info['routing_replay'] routes each response token to those experts (router weights "
+                      "from its own logits); compute_log_probs returns routing_mismatch (algorithm.routing_replay)",
 }
 #: rollout engines: capability -> what it promises.
 ROLLOUT_CAPABILITIES: dict[str, str] = {
@@ -31,6 +34,9 @@ ROLLOUT_CAPABILITIES: dict[str, str] = {
     "lora_adapters": "import_weights takes LoRA adapters and serves them on the base (roles.actor.lora.sync=adapter)",
     "partial": "generate_until stops once its share of groups is complete and returns the other rows' tokens so far "
                "(roles.rollout.oversample, partial rollouts)",
+    "return_routing": "generate with params.return_routing returns routed_experts (B, R, layers, top_k): the experts "
+                      "each response token was routed to in every MoE layer, and prompt_routed_experts "
+                      "(B, P, layers, top_k) the prompt's at prefill (algorithm.routing_replay)",
 }
 KNOWN = {"train": TRAIN_CAPABILITIES, "rollout": ROLLOUT_CAPABILITIES}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -19,9 +20,11 @@ from hybridrl.batch import (
     MAX_NEW_TOKENS,
     PROMPT_IDS,
     PROMPT_MASK,
+    PROMPT_ROUTED_EXPERTS,
     RESPONSE_IDS,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    ROUTED_EXPERTS,
     Batch,
     complete_groups,
     distinct_prompts,
@@ -30,6 +33,7 @@ from hybridrl.batch import (
 from hybridrl.engines import EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
 from hybridrl.lora import MergedAdapters, is_adapter_name
 from hybridrl.rollout.common import eos_and_pad
+from hybridrl.rollout.routing import RoutingCapture, router_modules
 from hybridrl.weights.experts import expert_views, to_checkpoint_layout
 
 log = logging.getLogger(__name__)
@@ -103,6 +107,8 @@ class HFRollout(RolloutEngine):
         #: LoRA with ``sync: adapter``: the adapters each sync sends are merged into a copy of the base, on the CPU
         self.adapters = (MergedAdapters(self._targets, ctx.lora.scaling)
                          if ctx.lora is not None and ctx.lora.sends_adapters else None)
+        #: an MoE model's routers, read when ``params.return_routing`` asks for ``routed_experts``
+        self.routing = RoutingCapture(self.model) if router_modules(self.model) else None
 
     @staticmethod
     def _resolve_device(device: str) -> torch.device:
@@ -128,6 +134,10 @@ class HFRollout(RolloutEngine):
         distribution it was drawn from, i.e. the logits divided by the temperature, EOS forbidden before
         ``min_new_tokens``, outside-top-k/top-p tokens removed and the rest renormalised; for greedy
         decoding the log-softmax of the (EOS-masked) logits without temperature.
+        ``return_routing`` (an MoE model): also ``routed_experts`` ``(B, R, layers, top_k)`` int64, the experts
+        each response token was routed to when it was fed back (-1 where it never was: padding, a row's last
+        token, which predicts nothing), and ``prompt_routed_experts`` ``(B, P, layers, top_k)``, the prompt tokens'
+        at prefill (-1 at padding).
         ``ignore_eos``: an EOS does not end the row (it may still be sampled), every row gets
         ``max_new_tokens`` tokens.
 
@@ -166,9 +176,12 @@ class HFRollout(RolloutEngine):
         log_probs = torch.zeros((n, width), dtype=torch.float32, device=dev)
         caps = (batch[MAX_NEW_TOKENS].to(dev, torch.long).clamp(max=width) if MAX_NEW_TOKENS in batch
                 else torch.full((n,), width, dtype=torch.long, device=dev))
+        routed = self._routing_buffer(n, width, params)
         finished = caps <= 0
         if n == 0 or width == 0 or bool(finished.all()):
-            return self._result(response_ids, response_mask, log_probs), finished
+            unrouted = (None if routed is None else
+                        routed.new_full((n, prompt_ids.shape[1], *routed.shape[2:]), -1))
+            return self._result(response_ids, response_mask, log_probs, routed, unrouted), finished
         groups = batch[GROUP_INDEX].to(dev) if groups_needed is not None else None
 
         generator = None
@@ -183,7 +196,15 @@ class HFRollout(RolloutEngine):
         positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
         next_pos = prompt_mask.sum(dim=1, keepdim=True)  # (B, 1): position of the first response token
         last_pos = next_pos + (caps.clamp(min=1) - 1)[:, None]  # (B, 1): position of a row's last token
-        logits = self._prefill(prompt_ids, attn, positions, cache)
+        with self.routing.capturing() if routed is not None and self.routing is not None else nullcontext():
+            logits = self._prefill(prompt_ids, attn, positions, cache)
+        prompt_routed = None
+        if routed is not None and self.routing is not None:  # the prompts' routing, copied to the rows sharing one
+            first = distinct_prompts(prompt_ids, attn)[1] if self._shares_prefill(prompt_ids, attn) else None
+            taken = self.routing.take().view(n if first is None else len(first), prompt_ids.shape[1],
+                                             *routed.shape[2:])
+            taken = taken if first is None else taken[distinct_prompts(prompt_ids, attn)[0]]
+            prompt_routed = torch.where(attn.bool()[:, :, None, None], taken, -1)
 
         for t in range(width):
             if t < params.min_new_tokens:
@@ -204,11 +225,32 @@ class HFRollout(RolloutEngine):
             # Feed the new token (finished rows feed a pad whose output is never used).
             attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=dev)], dim=1)
             # a finished row's pad goes to its last position: past its cap it might run off the context
-            logits = self._forward(response_ids[:, t:t + 1], attn, torch.where(finished[:, None], last_pos, next_pos),
-                                   cache)
+            with self.routing.capturing() if routed is not None else nullcontext():
+                logits = self._forward(response_ids[:, t:t + 1], attn,
+                                       torch.where(finished[:, None], last_pos, next_pos), cache)
+            if routed is not None and self.routing is not None:
+                # token t's experts where it was fed at its own position: a row's last token (a stop token, fed
+                # at another position only to keep the batch going) is never followed, its routing unused
+                fed = (live & ~finished)[:, None, None]
+                routed[:, t] = torch.where(fed, self.routing.take().view(n, *routed.shape[2:]), -1)
             next_pos = next_pos + 1
 
-        return self._result(response_ids, response_mask, log_probs), finished
+        return self._result(response_ids, response_mask, log_probs, routed, prompt_routed), finished
+
+    @staticmethod
+    def _shares_prefill(prompt_ids: torch.Tensor, attn: torch.Tensor) -> bool:
+        """Whether ``_prefill`` runs each distinct prompt once (rows repeat one)."""
+        group, first = distinct_prompts(prompt_ids, attn)
+        return len(first) != len(group)
+
+    def _routing_buffer(self, n: int, width: int, params: SamplingParams) -> torch.Tensor | None:
+        """``(n, width, layers, top_k)`` of -1 to fill when ``params.return_routing`` (None otherwise)."""
+        if not params.return_routing:
+            return None
+        if self.routing is None:
+            raise ValueError("return_routing: the model has no MoE router (a dense model routes nothing)")
+        top_k = int(getattr(self.routing.routers[0], "top_k", 0) or self.model.config.num_experts_per_tok)
+        return torch.full((n, width, self.routing.layers, top_k), -1, dtype=torch.long, device=self.device)
 
     @staticmethod
     def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
@@ -237,9 +279,13 @@ class HFRollout(RolloutEngine):
         return logits[group]
 
     @staticmethod
-    def _result(ids: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor) -> Batch:
-        return Batch.from_tensors({RESPONSE_IDS: ids.cpu(), RESPONSE_MASK: mask.cpu(),
-                                   ROLLOUT_LOG_PROBS: log_probs.cpu()})
+    def _result(ids: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, routed: torch.Tensor | None = None,
+                prompt_routed: torch.Tensor | None = None) -> Batch:
+        tensors = {RESPONSE_IDS: ids.cpu(), RESPONSE_MASK: mask.cpu(), ROLLOUT_LOG_PROBS: log_probs.cpu()}
+        if routed is not None and prompt_routed is not None:
+            tensors[ROUTED_EXPERTS] = routed.cpu()
+            tensors[PROMPT_ROUTED_EXPERTS] = prompt_routed.cpu()
+        return Batch.from_tensors(tensors)
 
     # --- weights ----------------------------------------------------------------------------------
     def _targets(self) -> dict[str, torch.Tensor]:

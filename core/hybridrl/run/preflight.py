@@ -21,6 +21,7 @@ from hybridrl.run.checks import capability_problems, option_problems
 from hybridrl.run.lora_setup import lora_problems, target_problems, with_lora
 from hybridrl.run.lora_setup import resume_problems as lora_resume_problems
 from hybridrl.run.pipeline import pipelining_problems
+from hybridrl.run.routing_replay import routing_problems
 from hybridrl.run.streaming import streaming_problems, streams
 from hybridrl.weights.bridges import bridge_placement_problems
 
@@ -167,6 +168,7 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
             problems += streaming_problems(cfg, rollout_backend.can("partial"), rollout_backend.name,
                                            multi_turn(cfg, registry))
         problems += capability_problems(plan, backends) + option_problems(cfg, backends)
+        problems += routing_problems(cfg, backends, multi_turn(cfg, registry))
         problems += bridge_placement_problems(cfg, plan, registry)
     return backends, plan, problems
 

@@ -35,6 +35,7 @@ from hybridrl.batch import (
     OLD_LOG_PROBS,
     PROMPT_IDS,
     PROMPT_MASK,
+    PROMPT_ROUTED_EXPERTS,
     PROMPT_TEXT,
     REF_LOG_PROBS,
     RESPONSE_IDS,
@@ -42,6 +43,7 @@ from hybridrl.batch import (
     RESPONSE_TEXT,
     RETURNS,
     ROLLOUT_LOG_PROBS,
+    ROUTED_EXPERTS,
     SCORES,
     TOKEN_REWARDS,
     TRUNCATED,
@@ -71,6 +73,7 @@ from hybridrl.run.faults import signal_name
 from hybridrl.run.file_modes import open_private, private_dir, write_config, write_private
 from hybridrl.run.pipeline import GenerationJob, needs_sync, staleness_of
 from hybridrl.run.preflight import RunSetup
+from hybridrl.run.routing_replay import returns_routing
 from hybridrl.run.state import Checkpointer, StepGuard, trained_roles
 from hybridrl.run.streaming import GroupsInFlight, forced_lengths, partial_rollouts, streams
 from hybridrl.run.validation import Validator
@@ -143,7 +146,8 @@ class Trainer:
         r = cfg.roles.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
-                                       ignore_eos=r.ignore_eos, logprobs=r.log_probs)
+                                       ignore_eos=r.ignore_eos, logprobs=r.log_probs,
+                                       return_routing=returns_routing(cfg))
         self.recompute_old_log_probs = old_log_probs_needed(cfg, self.kl_in_reward)
         self.groups: dict[str, WorkerGroup] = {}
         self.placement_groups: list[Any] = []
@@ -512,7 +516,7 @@ class Trainer:
         if self.recompute_old_log_probs:
             with timer.phase("old_log_prob"):
                 old = log.took("old_log_prob", actor.call("actor", "compute_log_probs",
-                                                          batch.select(*sequence_keys(batch))))
+                                                          self.actor_view(batch, sequence_keys(batch))))
                 batch.set(OLD_LOG_PROBS, old[LOG_PROBS])
         critic = self.groups.get("critic")
         if critic is not None:
@@ -578,7 +582,7 @@ class Trainer:
         return {k if "/" in k else f"{role}/{k}": v for k, v in averaged.items()}
 
     def update_actor(self, batch: Batch, log: StepLog) -> dict[str, float]:
-        optional = [k for k in (OLD_LOG_PROBS, REF_LOG_PROBS, ROLLOUT_LOG_PROBS) if k in batch]
+        optional = [k for k in (OLD_LOG_PROBS, REF_LOG_PROBS, ROLLOUT_LOG_PROBS, ROUTED_EXPERTS) if k in batch]
         masked: dict[str, float] = {}
         if self.cfg.algorithm.overlong.mode == "mask" and TRUNCATED in batch:
             # truncated rows leave the loss; their scores already served their groups' baselines
@@ -587,11 +591,20 @@ class Trainer:
             if len(kept) == 0:
                 return masked
             batch = batch.index(kept)
-        batch = batch.select(*sequence_keys(batch), ADVANTAGES, *optional)
+        batch = self.actor_view(batch, (*sequence_keys(batch), ADVANTAGES, *optional))
         return masked | self._mini_batch_updates(
             "actor", batch, self.cfg.roles.actor.mini_batch, log,
             lambda group, mini: group.call("actor", "update", mini, self.policy_objective,
                                            zero_pad_keys=(RESPONSE_MASK,)))
+
+    def actor_view(self, batch: Batch, keys: tuple[str, ...]) -> Batch:
+        """``keys`` of ``batch`` for the actor's forward: with the rollout's routing (``routed_experts``) when it
+        returned it, and whether to replay it (``algorithm.routing_replay``) or only measure the mismatch."""
+        routing = tuple(k for k in (ROUTED_EXPERTS, PROMPT_ROUTED_EXPERTS) if k in batch)
+        view = batch.select(*dict.fromkeys((*keys, *routing)))
+        if ROUTED_EXPERTS in batch:
+            view.info["routing_replay"] = self.cfg.algorithm.routing_replay
+        return view
 
     def update_critic(self, batch: Batch, log: StepLog) -> dict[str, float]:
         """The critic regresses its values on the returns (value clipping around the values it gave)."""

@@ -23,6 +23,8 @@ from hybridrl.batch import (
     PROMPT_MASK,
     RESPONSE_IDS,
     RESPONSE_MASK,
+    ROUTED_EXPERTS,
+    ROUTING_MISMATCH,
     SCORES,
     VALUES,
     Batch,
@@ -37,8 +39,11 @@ from hybridrl.testing.fixtures import KitBase, cli_device, engine_factory, free_
 from hybridrl.testing.lora import TRAIN_LORA, adapter_name_problems, merged
 from hybridrl.testing.models import KitModels
 from hybridrl.testing.reference import ReferenceModel, entropy
+from hybridrl.testing.routing import KIT_MOE, ForcedRouting, random_routing
 from hybridrl.weights.sync_check import GREEDY_MARGIN
 
+REPLAY = ("routing_replay: compute_log_probs given routed_experts and info['routing_replay'] must route each "
+          "response token to those experts (weights from the router's own logits) and return routing_mismatch")
 EXPORT = "export_weights must give back the HF checkpoint it was built from, exactly, each name once"
 LAYOUT = "compute_log_probs must return log_probs (and entropy when asked) as float32 (rows, response width) on CPU"
 LOG_PROBS_AGREE = "log-probs must agree with a transformers forward pass (logits divided by info['temperature'])"
@@ -256,6 +261,43 @@ class TrainEngineContract(KitBase):
     def _declares(self, backend_name: str, capability: str) -> None:
         if not backends.entry("train", backend_name).can(capability):
             pytest.skip(f"'{backend_name}' does not declare the '{capability}' capability (supports=...)")
+
+    @pytest.fixture(scope="class")
+    def moe_model(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        from hybridrl.tasks.tiny_model import build_tiny_model
+
+        return build_tiny_model(KIT_MOE, tmp_path_factory.mktemp("kit-moe") / "model")
+
+    def test_routing_replay_routes_by_the_given_experts(self, backend_name: str, make_trainer: Callable[..., Any],
+                                                        moe_model: Path) -> None:
+        """Given random experts for every response token, the log-probs are those of a transformers forward
+        routed by them, and ``routing_mismatch`` marks where the engine's own top-k differs (0 at padding)."""
+        self._declares(backend_name, "routing_replay")
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(moe_model))
+        batch = sequence_batch(4, seed=7, vocab_size=config.vocab_size, pad_id=config.pad_token_id)
+        mask = batch[RESPONSE_MASK]
+        given = random_routing(mask, KIT_MOE.num_layers, KIT_MOE.num_experts, KIT_MOE.experts_per_token, seed=7)
+        sent = batch.select(*SEQUENCE_KEYS)
+        sent.set(ROUTED_EXPERTS, given)
+        sent.info["routing_replay"] = True
+        out = make_trainer(path=moe_model).compute_log_probs(sent)
+        shape = tuple(mask.shape)
+        got = out[ROUTING_MISMATCH] if ROUTING_MISMATCH in out else None
+        if got is None or tuple(got.shape) != shape:
+            violated(backend_name, REPLAY, [f"'{ROUTING_MISMATCH}': {None if got is None else tuple(got.shape)}, "
+                                            f"expected {shape}"])
+        problems = [] if bool((got[~mask.bool()] == 0).all()) else ["routing_mismatch is not 0 at padding"]
+        if float(got.sum()) == 0:
+            problems.append("routing_mismatch is 0 everywhere although the experts given are random")
+        reference = ForcedRouting(moe_model)
+        for i, (prompt, response) in enumerate(rows(batch)):
+            want = reference.log_probs(prompt, response, given[i, :len(response)])
+            diff = float((out[LOG_PROBS][i, :len(response)] - want).abs().max())
+            if diff > self.logprob_atol:
+                problems.append(f"row {i}: log-probs differ from the forward routed by the given experts by {diff:.3g}")
+        check(backend_name, REPLAY, problems)
 
     def test_greedy_margins_match_transformers(self, backend_name: str, make_trainer: Callable[..., Any],
                                                batch: Batch, policy_ref: ReferenceModel) -> None:

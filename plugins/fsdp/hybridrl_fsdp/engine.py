@@ -32,7 +32,18 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, SCORES, VALUES, Batch, sequence_tensors
+from hybridrl.batch import (
+    ENTROPY,
+    LOG_PROBS,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROUTED_EXPERTS,
+    ROUTING_MISMATCH,
+    SCORES,
+    VALUES,
+    Batch,
+    sequence_tensors,
+)
 from hybridrl.engine_support import (
     WeightedMean,
     check_same_count,
@@ -56,6 +67,7 @@ from hybridrl_fsdp.micro_batching import MicroBatch, plan_micro_batches, scatter
 from hybridrl_fsdp.moe import AUX_LOSS, Z_LOSS, RouterLoss, hf_config, router_class
 from hybridrl_fsdp.offload import HostCopy, OffloadPolicy, optimizer_state_tensors, step_group_by_group
 from hybridrl_fsdp.packing import PackedRows
+from hybridrl_fsdp.routing_replay import ROUTING_MISMATCH_METRIC, RoutingReplay, TokenRouting, token_routing
 from hybridrl_fsdp.settings import FSDPSettings
 
 #: the per-micro-batch tensors the LM head can hand to an objective.
@@ -84,6 +96,9 @@ class FSDPEngine(TrainEngine):
         self.model = _load_model(ctx, self.settings)
         #: a mixture-of-experts model's router losses, added to every update (``hybridrl_fsdp.moe``)
         self.router_loss = _router_loss(self.model, self.settings) if ctx.trainable else None
+        #: the rollout's routing compared with (and replayed by) the routers (``hybridrl_fsdp.routing_replay``)
+        self.routing_replay = (RoutingReplay(self.model) if self.head == "lm" and router_class(self.model) is not None
+                               else None)
         #: liger-kernel's fused RMSNorm / SwiGLU / rotary forwards in the layers (``hybridrl_fsdp.layer_kernels``)
         self.fused_layers = (layer_kernels.install(self.model)
                              if layer_kernels.resolve(self.settings.fused_kernels, self.device) else None)
@@ -141,7 +156,33 @@ class FSDPEngine(TrainEngine):
         self.offload_policy.ensure_weights()
         temperature = sampling_temperature(batch)
         keys = [LOG_PROBS, ENTROPY] if with_entropy else [LOG_PROBS]
-        return self._forward_rows(batch, keys, lambda micro: self._response_outputs(micro, temperature, with_entropy))
+        if ROUTED_EXPERTS not in batch:
+            return self._forward_rows(batch, keys, lambda micro: self._response_outputs(micro, temperature,
+                                                                                        with_entropy))
+
+        def routed(micro: MicroBatch) -> dict[str, torch.Tensor]:
+            with self._routed(micro) as routing:
+                outputs = self._response_outputs(micro, temperature, with_entropy)
+            outputs[ROUTING_MISMATCH] = routing.to_rows(self._replay().mismatch.float())  # type: ignore[union-attr]
+            return outputs
+
+        return self._forward_rows(batch, [*keys, ROUTING_MISMATCH], routed)
+
+    def _replay(self) -> RoutingReplay:
+        if self.routing_replay is None:
+            raise ValueError(f"the batch carries {ROUTED_EXPERTS}, but role '{self.ctx.role}' has no MoE router to "
+                             "replay it (a dense model, or not the lm head)")
+        return self.routing_replay
+
+    @contextmanager
+    def _routed(self, micro: MicroBatch) -> Iterator[TokenRouting]:
+        """Inside: the routers compare the micro-batch's tokens with the rollout's experts and, with
+        ``info['routing_replay']``, route by them (``hybridrl_fsdp.routing_replay``)."""
+        replay = self._replay()
+        layout = token_routing(micro.batch, micro.packed)
+        with replay.routing(layout.experts.to(self.device), bool(micro.batch.info.get("routing_replay")),
+                            layout.response):
+            yield layout
 
     @torch.no_grad()
     def compute_greedy_margins(self, batch: Batch) -> Batch:
@@ -333,16 +374,22 @@ class FSDPEngine(TrainEngine):
         metrics = WeightedMean()
         local_loss = torch.zeros((), dtype=torch.float32, device=self.device)  # summed on the device: no sync
         router = _RouterTotals(self.device)
+        routed = ROUTED_EXPERTS in batch
+        mismatch = torch.zeros(2, dtype=torch.float32, device=self.device)  # mismatched, compared tokens
         for micro in self._on_device(plan):  # the objective's tensors meet the outputs on one device
-            with self.router_loss.recording() if self.router_loss is not None else _nothing():
-                if self.head == "value":
-                    outputs = {VALUES: self._response_values(micro)}
-                else:
-                    outputs = self._response_outputs(micro, temperature, with_entropy=ENTROPY in needs)
-            loss, micro_metrics = objective({k: outputs[k] for k in needs}, micro.batch, scale)
-            if self.router_loss is not None:
-                loss = loss + router.add(self.router_loss, micro, scale)
-            loss.backward()
+            # the routing stays given over the backward (gradient checkpointing runs the forward again there)
+            with self._routed(micro) if routed else _nothing():
+                with self.router_loss.recording() if self.router_loss is not None else _nothing():
+                    if self.head == "value":
+                        outputs = {VALUES: self._response_values(micro)}
+                    else:
+                        outputs = self._response_outputs(micro, temperature, with_entropy=ENTROPY in needs)
+                if routed:
+                    mismatch += self._replay().counts()
+                loss, micro_metrics = objective({k: outputs[k] for k in needs}, micro.batch, scale)
+                if self.router_loss is not None:
+                    loss = loss + router.add(self.router_loss, micro, scale)
+                loss.backward()
             local_loss += loss.detach().float()
             metrics.add(micro_metrics, len(micro.batch))
 
@@ -360,10 +407,14 @@ class FSDPEngine(TrainEngine):
         # global norm, so every rank skips together).
         self.optimizer.zero_grad(set_to_none=True)
         (global_loss,) = all_reduce_sum([float(local_loss)], self.ctx.device)
+        routing = {}
+        if routed:
+            differ, compared = all_reduce_sum([float(mismatch[0]), float(mismatch[1])], self.ctx.device)
+            routing[ROUTING_MISMATCH_METRIC] = differ / max(compared, 1.0)
         if self._release_after == "update":
             self.offload_policy.release_weights()
         return {**metrics.result(), "loss": global_loss / self.ctx.world_size, "grad_norm": grad_norm, "lr": lr,
-                "skipped_step": float(skipped), **router.result(self.router_loss, self.ctx.device)}
+                "skipped_step": float(skipped), **router.result(self.router_loss, self.ctx.device), **routing}
 
     def _loss_scale(self, batch: Batch, n_micro: int) -> LossScale:
         """Global token/sequence counts (one all-reduce, which also checks the micro-batch counts agree)."""

@@ -20,7 +20,7 @@ def hybridrl_register_backends(registry):
     registry.add_train_engine("fsdp", "hybridrl_fsdp.engine:FSDPEngine", requires=["torch>=2.6"],
                               process_family="torch-dist",
                               supports={"checkpoint", "greedy_margins", "value_head", "reward_head", "offload", "lora",
-                                        *FUSED_LAYERS},
+                                        "routing_replay", *FUSED_LAYERS},
                               check_options="hybridrl_fsdp.settings:option_problems",
                               options="hybridrl_fsdp.settings:OPTIONS",
                               resolve_options="hybridrl_fsdp.settings:auto_options",
