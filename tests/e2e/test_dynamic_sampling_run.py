@@ -30,22 +30,42 @@ def started(tmp_path: Path, overrides: list[str]) -> Trainer:
     return trainer
 
 
+def informative_steps(trainer: Trainer, steps: int) -> list[dict[str, float]]:
+    """``steps`` steps, each checked to train four groups of four whose samples all disagree."""
+    history = []
+    for _ in range(steps):
+        history.append(trainer.train_step())
+        batch = trainer.last_batch
+        assert len(batch) == 16 and batch[GROUP_INDEX].tolist() == torch.arange(4).repeat_interleave(4).tolist()
+        for group in range(4):
+            scores = batch[SCORES][batch[GROUP_INDEX] == group]
+            assert scores.max() > scores.min()  # every trained group's samples disagree
+        assert 0.0 <= history[-1]["filter/dropped_share"] < 1.0
+    return history
+
+
 def test_a_step_trains_on_informative_groups_only(tmp_path, ray_local):
     # 3 new tokens for a 2-digit reversal plus its stop: many responses run out of tokens and are masked
     trainer = started(tmp_path, ["algorithm.filter_groups=true", "algorithm.max_refills=20", "algorithm.overlong=mask",
                                  "roles.rollout.max_new_tokens=3"])
     try:
-        for _ in range(2):
-            metrics = trainer.train_step()
-            batch = trainer.last_batch
-            assert len(batch) == 16 and batch[GROUP_INDEX].tolist() == torch.arange(4).repeat_interleave(4).tolist()
-            for group in range(4):
-                scores = batch[SCORES][batch[GROUP_INDEX] == group]
-                assert scores.max() > scores.min()  # every trained group's samples disagree
-            assert 0.0 <= metrics["filter/dropped_share"] < 1.0
+        for metrics in informative_steps(trainer, 2):
             assert metrics["filter/refills"] >= 0
             assert 0.0 <= metrics["overlong/masked_share"] <= 1.0
             assert metrics["response_length/clip_ratio"] >= 0.0
+    finally:
+        trainer.shutdown()
+
+
+def test_groups_in_flight_keep_only_their_informative_groups(tmp_path, ray_local):
+    # ragged forced lengths, 8 groups in flight for 4 a step (roles.rollout.oversample): the uniform ones among
+    # the first to complete are dropped and the step waits for more
+    trainer = started(tmp_path, ["algorithm.filter_groups=true", "algorithm.max_refills=20",
+                                 "roles.rollout.oversample=2", "roles.rollout.max_new_tokens=12",
+                                 "roles.rollout.ignore_eos=true",
+                                 "roles.rollout.response_lengths={median: 4, sigma: 1}"])
+    try:
+        informative_steps(trainer, 2)
     finally:
         trainer.shutdown()
 

@@ -89,19 +89,3 @@ def test_pipelined_split_pools_generate_the_next_groups_while_the_actor_trains(t
     finally:
         trainer.shutdown()
 
-
-def test_dynamic_sampling_keeps_only_informative_groups_from_those_in_flight(tmp_path, ray_local):
-    from hybridrl.batch import SCORES
-
-    trainer = started(tmp_path, [*RAGGED, "algorithm.filter_groups=true", "algorithm.max_refills=20"])
-    try:
-        for _ in range(2):
-            metrics = trainer.train_step()
-            batch = trainer.last_batch
-            assert len(batch) == 16 and batch[GROUP_INDEX].tolist() == torch.arange(4).repeat_interleave(4).tolist()
-            for group in range(4):
-                scores = batch[SCORES][batch[GROUP_INDEX] == group]
-                assert scores.max() > scores.min()  # every trained group's samples disagree
-            assert 0.0 <= metrics["filter/dropped_share"] < 1.0
-    finally:
-        trainer.shutdown()
