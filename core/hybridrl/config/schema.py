@@ -553,6 +553,12 @@ class RunConfig(Strict):
                               "reward themselves, environment.name)")
         return self
 
+    def rollout_returns_routing(self) -> bool:
+        """Whether the rollout is asked for ``routed_experts`` (``roles.rollout.return_routing``; auto: with
+        ``algorithm.routing_replay``). An engine that records routing at start (vLLM) reads it from its options."""
+        value = self.roles.rollout.return_routing
+        return self.algorithm.routing_replay if value == "auto" else bool(value)
+
     def role_configs(self) -> dict[str, RoleBase]:
         """The enabled roles that run on a pool (the reward role only when it has a model: rule rewards run
         in the driver)."""

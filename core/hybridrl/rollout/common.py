@@ -6,7 +6,7 @@ No inference-engine import: only torch, and transformers inside ``special_ids``.
 * which ranks of a pool form one engine replica (``ReplicaLayout``);
 * seeds that differ per (step seed, replica, row) (``mix_seed``, ``request_seeds``, ``engine_seed``);
 * between hybridrl's padded tensors and per-request token lists (``unpad_prompts``, ``row_caps``,
-  ``check_context``, ``pack_responses``);
+  ``check_context``, ``pack_responses``), and per-request routing (``pack_routing``);
 * when a ``generate_until`` may stop: groups whose rows have all finished, counted as rows finish
   (``GroupCompletion``);
 * reading the rollout role's free-form options (``read_options``, ``read_choices``, ``check_engine_options``,
@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import MAX_NEW_TOKENS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
+from hybridrl.batch import (
+    MAX_NEW_TOKENS,
+    PROMPT_ROUTED_EXPERTS,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    ROUTED_EXPERTS,
+    Batch,
+)
 from hybridrl.data_parallel import DataParallelInfo
 
 
@@ -244,6 +252,33 @@ def pack_responses(token_lists: Sequence[Sequence[int]], logprob_lists: Sequence
         tensors[ROLLOUT_LOG_PROBS] = logps
     return Batch.from_tensors(tensors)
 
+
+
+def pack_routing(routes: Sequence[Any], prompt_mask: torch.Tensor, response_lengths: Sequence[int], width: int
+                 ) -> dict[str, torch.Tensor]:
+    """``routed_experts`` ``(B, width, layers, top_k)`` and ``prompt_routed_experts`` ``(B, P, layers, top_k)``
+    (int64, -1 where nothing was routed) from one array per request, ``(tokens fed, layers, top_k)``: an engine
+    records the experts of every token it fed, the prompt's first and then each response token but the last (it
+    is never fed). The prompt's rows land where ``prompt_mask`` is 1 (left padding or not), response token t's
+    at column t. A request fed fewer tokens than its prompt and response imply raises (routing was lost)."""
+    n, width_p = prompt_mask.shape
+    if len(routes) != n or len(response_lengths) != n:
+        raise ValueError(f"{n} prompts but {len(routes)} routing arrays and {len(response_lengths)} responses")
+    arrays = [torch.as_tensor(r, dtype=torch.long) for r in routes]
+    layers, top_k = next((tuple(a.shape[1:]) for a in arrays if a.ndim == 3 and a.shape[0]), (0, 0))
+    routed = torch.full((n, width, layers, top_k), -1, dtype=torch.long)
+    prompt_routed = torch.full((n, width_p, layers, top_k), -1, dtype=torch.long)
+    prompt_lengths = prompt_mask.sum(dim=1).tolist()
+    for i, (arr, p, r) in enumerate(zip(arrays, prompt_lengths, response_lengths)):
+        if arr.numel() == 0 and int(r) == 0:  # a row given no budget: never sent
+            continue
+        fed = int(p) + max(int(r) - 1, 0)
+        if arr.shape[0] < fed or (arr.shape[0] and tuple(arr.shape[1:]) != (layers, top_k)):
+            raise ValueError(f"row {i}: routing of {tuple(arr.shape)} for a prompt of {int(p)} and a response of "
+                             f"{int(r)} tokens ({fed} fed, each (layers={layers}, top_k={top_k}))")
+        prompt_routed[i, prompt_mask[i].bool()] = arr[:int(p)]
+        routed[i, :fed - int(p)] = arr[int(p):fed]
+    return {ROUTED_EXPERTS: routed, PROMPT_ROUTED_EXPERTS: prompt_routed}
 
 # --- options ------------------------------------------------------------------------------------------------
 #: how the options that mean the same to every engine backend are read (each backend adds its own).

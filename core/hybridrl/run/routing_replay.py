@@ -21,8 +21,7 @@ Problems = list[tuple[str, str]]
 
 def returns_routing(cfg: RunConfig) -> bool:
     """Whether the rollout is asked for ``routed_experts`` (``roles.rollout.return_routing``; auto: with replay)."""
-    value = cfg.roles.rollout.return_routing
-    return cfg.algorithm.routing_replay if value == "auto" else bool(value)
+    return cfg.rollout_returns_routing()
 
 
 def model_experts(cfg: RunConfig) -> int | None:

@@ -51,6 +51,8 @@ def role_options(cfg: RunConfig, role: str) -> dict[str, Any]:
     else:
         options = rcfg.model_dump(exclude=TRAIN_ROLE_FIELDS)
     options.update(rcfg.options)
+    if role == "rollout":  # resolved here: an engine may have to record routing from its start
+        options["return_routing"] = cfg.rollout_returns_routing()
     for key in role_spec(role).inherits:
         if options.get(key) is None:
             options[key] = getattr(cfg.roles.actor, key)

@@ -144,20 +144,23 @@ def generate(llm: Any, prompts: list[Any], params: Any, lora_request: Any = None
     return llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
 
 
-def generate_tokens(llm: Any, prompts: list[Any], params: Any, lora_request: Any = None
-                    ) -> list[tuple[list[int], list[float] | None]]:
+def generate_tokens(llm: Any, prompts: list[Any], params: Any, lora_request: Any = None,
+                    routing: list[list[Any]] | None = None) -> list[tuple[list[int], list[float] | None]]:
     """``(token_ids, sampled log-probs or None)`` per prompt, in order: through ``generate_direct`` where the
-    engine allows it, else through ``LLM.generate``. ``params``: one ``vllm.SamplingParams`` or one per prompt."""
+    engine allows it, else through ``LLM.generate``. ``params``: one ``vllm.SamplingParams`` or one per prompt.
+    ``routing``: one list per prompt, given the engine's routed-experts arrays (``enable_return_routed_experts``)."""
     from hybridrl_vllm.packing import sampled_logprobs
 
     per_row = params if isinstance(params, list) else [params] * len(prompts)
     if can_generate_direct(llm):
-        return generate_direct(llm, prompts, per_row, lora_request=lora_request)
+        return generate_direct(llm, prompts, per_row, lora_request=lora_request, routing=routing)
     outputs = generate(llm, prompts, params, lora_request=lora_request)
     if len(outputs) != len(prompts):
         raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
     results = []
-    for out, sampling in zip(outputs, per_row):
+    for i, (out, sampling) in enumerate(zip(outputs, per_row)):
+        if routing is not None and getattr(out.outputs[0], "routed_experts", None) is not None:
+            routing[i].append(out.outputs[0].routed_experts)
         ids = list(out.outputs[0].token_ids)
         results.append((ids, sampled_logprobs(ids, out.outputs[0].logprobs) if sampling.logprobs is not None
                         else None))
@@ -192,12 +195,13 @@ def _add_direct(llm: Any, prompts: list[Any], params: list[Any], lora_request: A
     return index
 
 
-def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_request: Any = None
-                    ) -> list[tuple[list[int], list[float] | None]]:
+def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_request: Any = None,
+                    routing: list[list[Any]] | None = None) -> list[tuple[list[int], list[float] | None]]:
     """``(token_ids, sampled log-probs or None)`` per prompt, in order: the in-process engine core stepped
     directly, without ``LLMEngine``'s output processor (no ``RequestOutput`` objects, no per-step bookkeeping of
     each request in Python: the decode loop is CPU-bound at small models and large batches). Needs the
-    in-process client (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and no stop strings (nothing is detokenized)."""
+    in-process client (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and no stop strings (nothing is detokenized).
+    ``routing``: see ``generate_tokens`` (the core's outputs carry each step's routing chunk)."""
     import torch
 
     core = llm.llm_engine.engine_core
@@ -210,6 +214,8 @@ def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_reques
             while left:
                 for out in core.get_output().outputs:
                     i = index[out.request_id]
+                    if routing is not None and getattr(out, "routed_experts", None) is not None:
+                        routing[i].append(out.routed_experts)
                     tokens[i].extend(out.new_token_ids)
                     if out.new_logprobs is not None and logps[i] is not None:
                         logps[i].extend(float(v) for v in out.new_logprobs.logprobs[:, 0])

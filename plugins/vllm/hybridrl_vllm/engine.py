@@ -25,7 +25,15 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import FINISHED, GROUP_INDEX, PROMPT_IDS, PROMPT_MASK, Batch, groups_to_complete
+from hybridrl.batch import (
+    FINISHED,
+    GROUP_INDEX,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_MASK,
+    Batch,
+    groups_to_complete,
+)
 from hybridrl.engines import (
     DataParallelInfo,
     EngineContext,
@@ -41,6 +49,7 @@ from hybridrl.rollout.common import (
     check_context,
     engine_seed,
     pack_responses,
+    pack_routing,
     row_caps,
     special_ids,
     unpad_prompts,
@@ -173,10 +182,17 @@ class VLLMRollout(RolloutEngine):
         self.lora = (vllm_lora.AdapterSync(ctx.lora, ctx.model_path)
                      if ctx.lora is not None and ctx.lora.sends_adapters else None)
         sleep_level = vllm_lora.sleep_level(self.opts.sleep_level) if self.lora is not None else self.opts.sleep_level
+        #: an MoE model's experts per fed token, recorded from the start when the run asks for them (resolved by
+        #: the core: ``roles.rollout.return_routing``, auto with ``algorithm.routing_replay``)
+        self.return_routing = ctx.options.get("return_routing") is True
+        if self.return_routing and self.device != "cuda":
+            raise ValueError("roles.rollout.return_routing: vLLM records routed experts in its GPU model runner "
+                             "only; on CPU use roles.rollout.backend=hf")
         self.memory: StartMemory | None = self._start_memory(ctx) if self.device == "cuda" else None
         kwargs = llm_kwargs(self.opts, model_path=ctx.model_path, dtype=ctx.dtype, device=self.device,
                             seed=engine_seed(ctx.seed, self.layout.replica), distributed=distributed,
-                            logprobs_kwargs=compat.logprobs_kwargs(), memory=self.memory)
+                            logprobs_kwargs=compat.logprobs_kwargs(), memory=self.memory,
+                            return_routing=self.return_routing)
         if self.lora is not None:
             kwargs = {**vllm_lora.engine_kwargs(ctx.lora), **kwargs}
         start = time.perf_counter()
@@ -264,26 +280,50 @@ class VLLMRollout(RolloutEngine):
         prompts = unpad_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])
         if not prompts:
             return pack_responses([], [], width, self.pad_id)
+        routing = self._routing_lists(params, len(prompts))
         caps = row_caps(batch, width)
         if caps is not None:
-            return self._generate_capped(prompts, caps, params)
+            return self._with_routing(self._generate_capped(prompts, caps, params, routing), batch, routing)
         check_context(prompts, width, self.context_length)
         rows = per_request_kwargs(params, self.eos_ids, len(prompts), self.layout.replica, self.seed_mode,
                                   self.flat_logprobs)
         requests, sampling = compat.tokens_prompts(prompts), compat.make_sampling_params(rows)
         engine_start = time.perf_counter()
         results = compat.generate_tokens(self.llm, requests, sampling,
-                                         lora_request=self.lora.request() if self.lora is not None else None)
+                                         lora_request=self.lora.request() if self.lora is not None else None,
+                                         routing=routing)
         tokens = [ids for ids, _ in results]
         logps = [lp for _, lp in results] if params.logprobs else None
         engine_end = time.perf_counter()
-        packed = pack_responses(tokens, logps, width, self.pad_id)
+        packed = self._with_routing(pack_responses(tokens, logps, width, self.pad_id), batch, routing)
         # what this wrapper adds around vLLM's own generate (the benchmark's measure of the plugin's overhead)
         self.generate_timing = {"prepare_s": engine_start - start, "engine_s": engine_end - engine_start,
                                 "pack_s": time.perf_counter() - engine_end}
         return packed
 
-    def _generate_capped(self, prompts: list[list[int]], caps: list[int], params: SamplingParams) -> Batch:
+    def _routing_lists(self, params: SamplingParams, rows: int) -> list[list[Any]] | None:
+        """One list per row for the engine's routing chunks when ``params.return_routing`` (None otherwise)."""
+        if not params.return_routing:
+            return None
+        if not self.return_routing:
+            raise ValueError("return_routing: this vLLM engine was started without recording routing "
+                             "(its options' return_routing was not true)")
+        return [[] for _ in range(rows)]
+
+    @staticmethod
+    def _with_routing(packed: Batch, batch: Batch, routing: list[list[Any]] | None) -> Batch:
+        """``packed`` with ``routed_experts`` and ``prompt_routed_experts`` from the rows' routing chunks."""
+        if routing is None:
+            return packed
+        lengths = packed[RESPONSE_MASK].sum(dim=1).tolist()
+        arrays = [torch.cat([torch.as_tensor(c) for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long)
+                  for chunks in routing]
+        for key, value in pack_routing(arrays, batch[PROMPT_MASK], lengths, packed[RESPONSE_MASK].shape[1]).items():
+            packed.set(key, value)
+        return packed
+
+    def _generate_capped(self, prompts: list[list[int]], caps: list[int], params: SamplingParams,
+                         routing: list[list[Any]] | None = None) -> Batch:
         """``generate`` with each row's own budget; a row of budget 0 gets no request and no token."""
         width = int(params.max_new_tokens)
         check_context(prompts, caps, self.context_length)
@@ -293,9 +333,11 @@ class VLLMRollout(RolloutEngine):
         tokens: list[list[int]] = [[] for _ in prompts]
         logps: list[list[float]] = [[] for _ in prompts]
         if live:
+            live_routing = [routing[i] for i in live] if routing is not None else None
             results = compat.generate_tokens(self.llm, compat.tokens_prompts([prompts[i] for i in live]),
                                              compat.make_sampling_params([kwargs[i] for i in live]),
-                                             lora_request=self.lora.request() if self.lora is not None else None)
+                                             lora_request=self.lora.request() if self.lora is not None else None,
+                                             routing=live_routing)
             for i, (ids, lps) in zip(live, results):
                 tokens[i], logps[i] = ids, lps or []
         return pack_responses(tokens, logps if params.logprobs else None, width, self.pad_id)
@@ -312,6 +354,8 @@ class VLLMRollout(RolloutEngine):
             raise RuntimeError("VLLMRollout.generate_until called during a weight import")
         if GROUP_INDEX not in batch:
             raise ValueError(f"generate_until needs '{GROUP_INDEX}' (B,): which rows sample one prompt")
+        if params.return_routing:  # refused in pre-flight too: a resumed row would lose its earlier routing
+            raise ValueError("return_routing with generate_until (groups in flight) is not supported")
         self.state.on_generate()
         width = int(params.max_new_tokens)
         prompts = unpad_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])

@@ -167,11 +167,12 @@ def check_weight_load(choice: str, device: str, quantized: bool = False) -> None
 
 
 def llm_kwargs(opts: VLLMOptions, *, model_path: str, dtype: str, device: str, seed: int,
-               distributed: bool, logprobs_kwargs: Mapping[str, Any], memory: StartMemory | None = None
-               ) -> dict[str, Any]:
+               distributed: bool, logprobs_kwargs: Mapping[str, Any], memory: StartMemory | None = None,
+               return_routing: bool = False) -> dict[str, Any]:
     """Arguments of ``vllm.LLM``. ``distributed``: the host process already has a default process group
     (then vLLM joins it as an external launcher, each tensor-parallel group of it one engine);
-    ``logprobs_kwargs``: the version's way to ask for processed log-probs (``compat``)."""
+    ``logprobs_kwargs``: the version's way to ask for processed log-probs (``compat``); ``return_routing``: record
+    each fed token's experts (an MoE model; ``roles.rollout.return_routing``)."""
     cuda = device == "cuda"
     kwargs: dict[str, Any] = {
         "model": model_path,
@@ -195,6 +196,8 @@ def llm_kwargs(opts: VLLMOptions, *, model_path: str, dtype: str, device: str, s
         kwargs["kv_cache_memory_bytes"] = int(opts.kv_cache_gb * 2**30)
     if distributed:
         kwargs["distributed_executor_backend"] = "external_launcher"
+    if return_routing:
+        kwargs["enable_return_routed_experts"] = True
     for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"):
         value = getattr(opts, key)
         if value is not None:
