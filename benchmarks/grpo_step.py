@@ -93,7 +93,7 @@ def run_config(args: argparse.Namespace, model_dir: Path, data: Path, out: Path)
 def summarise(rows: list[dict[str, Any]], skip: int) -> dict[str, Any]:
     """Median over the steps after the first ``skip`` (first-use kernel builds, CUDA graphs, allocator growth)."""
     later = rows[skip:] or rows
-    prefixes = ("timing/", "perf/", "compute/", "reshard/", "sync_check/", "rollout/")
+    prefixes = ("timing/", "perf/", "compute/", "reshard/", "sync_check/", "rollout/", "moe/")
     keys = sorted({k for r in later for k in r if k.startswith(prefixes)})
     median = {k: statistics.median(r[k] for r in later if k in r) for k in keys}
     return {"steps_in_median": len(later), "median": median,

@@ -43,10 +43,16 @@ sys.path.insert(0, str(HERE))
 from grpo_step import STANDARD, summarise, write_prompts  # noqa: E402  (benchmarks/ is not a package)
 
 SIZES = ("0.5b", "1.5b", "3b", "7b")
+#: each size's config folder under ``examples/configs`` (``moe``: a Qwen3-MoE shape, 2.25B parameters of which 0.74B
+#: are active per token: 48 experts, top-8, 24 layers of width 1024; not a released model)
+SHAPES = {**{size: f"qwen2.5-{size}" for size in SIZES}, "moe": "qwen3-moe-2b-a0.7b"}
 #: a CPU smoke-test shape (not a Qwen2.5 size).
 TINY = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
         "max_position_embeddings": 1024, "rope_theta": 10000.0, "tie_word_embeddings": True}
+#: the same for a Qwen3-MoE (8 experts, top-2): the MoE arms' smoke test.
+TINY_MOE = {**TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 16,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
 #: hand-tuned settings per size, to run beside the defaults (``--variant tuned``): what was found by hand
 #: before the auto choices existed (issue 20: 0.5B at micro-batch 64 with a 128-row reference micro-batch, no
 #: rollout log-probs and 0.4 of the GPU for vLLM; 1.5B only with gradient checkpointing and 0.3), and the same
@@ -73,32 +79,35 @@ PHASES = ["wake", "gen", "sleep", "reward", "ref", "old_log_prob", "adv", "updat
 
 # --- the model ------------------------------------------------------------------------------------------------
 def model_config(size: str) -> dict[str, Any]:
-    if size == "tiny":
-        return dict(TINY)
-    return json.loads((CONFIGS / f"qwen2.5-{size}" / "config.json").read_text())
+    if size in ("tiny", "tiny-moe"):
+        return dict(TINY if size == "tiny" else TINY_MOE)
+    if size not in SHAPES:
+        raise SystemExit(f"model_sizes: unknown size '{size}' (known: {', '.join(SHAPES)}, tiny, tiny-moe)")
+    return json.loads((CONFIGS / SHAPES[size] / "config.json").read_text())
 
 
 def build_model(size: str, dtype: str, out: Path) -> Path:
     """Random weights of the size's config, made on the GPU (when there is one) in ``dtype``, saved with the
     bundled character tokenizer (its ids are far below every vocabulary; other ids decode to nothing)."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from hybridrl.data.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     cfg = model_config(size)
-    for key in ("architectures", "model_type", "torch_dtype", "transformers_version", "bos_token_id", "eos_token_id",
+    model_type = cfg.pop("model_type")
+    for key in ("architectures", "torch_dtype", "transformers_version", "bos_token_id", "eos_token_id",
                 "pad_token_id"):
         cfg.pop(key, None)
-    config = Qwen2Config(**cfg, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
+    config = AutoConfig.for_model(model_type, **cfg, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))  # no fp32 copy of a 7B model on the way
     try:
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            model = Qwen2ForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(previous)
     model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -201,7 +210,7 @@ def result_of(args: argparse.Namespace, size: str, overrides: list[str], run_dir
     memory = auto.get("memory", {})
     pool = next(iter(memory.get("pools", {}).values()), {})
     result: dict[str, Any] = {
-        "benchmark": "model_sizes", "shape": f"qwen2.5-{size}" if size != "tiny" else "tiny", "size": size,
+        "benchmark": "model_sizes", "shape": SHAPES.get(size, size), "size": size, "tag": args.tag,
         "backend": args.backend, "device": args.device, "variant": args.variant, "gpus": 1, "layout": "colocated",
         "workload": {"prompts": args.prompts, "samples": args.samples, "prompt_len": args.prompt_len,
                      "new_tokens": args.new_tokens, "kl_coef": STANDARD["kl_coef"],
@@ -284,8 +293,11 @@ def _gib(mb: Any) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated: {', '.join(SIZES)}, tiny")
+    parser.add_argument("--sizes", default=",".join(SIZES),
+                        help=f"comma-separated: {', '.join(SHAPES)}, tiny, tiny-moe")
     parser.add_argument("--variant", choices=["defaults", "tuned", "lora"], default="defaults")
+    parser.add_argument("--tag", default=None,
+                        help="name the result file model_sizes_<size>_<tag>.json (an arm run with overrides)")
     parser.add_argument("--backend", default="vllm", help="rollout backend: vllm, sglang, hf")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--steps", type=int, default=6)
@@ -327,7 +339,8 @@ def main() -> None:
                 print(f"model_sizes: no time left for {size} ({timeout:.0f}s of the budget)", flush=True)
                 break
         result = run_size(args, size, timeout)
-        name = f"model_sizes_{size}" + ("" if args.variant == "defaults" else f"_{variant_name(args)}")
+        suffix = args.tag or ("" if args.variant == "defaults" else variant_name(args))
+        name = f"model_sizes_{size}" + (f"_{suffix}" if suffix else "")
         out = Path(args.out_dir) / f"{name}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))

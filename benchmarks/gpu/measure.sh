@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One measurement on the GPU host, after the engine's wheels were unpacked into SITE (see benchmarks/gpu/README.md).
-#   bash benchmarks/gpu/measure.sh SITE STEP [ARGS...]     STEP: env | install | long-tail | gen-profile | megatron | grpo | model-sizes | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests
+#   bash benchmarks/gpu/measure.sh SITE STEP [ARGS...]     STEP: env | install | long-tail | gen-profile | megatron | grpo | model-sizes | moe | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests
 # Figures and logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 site=$1 step=$2; shift 2
@@ -21,6 +21,19 @@ case $step in
           --out "$OUT/grpo_step_$backend${TAG:-}.json" "$@" ;;
   model-sizes)  # the workload at 0.5B/1.5B/3B/7B with the README defaults (or --variant tuned)
         python3 benchmarks/model_sizes.py --out-dir "$OUT" --log-dir "$OUT" "$@" ;;
+  moe)  # the Qwen3-MoE shape (2.25B, 0.74B active): ARMS of defaults | measured (rollout routing returned, not
+        # replayed) | replay (algorithm.routing_replay); one model build, one run per arm inside BUDGET seconds
+        budget=${BUDGET:-580} arms=${ARMS:-defaults,replay,measured}; start=$(date +%s)
+        for arm in ${arms//,/ }; do
+          left=$(( budget - ($(date +%s) - start) - 5 )); [ "$left" -lt 120 ] && { echo "moe: no time for $arm"; break; }
+          case $arm in
+            defaults) extra=() ;;
+            measured) extra=(--tag routing_measured roles.rollout.return_routing=true roles.rollout.log_probs=true) ;;
+            replay) extra=(--tag routing_replay algorithm.routing_replay=true roles.rollout.log_probs=true) ;;
+          esac
+          python3 benchmarks/model_sizes.py --sizes moe --timeout "$left" --out-dir "$OUT" --log-dir "$OUT" \
+            "${extra[@]}" "$@"
+        done ;;
   lora-7b)  # the 7B shape with the README defaults plus roles.actor.lora (add roles.actor.lora.sync=adapter)
         python3 benchmarks/model_sizes.py --sizes 7b --variant lora --budget 585 --timeout 580 --out-dir "$OUT" \
           --log-dir "$OUT" "$@" ;;

@@ -1,6 +1,6 @@
-"""The kit's checks of the LoRA and fused-kernel capabilities, run as a user runs the kit (``pytest
---hybridrl-backend=NAME`` in a fresh process): each deliberately broken backend fails the check of the promise
-it breaks, naming it, while the built-in backends that declare the capability pass."""
+"""The kit's checks of the LoRA, fused-kernel and returned-routing capabilities, run as a user runs the kit
+(``pytest --hybridrl-backend=NAME`` in a fresh process): each deliberately broken backend fails the check of the
+promise it breaks, naming it, while the built-in backends that declare the capability pass."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from hybridrl import hookimpl
+from hybridrl.batch import PROMPT_ROUTED_EXPERTS, RESPONSE_MASK, ROUTED_EXPERTS
 from hybridrl.rollout.hf import HFRollout
 from hybridrl.weights.buckets import group_into_buckets
 from hybridrl_fsdp.engine import FSDPEngine, _full_copy
@@ -90,6 +91,33 @@ class StacksAdapters(HFRollout):
             self.adapters.base.clear()
 
 
+class RoutesOneTokenLate(HFRollout):
+    """Returns each response token's routing one token late: the experts of the token fed before it (the -1s stay
+    where they belong)."""
+
+    def generate(self, batch, params):
+        out = super().generate(batch, params)
+        if params.return_routing:
+            routed, prompt = out[ROUTED_EXPERTS], out[PROMPT_ROUTED_EXPERTS]
+            before = torch.cat([prompt[:, -1:], routed[:, :-1]], dim=1)  # left-padded: the last prompt token last
+            out.set(ROUTED_EXPERTS, torch.where(routed >= 0, before, -1))
+        return out
+
+
+class RoutesTheLastToken(HFRollout):
+    """Gives a response's last token (never fed) the experts of the token before it instead of -1."""
+
+    def generate(self, batch, params):
+        out = super().generate(batch, params)
+        if params.return_routing:
+            routed = out[ROUTED_EXPERTS].clone()
+            for row, length in enumerate(out[RESPONSE_MASK].sum(dim=1).tolist()):
+                if length >= 2:
+                    routed[row, length - 1] = routed[row, length - 2]
+            out.set(ROUTED_EXPERTS, routed)
+        return out
+
+
 @hookimpl
 def hybridrl_register_backends(registry):
     for name, cls in [("broken_lora_base", TrainsTheBase), ("broken_lora_merge", ExportsTheBase),
@@ -98,6 +126,8 @@ def hybridrl_register_backends(registry):
     registry.add_train_engine("broken_fused", FusesWrongly, supports={"offload", "fused_layer_kernels"})
     for name, cls in [("broken_adapters", IgnoresAdapters), ("broken_adapter_syncs", StacksAdapters)]:
         registry.add_rollout(name, cls, supports={"sleep", "named_weights", "lora_adapters"})
+    for name, cls in [("broken_routing_late", RoutesOneTokenLate), ("broken_routing_last", RoutesTheLastToken)]:
+        registry.add_rollout(name, cls, supports={"return_routing"})
 '''
 
 # (backend, test that must fail, the contract its failure must name)
@@ -109,11 +139,18 @@ CASES = [
     ("broken_fused", "test_fused_kernels_off_cuda_refuse_or_fall_back", train.FUSED_CPU),
     ("broken_adapters", "test_lora_adapters_serve_the_merged_weights", rollout.LORA_ADAPTERS),
     ("broken_adapter_syncs", "test_lora_adapters_serve_the_merged_weights", rollout.LORA_ADAPTERS),
+    ("broken_routing_late", "test_returned_routing_is_the_models_own", rollout.RETURN_ROUTING),
+    ("broken_routing_last", "test_returned_routing_is_the_models_own", rollout.RETURN_ROUTING),
 ]
 #: the built-in backends that declare the capabilities pass the same checks in the same run.
 PASSING = [("fsdp", "test_lora_update_trains_only_the_adapters"), ("fsdp", "test_lora_export_is_the_merged_policy"),
            ("fsdp", "test_lora_export_adapter_has_peft_names"), ("fsdp", "test_lora_reference_view_is_the_base"),
-           ("hf", "test_lora_adapters_serve_the_merged_weights")]
+           ("hf", "test_lora_adapters_serve_the_merged_weights"), ("hf", "test_returned_routing_is_the_models_own")]
+
+
+def failure(out: str, backend: str, contract: str) -> str:
+    """The problems listed in ``backend``'s failure naming ``contract`` (up to the next report section)."""
+    return out.split(f"backend '{backend}': {contract}")[1].split("\n_")[0]
 
 
 @pytest.fixture
@@ -133,6 +170,11 @@ def test_broken_capabilities_fail_naming_the_broken_promise(kit_env: pytest.Pyte
     for backend, test, contract in CASES:
         assert re.search(rf"FAILED \S*::{test}\[{backend}\]", out), f"{backend} {test} did not fail\n{out[-3000:]}"
         assert f"backend '{backend}': {contract}" in out, f"{backend}: the failure does not name '{contract}'"
-    assert "sync 2: " in out.split(f"backend 'broken_adapter_syncs': {rollout.LORA_ADAPTERS}")[1].split("\n_")[0]
+    assert "sync 2: " in failure(out, "broken_adapter_syncs", rollout.LORA_ADAPTERS)
     assert "fused_kernels=True on cpu" in out
+    late = failure(out, "broken_routing_late", rollout.RETURN_ROUTING)
+    assert "routed_experts: " in late and "differ from the transformers forward's top-k" in late
+    assert "not -1 where nothing was fed" not in late  # the late routing keeps the -1s: the experts give it away
+    last = failure(out, "broken_routing_last", rollout.RETURN_ROUTING)
+    assert "routed_experts: not -1 where nothing was fed" in last and "differ from" not in last
     result.assert_outcomes(failed=len(CASES), passed=len(PASSING))

@@ -14,4 +14,5 @@ pytestmark = pytest.mark.vllm
 class TestVLLMRollout(RolloutEngineContract):
     backend = "vllm"
     device = "cpu"
+    cuda_only = frozenset({"return_routing"})  # vLLM records routing in its GPU model runner only
     dtype = "float32"

@@ -18,23 +18,28 @@ from hybridrl.runtime.cluster import detect_cluster
 pytestmark = pytest.mark.vllm
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+QUICKSTART_MOE = QUICKSTART.with_name("quickstart-moe.yaml")  # a tiny Qwen3-MoE: experts reach vLLM's fused tensors
 # a large learning rate moves every weight each step, so a rollout that missed part of a sync would show
 SMALL = ["trainer.steps=3", "data.prompts_per_step=4", "algorithm.n_samples=4", "trainer.progress=false",
          "trainer.trackers=[jsonl]", "roles.actor.lr=1e-2", "roles.rollout.backend=vllm", "trainer.sync_check_every=1",
          "roles.rollout.log_probs=true"]  # rollout/logp_diff reads them (auto: off without TIS)
-LAYOUTS = {
-    "colocated": ([], "InProcessBridge"),
+SPLIT = ["pools={train: {devices_per_node: 1}, gen: {devices_per_node: 1}}", "roles.actor.pool=train",
+         "roles.ref.pool=train", "roles.rollout.pool=gen"]
+LAYOUTS = {  # layout -> (config, overrides, bridge)
+    "colocated": (QUICKSTART, [], "InProcessBridge"),
     # two ranks, one engine over both (tensor parallel, vLLM joining the pool's gloo group)
-    "colocated-tp2": (["pools.main.devices_per_node=2", "roles.rollout.tensor_parallel=2"], "InProcessBridge"),
-    "split": (["pools={train: {devices_per_node: 1}, gen: {devices_per_node: 1}}", "roles.actor.pool=train",
-               "roles.ref.pool=train", "roles.rollout.pool=gen"], "BroadcastBridge"),
+    "colocated-tp2": (QUICKSTART, ["pools.main.devices_per_node=2", "roles.rollout.tensor_parallel=2"],
+                      "InProcessBridge"),
+    "split": (QUICKSTART, SPLIT, "BroadcastBridge"),
+    "colocated-moe": (QUICKSTART_MOE, [], "InProcessBridge"),
+    "split-moe": (QUICKSTART_MOE, SPLIT, "BroadcastBridge"),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_rollout_samples_from_the_actors_weights_after_every_reshard(layout, tmp_path, ray_local):
-    overrides, bridge = LAYOUTS[layout]
-    cfg = load_config(QUICKSTART, [*SMALL, *overrides, f"trainer.out={tmp_path}"])
+    config, overrides, bridge = LAYOUTS[layout]
+    cfg = load_config(config, [*SMALL, *overrides, f"trainer.out={tmp_path}"])
     trainer = Trainer(prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster)))
     try:
         trainer.start()
@@ -70,7 +75,7 @@ def test_groups_in_flight_train_complete_groups_and_carry_the_rest(layout, tmp_p
 
     from hybridrl.batch import GROUP_INDEX, RESPONSE_MASK, TOKEN_VERSIONS
 
-    overrides, _ = LAYOUTS[layout]
+    _, overrides, _ = LAYOUTS[layout]
     cfg = load_config(QUICKSTART, [*SMALL, *overrides, *IN_FLIGHT, f"trainer.out={tmp_path}"])
     trainer = Trainer(prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster)))
     try:

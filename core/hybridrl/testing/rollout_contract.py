@@ -7,7 +7,7 @@ transformers forward pass (``hybridrl.testing.reference``). A failure names the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,18 +15,30 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.batch import FINISHED, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch, complete_groups
+from hybridrl.batch import (
+    FINISHED,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    PROMPT_ROUTED_EXPERTS,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    ROUTED_EXPERTS,
+    Batch,
+    complete_groups,
+)
 from hybridrl.engines import SamplingParams
 from hybridrl.testing import backends
 from hybridrl.testing import lora as kit_lora
 from hybridrl.testing import partial as cut
-from hybridrl.testing.batches import prompt_batch
+from hybridrl.testing.batches import FIRST_PLAIN_ID, prompt_batch
 from hybridrl.testing.checks import check, layout_problems, reference_problems, stop_problems, violated
 from hybridrl.testing.distribution import frequency_problems, reported_problems
 from hybridrl.testing.fixtures import EngineSlot, KitBase, cli_device, engine_factory, free_device_memory
-from hybridrl.testing.models import KIT_WIDTH, KitModels
+from hybridrl.testing.models import KIT_WIDTH, KitModels, set_eos
 from hybridrl.testing.reference import ReferenceModel, sampling_log_probs
 from hybridrl.testing.requests import request_problems
+from hybridrl.testing.routing import KIT_MOE
 
 # The contracts, as the failure messages state them.
 LAYOUT = ("generate must return response_ids and response_mask (int64, 0/1, right-padded) and rollout_log_probs "
@@ -66,6 +78,14 @@ PARTIAL_STOP = ("generate_until (capability 'partial') must stop once its share 
                 "that ended (an EOS or the cap)")
 PARTIAL_RESUME = ("a row cut short by generate_until, resubmitted as prompt + its tokens with the rest of its budget, "
                   "must continue (greedy, same weights) to the tokens of an uninterrupted run")
+#: the share of fed (token, layer) pairs whose returned experts may differ from the reference's (near ties).
+ROUTING_TIES = 0.02
+RETURN_ROUTING = ("generate with params.return_routing (capability 'return_routing', the engine started with the "
+                  "option return_routing=True) must return the experts the model routes each fed token to: "
+                  "prompt_routed_experts (B, P, layers, top_k) and routed_experts (B, R, layers, top_k), int64, -1 "
+                  "exactly where nothing was fed (prompt padding, a row's last response token and what follows), "
+                  "elsewhere top_k distinct ids in [0, num_experts): the top-k of a transformers forward of prompt + "
+                  f"response[:-1] at all but {ROUTING_TIES:.0%} of the fed (token, layer) pairs (near ties)")
 
 SAMPLED_SETTINGS = {
     "t1.0": SamplingParams(temperature=1.0, max_new_tokens=KIT_WIDTH, seed=7),
@@ -85,9 +105,64 @@ def buckets_of(weights: dict[str, torch.Tensor], parts: int = 3) -> list[list[tu
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
+def early_stop_token(paths: Sequence[Sequence[int]], width: int) -> int | None:
+    """A plain token that some greedy ``paths`` reach before their last step and others never: made the EOS, it
+    ends the rows of one call at different columns (a greedy row's tokens before its first EOS do not depend on
+    which id the EOS is). The token ending rows at the most distinct columns; None when none does."""
+    best, spread = None, 0
+    for token in dict.fromkeys(t for path in paths for t in path):
+        if token < FIRST_PLAIN_ID:
+            continue
+        firsts = [list(path).index(token) if token in path else None for path in paths]
+        ends = {f for f in firsts if f is not None and f <= width - 2}
+        if None in firsts and len(ends) > spread:
+            best, spread = token, len(ends)
+    return best
+
+
+def _spots(where: torch.Tensor, limit: int = 6) -> str:
+    """The first (row, column) pairs where ``where`` (B, T) holds, and how many in all."""
+    spots = [tuple(p) for p in where.nonzero().tolist()]
+    return f"{spots[:limit]}{' ...' if len(spots) > limit else ''} ({len(spots)} in all)"
+
+
+def routing_problems(got: torch.Tensor, want: torch.Tensor, experts: int, share: float, what: str) -> list[str]:
+    """``got`` against ``want``, both ``(B, T, layers, top_k)``, ``want`` -1 where nothing was fed: -1 exactly
+    there; elsewhere ``top_k`` distinct ids in ``[0, experts)``, the set ``want`` holds (their order is free) at
+    all but ``share`` of the fed (token, layer) pairs."""
+    fed = (want >= 0).flatten(2).all(-1)  # (B, T)
+    problems = []
+    stray = ~fed & (got != -1).flatten(2).any(-1)
+    if stray.any():
+        problems.append(f"{what}: not -1 where nothing was fed, at (row, column) {_spots(stray)}")
+    pairs = fed[..., None].expand(got.shape[:3])  # (B, T, layers): the fed (token, layer) pairs
+    mine, theirs = got.sort(dim=-1).values, want.sort(dim=-1).values
+    outside = pairs & ((got < 0) | (got >= experts)).any(-1)
+    if outside.any():
+        problems.append(f"{what}: expert ids outside [0, {experts}) at (row, column) {_spots(outside.any(-1))}")
+    repeated = pairs & (mine[..., 1:] == mine[..., :-1]).any(-1)
+    if repeated.any():
+        problems.append(f"{what}: one expert twice in a token's top_k at (row, column) {_spots(repeated.any(-1))}")
+    differ = pairs & (mine != theirs).any(-1)
+    total = int(pairs.sum())
+    if int(differ.sum()) > share * total:
+        where = differ.any(-1)
+        row, column = (int(v) for v in where.nonzero()[0])
+        problems.append(f"{what}: {int(differ.sum())} of {total} fed (token, layer) pairs differ from the "
+                        f"transformers forward's top-k (at most {share:.0%} may), at (row, column) {_spots(where)}; "
+                        f"row {row} column {column}: {got[row, column].tolist()}, the forward's "
+                        f"{want[row, column].tolist()}")
+    return problems
+
+
 class RolloutEngineContract(KitBase):
     """The rollout-engine battery. Subclass with ``backend = "<registered rollout name>"``; optional class
-    attributes: ``device``, ``dtype``, ``engine_options``, ``logprob_atol``, ``greedy_tie_tolerance``."""
+    attributes: ``device``, ``dtype``, ``engine_options``, ``logprob_atol``, ``greedy_tie_tolerance``,
+    ``cuda_only``."""
+
+    #: capabilities the backend declares but offers on CUDA only (e.g. vLLM records routing in its GPU model
+    #: runner): their checks skip on another device, saying so.
+    cuda_only: frozenset[str] = frozenset()
 
     #: a greedy token may differ from the reference argmax when their log-probs are closer than this (a
     #: near-tie that numerical noise may break either way); a sampled token may be the first past a
@@ -157,6 +232,22 @@ class RolloutEngineContract(KitBase):
                 best = (spread, prompt, logits)
         assert best is not None
         return best[1], best[2]
+
+    @pytest.fixture(scope="class")
+    def moe_model(self, tmp_path_factory: pytest.TempPathFactory, backend_name: str, kit_device: str,
+                  kit_models: KitModels) -> Path:
+        """The kit's tiny MoE (``hybridrl.testing.routing.KIT_MOE``) with an EOS that the greedy continuations of
+        some kit prompts reach early and of others never, so that its rows end at different columns (built only
+        for a backend that declares ``return_routing``)."""
+        from hybridrl.tasks.tiny_model import build_tiny_model
+
+        self._declares(backend_name, "return_routing", kit_device)
+        path = build_tiny_model(KIT_MOE, tmp_path_factory.mktemp("kit-moe") / "model")
+        ref = ReferenceModel(path)
+        eos = early_stop_token([ref.greedy(p, KIT_WIDTH) for p in kit_models.prompts], KIT_WIDTH)
+        if eos is not None:
+            set_eos(path, eos)
+        return path
 
     @pytest.fixture
     def greedy_out(self, engine_slot: EngineSlot, rollout: Any, prompts: Batch) -> Batch:
@@ -312,9 +403,11 @@ class RolloutEngineContract(KitBase):
             engine_slot.drop()
 
     # --- declared capabilities ----------------------------------------------------------------------
-    def _declares(self, backend_name: str, capability: str) -> None:
+    def _declares(self, backend_name: str, capability: str, device: str | None = None) -> None:
         if not backends.entry("rollout", backend_name).can(capability):
             pytest.skip(f"'{backend_name}' does not declare the '{capability}' capability (supports=...)")
+        if device is not None and capability in self.cuda_only and not str(device).startswith("cuda"):
+            pytest.skip(f"'{backend_name}' offers '{capability}' on CUDA only (cuda_only); the kit runs on {device}")
 
     def test_requests_follow_the_generate_contract(self, backend_name: str, rollout: Any, kit_models: KitModels,
                                                    policy_ref: ReferenceModel,
@@ -482,6 +575,54 @@ class RolloutEngineContract(KitBase):
         finally:
             del engine
             engine_slot.drop()
+
+    def test_returned_routing_is_the_models_own(self, backend_name: str, engine_slot: EngineSlot, prompts: Batch,
+                                                kit_models: KitModels, moe_model: Path) -> None:
+        """Capability ``return_routing``: the kit's prompts (left-padded) greedily on the kit's MoE, the engine
+        started with ``return_routing=True``; the experts returned for every fed token (the prompt's, and each
+        response token's but the last) must be those a transformers forward of prompt + response[:-1] routes it
+        to, and -1 where nothing was fed."""
+        self._declares(backend_name, "return_routing")
+        engine = engine_slot.fresh(path=moe_model, return_routing=True)
+        try:
+            out = engine.generate(prompts, replace(GREEDY_PARAMS, return_routing=True))
+        finally:
+            del engine
+            engine_slot.drop()
+        check(backend_name, LAYOUT, layout_problems(out, len(prompts), KIT_WIDTH, kit_models.vocab_size))
+        check(backend_name, RETURN_ROUTING, self._routing_problems(out, prompts, moe_model))
+
+    def _routing_problems(self, out: Batch, prompts: Batch, moe_model: Path) -> list[str]:
+        """The returned routing against the reference's, built ``(B, T, layers, top_k)`` with -1 where nothing
+        was fed: prompt padding, and a response's last token (it predicts nothing) and the columns after it."""
+        from hybridrl.rollout.routing import RoutingCapture
+
+        prompt_fed = prompts[PROMPT_MASK].bool()
+        lengths = out[RESPONSE_MASK].sum(dim=1).tolist()
+        per_token = (KIT_MOE.num_layers, KIT_MOE.experts_per_token)
+        want = {PROMPT_ROUTED_EXPERTS: torch.full((*prompt_fed.shape, *per_token), -1, dtype=torch.long),
+                ROUTED_EXPERTS: torch.full((*out[RESPONSE_MASK].shape, *per_token), -1, dtype=torch.long)}
+        problems = []
+        for key, wanted in want.items():
+            got = out[key] if key in out else None
+            if got is None or got.shape != wanted.shape or got.dtype != torch.int64:
+                found = None if got is None else (tuple(got.shape), got.dtype)
+                problems.append(f"'{key}': {found}, expected {tuple(wanted.shape)} int64")
+        if problems:
+            return problems
+        model = ReferenceModel(moe_model).model
+        capture = RoutingCapture(model)
+        for i, length in enumerate(lengths):
+            prompt = prompts[PROMPT_IDS][i][prompt_fed[i]].tolist()
+            response = out[RESPONSE_IDS][i][:length].tolist()
+            with torch.no_grad(), capture.capturing():
+                model(input_ids=torch.tensor([prompt + response[:-1]]))
+            routed = capture.take()
+            want[PROMPT_ROUTED_EXPERTS][i, prompt_fed[i]] = routed[:len(prompt)]
+            want[ROUTED_EXPERTS][i, :max(length - 1, 0)] = routed[len(prompt):]
+        for key, wanted in want.items():
+            problems += routing_problems(out[key].cpu(), wanted, KIT_MOE.num_experts, ROUTING_TIES, key)
+        return problems
 
     @pytest.mark.gpu
     def test_sleep_releases_device_memory(self, backend_name: str, kit_device: str, engine_slot: EngineSlot,

@@ -395,6 +395,22 @@ def _quiet_reload_log() -> None:
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_BufferOnlyLayers())
 
 
+def prepack_cpu_experts(model: Any) -> int:
+    """Repeat the CPU MoE kernel's prepacking after a layerwise reload; the MoE layers repacked.
+
+    On CPU, vLLM's experts kernel packs ``w13_weight`` / ``w2_weight`` into its grouped-GEMM layout once, when the
+    kernel is first built; the reload of a weight update writes the checkpoint layout back and skips that step
+    (the kernel exists already), so the engine would read unpacked experts. Other backends are left alone."""
+    packed = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__name__.startswith("CPU") and hasattr(module, "w13_weight"):
+            experts.process_weights_after_loading(module)
+            packed += 1
+    return packed
+
+
 def layerwise_reload() -> tuple[Callable[[Any], None], Callable[[Any, Any], None]]:
     """``(initialize(model), finalize(model, model_config))`` of vLLM's in-place layerwise reload: weights
     loaded between the two calls are buffered per layer and, once a layer is complete, loaded and processed

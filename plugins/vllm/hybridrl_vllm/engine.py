@@ -121,7 +121,9 @@ def _reload_begin(worker: Any) -> None:
 
 def _reload_end(worker: Any, model_config: Any) -> None:
     _, finalize = compat.layerwise_reload()
-    finalize(compat.worker_model(worker), model_config)
+    model = compat.worker_model(worker)
+    finalize(model, model_config)
+    compat.prepack_cpu_experts(model)
 
 
 class _RandomState:
