@@ -25,12 +25,23 @@ def test_a_train_backend_shows_its_capabilities_and_declared_options(capsys: pyt
     assert "moe_aux_loss_coef         float | None = unset: " in out
 
 
-def test_a_rollout_backend_without_declared_options_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_built_in_rollouts_show_their_declared_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plugins", "hf"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("hf: rollout backend") and "distribution hybridrl " in out
     assert f"    lora_adapters        {ROLLOUT_CAPABILITIES['lora_adapters']}" in out
-    assert "options:       not declared" in out
+    assert "    attn_implementation  str | None = unset: the attention kernels" in out
+    assert main(["plugins", "sglang"]) == 0
+    out = capsys.readouterr().out
+    assert "checked by hybridrl_sglang.options:option_problems" in out
+    assert "    weight_sync             str = 'channel': split pools: " in out
+
+
+def test_a_rollout_backend_without_declared_options_says_so() -> None:
+    registry = Registry()
+    registry.add_rollout("bare", "m:R")
+    text = "\n".join(describe_backend(find_backends(registry, "bare")[0], "bare-dist", "1.0"))
+    assert "options:       not declared" in text
 
 
 def test_an_unknown_name_lists_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:

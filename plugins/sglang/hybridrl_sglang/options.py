@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.plugins.options import dataclass_options
 from hybridrl.rollout.common import (
     ENGINE_OPTION_CASTS,
     check_choice,
@@ -199,3 +200,29 @@ def split_known(kwargs: Mapping[str, Any], known: set[str] | frozenset[str]) -> 
 
 #: the pre-flight check of the rollout's settings (registered as the backend's ``check_options``).
 option_problems = parse_check(SGLangOptions.from_options)
+
+
+#: one line per option for ``hybridrl plugins sglang`` (``OPTIONS``); every field of ``SGLangOptions`` has one.
+OPTION_DESCRIPTIONS = {
+    "tensor_parallel": "ranks per engine replica (tp_size; consecutive ranks of the pool)",
+    "gpu_memory_utilization": "auto: the KV pool holds the step's sequences, sized from what is free when the engine "
+                              "starts (hybridrl.rollout.kv_budget); or mem_fraction_static itself (SGLang's share of "
+                              "the memory free at its start)",
+    "max_model_len": "context length (context_length; default: the model's)",
+    "max_num_seqs": "requests decoded at once (max_running_requests)",
+    "max_num_batched_tokens": "tokens per prefill chunk (chunked_prefill_size)",
+    "enforce_eager": "no CUDA graphs at all (disable_cuda_graph)",
+    "prefill_cuda_graph": "CUDA graphs for prefill too (off: cuda_graph_backend_prefill='disabled')",
+    "enable_prefix_caching": "the radix cache (off: disable_radix_cache)",
+    "sleep_mode": "start with the memory saver, so that sleep releases memory",
+    "weights_cpu_backup": "back the weights up to host memory when sleeping (off: released only when an import "
+                          "refills them before the next generation)",
+    "seed_mode": "engine (its random stream, seeded per replica) or request (a seed per row; turns on SGLang's "
+                 "slower deterministic inference)",
+    "logprob_top_n": "top log-probs fetched per token to renormalise a top-p nucleus",
+    "weight_sync": "split pools: channel (the core's broadcast, then CUDA IPC) or distributed (SGLang's schedulers "
+                   "join the group)",
+    "engine_kwargs": "any other sglang.Engine keyword arguments (they win)",
+}
+OPTIONS = dataclass_options(SGLangOptions, OPTION_DESCRIPTIONS,
+                            types={"gpu_memory_utilization": "float | auto", "engine_kwargs": "dict"})
