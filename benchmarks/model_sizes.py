@@ -259,7 +259,7 @@ def result_of(args: argparse.Namespace, size: str, overrides: list[str], run_dir
 # --- comparison -------------------------------------------------------------------------------------------------
 def compare(results: list[dict[str, Any]]) -> str:
     """Median seconds per phase, memory planned against measured, and the auto choices: one column per run."""
-    names = [f"{r.get('size')} {r.get('variant')}" for r in results]
+    names = [f"{r.get('size')} {r.get('tag') or r.get('variant')}" for r in results]
     lines = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
 
     def row(label: str, cells: list[str]) -> None:

@@ -80,7 +80,9 @@ def test_a_stopped_worker_is_named_within_the_step_timeout_and_torn_down(run_cli
 
 
 def test_ctrl_c_while_the_engines_start_leaves_no_ray_process_and_no_session_folder(run_cli) -> None:
-    run = run_cli("examples/quickstart.yaml", own_home=True)
+    # steps past any test's length: on a loaded machine the agents may be seen only once training runs, and the
+    # Ctrl-C must still find the run alive (then it lands in a step, where the same promises hold)
+    run = run_cli("examples/quickstart.yaml", "trainer.steps=100000", own_home=True)
     wait_for(lambda: "starting workers" in run.output() or run.proc.poll() is not None, 300, "start-up")
     wait_for(lambda: named(run.tree(), "ray::") or run.proc.poll() is not None, 300, "Ray's agents")
     sessions = run.sessions()
