@@ -386,3 +386,18 @@ def test_a_resolver_that_cannot_load_names_the_role_backend_and_plugin(tmp_path)
     with pytest.raises(RegistryError, match=r"roles\.actor\.backend: backend 'unloadable' \(plugin "
                                             r"unloadable-plugin\) cannot load its auto options"):
         resolve(workload("0.5b", "roles.actor.backend=unloadable", tmp_path=tmp_path), registry=build_registry(pm))
+
+
+def test_a_phase_no_setting_fits_leaves_the_trainers_their_cheapest_settings_in_the_others(tmp_path):
+    """A rollout given 90% of the device peaks over the share in generation whatever the trainers do; the trainers
+    then offload (which lowers that peak) but keep the cheapest micro-batches whose own phases fit the share,
+    not the least memory of all (checkpointing, the smallest budget)."""
+    cfg = workload("0.5b", "roles.rollout.options.gpu_memory_utilization=0.9", tmp_path=tmp_path)
+    result, choices = resolve(cfg)
+    pool = result.estimate.pools[0]
+    assert pool.peak_phase == "gen" and pool.peak > USABLE_SHARE * H200
+    assert "nothing fits" in next(c.reason for c in result.choices if c.key.endswith("offload"))
+    assert choices["roles.actor.options.offload"] == "all"  # what brings generation's peak down
+    assert choices["roles.actor.options.gradient_checkpointing"] is False
+    assert choices["roles.actor.max_tokens_per_micro_batch"] >= 16384
+    assert all(need <= USABLE_SHARE * H200 for phase, need in pool.phases.items() if phase != "gen")

@@ -259,6 +259,14 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
     else:  # nothing fits: the settings that need the least memory, and the plan's warning says so
         least = tuple(min(range(len(per_role[r])), key=lambda i, r=r: _own_memory(per_role[r][i])) for r in auto_roles)
         _, peak, chosen, est = evaluate(least)
+        # a phase no setting brings under the share (a rollout's, beside offloaded trainers) needs the trainers to
+        # give up nothing in the others: the cheapest settings whose every phase stays within the share or, where
+        # even the least settings exceed it, within what they need there
+        limits = {(p.pool, phase): max(usable, need) for p in est.pools for phase, need in p.phases.items()}
+        at_least = _cheapest_fitting(per_role, auto_roles, cost_of,
+                                     lambda index: _within(evaluate(index, check_host=False), limits))
+        if at_least is not None:
+            _, peak, chosen, est = at_least
         host = "" if host_bytes is None else \
             f" and {HOST_USABLE_SHARE:.0%} of the {host_bytes / GIB:.0f} GiB host memory of a node"
         why = (f"nothing fits {USABLE_SHARE:.0%} of the {device_bytes / GIB:.0f} GiB device{host}; these settings "
@@ -268,6 +276,16 @@ def resolve_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devic
     result.cfg = cfg
     result.estimate = estimate(cfg)
     return result
+
+
+def _within(outcome: tuple[bool, float, dict[str, TrainSettings], MemoryEstimate],
+            limits: dict[tuple[str, str], float]) -> tuple[bool, float, dict[str, TrainSettings], MemoryEstimate]:
+    """``outcome`` of an evaluation judged phase by phase against ``limits`` ((pool, phase) -> bytes) instead of
+    the usable share."""
+    _, peak, settings, est = outcome
+    fits = all(need <= limits.get((p.pool, phase), 0.0) * (1 + 1e-9) for p in est.pools
+               for phase, need in p.phases.items())
+    return fits and not _kv_floor_missed(est), peak, settings, est
 
 
 def _kv_floor_missed(est: MemoryEstimate) -> bool:

@@ -152,17 +152,20 @@ class ModelShape:
         (its product is the down projection's input)."""
         h, q, kv, i, cb = self.hidden_size, self.q_dim, self.kv_dim, self.token_intermediate, compute_bytes
         routing = self.routing_bytes_per_token(cb)
-        if fused:
-            return 2 * (cb * h + 4) + 2 * cb * h + cb * (2 * q + 2 * kv) + 4 * self.num_heads + 3 * cb * i + routing
+        if fused:  # the fused SwiGLU covers a dense MLP (and a shared expert), not transformers' routed experts
+            routed = self.experts_per_token * self.moe_intermediate_size if self.is_moe else 0
+            return (2 * (cb * h + 4) + 2 * cb * h + cb * (2 * q + 2 * kv) + 4 * self.num_heads + 3 * cb * i
+                    + cb * routed + routing)
         norm = 4 * h + 4 + (4 * h if cb == 4 else cb * h)  # fp32 input (the cast is a no-op in fp32), rsqrt, normalised
         return 2 * norm + 2 * cb * h + cb * (2 * q + 2 * kv) + 4 * self.num_heads + 4 * cb * i + routing
 
     def routing_bytes_per_token(self, compute_bytes: int) -> int:
         """What an MoE layer keeps per token beyond its experts' MLPs: the router's logits and fp32
-        probabilities, and for each of the top-k experts the token's gathered input and weighted output."""
+        probabilities, and for each of the top-k experts the token's gathered input, the expert's output (the
+        routing weight's gradient needs it) and the weighted output."""
         if not self.is_moe:
             return 0
-        return (compute_bytes + 4) * self.num_experts + 2 * self.experts_per_token * compute_bytes * self.hidden_size
+        return (compute_bytes + 4) * self.num_experts + 3 * self.experts_per_token * compute_bytes * self.hidden_size
 
     def forward_bytes_per_token_layer(self, compute_bytes: int) -> int:
         """Peak transient bytes per token inside one layer of a forward without autograd (residual stream,
