@@ -84,11 +84,12 @@ def test_the_recorded_quickstart_profile_fits():
 def _best_split_gen_devices(profile: CostProfile) -> int:
     cluster = ClusterSpec(1, 8, "cpu", declared=True)
     registry = __import__("hybridrl.plugins.discovery", fromlist=["get_registry"]).get_registry(())
-    cfg = load_config(QUICKSTART)
+    vllm = ["roles.rollout.backend=vllm"]  # an engine that shards: generation gains from more devices per engine
+    cfg = load_config(QUICKSTART, vllm)
     from hybridrl.placement.memory import model_shape
 
     planner = plan_candidate(cluster, registry, None, model_shape(cfg)[0])
-    ranked = advise(QUICKSTART, [], cluster, profile, planner)
+    ranked = advise(QUICKSTART, vllm, cluster, profile, planner)
     best = next(r for r in ranked if r.prediction is not None and r.candidate.kind != "colocated")
     return best.candidate.devices("gen")
 
@@ -121,7 +122,8 @@ def test_a_backend_without_a_memory_model_is_named(monkeypatch):
     cluster = ClusterSpec(1, 2, "cuda", declared=True)
     cfg = load_config(QWEN7B)
     ranked = advise(QWEN7B, [], cluster, fit_profile(RECORDED),
-                    plan_candidate(cluster, get_registry(()), 80 * 2**30, model_shape(cfg, None, [ROOT])[0]))
+                    plan_candidate(cluster, get_registry(()), 80 * 2**30, model_shape(cfg, None, [ROOT])[0]),
+                    rollout_tp=False)
     assert ranked and all(r.prediction is None for r in ranked)
     assert all("backend 'hf' of role rollout registers no memory model" in r.why for r in ranked)
 
@@ -194,3 +196,13 @@ def test_the_step_adds_serial_phases_and_overlaps_pipelined_ones():
     assert pipelined.step == pytest.approx(max(p["gen"], train) + p["reshard"] + p["fixed"])
     assert pipelined.step < split.step
     assert split.samples_per_s == pytest.approx(16 * 16 / split.step)  # quickstart: 16 prompts x 16 samples
+
+
+@pytest.mark.parametrize("backend, offers_tp", [("hf", False), ("vllm", True)])
+def test_rollout_tensor_parallelism_is_offered_only_to_a_backend_that_shards(backend, offers_tp, capsys):
+    status = main(["plan", str(QWEN7B), f"roles.rollout.backend={backend}", "--advise", "--cluster", "1x4",
+                   "--skip-engine-check"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert (" tp2" in out) is offers_tp, out
+    assert "tensor_parallel" not in "\n".join(line for line in out.splitlines() if line.startswith("-  "))

@@ -55,6 +55,13 @@ def test_a_backend_spanning_one_rank_is_refused_a_pool_of_two_without_being_impo
     assert "pools.main" not in config_problems(["roles.actor.backend=ghost_one_rank", "roles.ref.backend=fsdp"])
 
 
+def test_rollout_tensor_parallelism_needs_a_backend_that_splits_an_engine():
+    two = ["pools.main.devices_per_node=2", "roles.rollout.tensor_parallel=2"]
+    assert "one engine per rank" in config_problems(two)["roles.rollout.tensor_parallel"]  # hf
+    assert "roles.rollout.tensor_parallel" not in config_problems([*two, "roles.rollout.backend=vllm"])
+    assert get_registry().backend("rollout", "sglang").can("tensor_parallel")
+
+
 def test_a_critic_needs_a_backend_with_a_value_head():
     problems = config_problems(["algorithm.name=ppo", "roles.critic.backend=ghost_one_rank"])
     assert "has no value head for roles.critic" in problems["roles.critic.backend"]

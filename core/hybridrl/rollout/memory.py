@@ -23,9 +23,12 @@ GRAPH_POOL_SHARE = 0.03
 #: processed log-probs).
 SAMPLER_BYTES_PER_LOGIT = 16
 #: what to change when a rollout holds the most of a device that does not fit.
-ROLLOUT_ADVICE = ("set roles.rollout.options.gpu_memory_utilization=auto (or lower it), offload the trainers "
-                  "(roles.ref.options.offload=all, roles.actor.options.offload=optimizer), raise "
-                  "roles.rollout.tensor_parallel, or give the rollout its own pool")
+ROLLOUT_ADVICE = ("offload the trainers (roles.ref.options.offload=all, roles.actor.options.offload=optimizer), "
+                  "or give the rollout its own pool")
+#: the same for an engine that preallocates its cache and splits over ranks (vLLM, SGLang).
+PREALLOCATING_ADVICE = ("set roles.rollout.options.gpu_memory_utilization=auto (or lower it), offload the trainers "
+                        "(roles.ref.options.offload=all, roles.actor.options.offload=optimizer), raise "
+                        "roles.rollout.tensor_parallel, or give the rollout its own pool")
 
 
 def _start(ctx: RoleContext) -> tuple[int, int, RoleMemory]:
@@ -150,11 +153,18 @@ class PreallocatingRollout:
         return next((allowed for allowed in self.lora_ranks if allowed >= rank), rank)
 
     def advice(self, cfg: Any, mem: RoleMemory) -> str:
-        return ROLLOUT_ADVICE
+        return PREALLOCATING_ADVICE
+
+
+#: the fix of an engine that splits over ranks (capability ``tensor_parallel``); the answer lists it after what the
+#: trainers beside it can give up (``hybridrl.run.oom``)
+TENSOR_PARALLEL_FIX = "roles.rollout.tensor_parallel=2 (the engine over more devices)"
 
 
 def preallocating_oom_fixes(role: str, mem: RoleMemory | None, phase: str | None) -> list[str]:
-    """A preallocating engine's own fix: a cache sized from what is free instead of a fixed share."""
+    """A preallocating engine's own fixes (vLLM, SGLang): a cache sized from what is free instead of a fixed share,
+    and the engine split over more devices."""
+    fixes = []
     if phase is not None and mem is not None and mem.utilization not in (None, "auto"):
-        return ["roles.rollout.options.gpu_memory_utilization=auto (the KV cache sized from what is free)"]
-    return []
+        fixes.append("roles.rollout.options.gpu_memory_utilization=auto (the KV cache sized from what is free)")
+    return [*fixes, TENSOR_PARALLEL_FIX]

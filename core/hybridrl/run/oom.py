@@ -131,9 +131,11 @@ def fixes_for(plan: Any, role: str | None, phase: str | None) -> list[str]:
     hooks = dict(getattr(est, "oom_fixes", {}) or {})
     fixes: list[str] = []
     if role == "rollout" or phase in ROLLOUT_PHASES:
-        fixes += _own(hooks, roles, "rollout", phase or "gen")
+        own = _own(hooks, roles, "rollout", phase or "gen")
+        more_devices = [f for f in own if f.startswith("roles.rollout.tensor_parallel")]  # dearer than offloading
+        fixes += [f for f in own if f not in more_devices]
         fixes += _relief(plan, hooks, roles, exclude="rollout")
-        fixes.append("roles.rollout.tensor_parallel=2 (the engine over more devices)")
+        fixes += more_devices
         fixes.append("data.prompts_per_step lower (fewer sequences in flight)")
         return fixes
     if role is None:

@@ -164,6 +164,12 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
     if plan is not None:
         problems += pipelining_problems(cfg, plan, greedy_baseline)
         rollout_backend = backends.get("rollout")
+        if rollout_backend is not None and cfg.roles.rollout.tensor_parallel > 1 \
+                and not rollout_backend.can("tensor_parallel"):
+            problems.append(("roles.rollout.tensor_parallel",
+                             f"the rollout backend '{rollout_backend.name}' runs one engine per rank (it does not "
+                             "declare the `tensor_parallel` capability): leave it at 1, or use a backend that "
+                             "splits an engine over ranks (vllm, sglang)"))
         if rollout_backend is not None:
             problems += streaming_problems(cfg, rollout_backend.can("partial"), rollout_backend.name,
                                            multi_turn(cfg, registry))

@@ -88,13 +88,14 @@ def plan_candidate(cluster: ClusterSpec, registry: Any, device_bytes: float | No
 
 
 def advise(config: str | Path, overrides: Sequence[str], cluster: ClusterSpec, profile: CostProfile,
-           planner: Planner) -> list[Ranked]:
+           planner: Planner, rollout_tp: bool = True) -> list[Ranked]:
     """Every candidate map of the config at ``config`` (with the user's ``overrides``) on ``cluster``, the kept
-    ones ranked by predicted samples/s (best first), then the dropped ones with their reason."""
+    ones ranked by predicted samples/s (best first), then the dropped ones with their reason. ``rollout_tp``:
+    whether the rollout backend splits an engine over ranks (capability ``tensor_parallel``)."""
     base = load_config(config, list(overrides))
     kept: list[Ranked] = []
     dropped: list[Ranked] = []
-    for candidate in candidate_maps(base, cluster.nodes, cluster.devices_per_node):
+    for candidate in candidate_maps(base, cluster.nodes, cluster.devices_per_node, rollout_tp):
         try:
             cfg = load_config(config, [*overrides, *candidate.overrides])
         except ConfigError as exc:

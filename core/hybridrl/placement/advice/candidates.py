@@ -3,7 +3,8 @@
 Over ``nodes x devices``: everything colocated on every device; the actor (and reference) split from the rollout
 at a few gen:train ratios (inside each node, or by whole nodes); with a reference, the same splits with the
 reference on a pool of its own; each split map also pipelined (``trainer.pipelined``, staleness 1); and each map
-with the rollout's tensor parallelism 1, 2, 4 ... up to the rollout's devices on a node.
+with the rollout's tensor parallelism 1, 2, 4 ... up to the rollout's devices on a node (1 only for a backend that
+runs one engine per rank).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ class Candidate:
         return next(n * d for p, n, d in self.pools if p == pool)
 
 
-def _tps(devices_per_node: int) -> list[int]:
-    return [tp for tp in (1, 2, 4, 8) if tp <= devices_per_node and devices_per_node % tp == 0]
+def _tps(devices_per_node: int, shards: bool = True) -> list[int]:
+    return [tp for tp in (1, 2, 4, 8) if tp <= devices_per_node and devices_per_node % tp == 0 and (shards or tp == 1)]
 
 
 def _overrides(cfg: RunConfig, pools: list[tuple[str, int, int]], placement: dict[str, str], tp: int,
@@ -51,13 +52,14 @@ def _overrides(cfg: RunConfig, pools: list[tuple[str, int, int]], placement: dic
     return tuple(out)
 
 
-def candidate_maps(cfg: RunConfig, nodes: int, per_node: int) -> list[Candidate]:
-    """Every candidate map of ``cfg`` over ``nodes x per_node`` devices (see the module docstring)."""
+def candidate_maps(cfg: RunConfig, nodes: int, per_node: int, rollout_tp: bool = True) -> list[Candidate]:
+    """Every candidate map of ``cfg`` over ``nodes x per_node`` devices (see the module docstring);
+    ``rollout_tp``: whether the rollout backend splits an engine over ranks."""
     roles = list(cfg.role_configs())
     has_ref = "ref" in roles
     out: list[Candidate] = []
     colocated = [(MAIN, nodes, per_node)]
-    for tp in _tps(per_node):
+    for tp in _tps(per_node, rollout_tp):
         out.append(Candidate(f"colocated {nodes}x{per_node}" + (f" tp{tp}" if tp > 1 else ""), "colocated",
                              tuple(colocated), tp, _overrides(cfg, colocated, {r: MAIN for r in roles}, tp, False)))
     splits: list[tuple[tuple[int, int], tuple[int, int]]] = []  # ((train nodes, per node), (gen nodes, per node))
@@ -74,7 +76,7 @@ def candidate_maps(cfg: RunConfig, nodes: int, per_node: int) -> list[Candidate]
                             {r: (GEN if r == "rollout" else REF if r == "ref" else TRAIN) for r in roles}))
         for pools, placement in layouts:
             label = ":".join(f"{p} {n}x{d}" for p, n, d in pools)
-            for tp in _tps(gd):
+            for tp in _tps(gd, rollout_tp):
                 suffix = f" tp{tp}" if tp > 1 else ""
                 for pipelined in (False, True):
                     kind = "pipelined" if pipelined else "split"
