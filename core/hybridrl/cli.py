@@ -47,8 +47,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = parse_cluster(args.cluster, args.device) if args.cluster else detect_cluster(cfg.cluster)
     if args.advise:
         return _advise(args, cfg, registry, cluster)
-    if args.profile or args.write:
-        raise ConfigError([("--profile" if args.profile else "--write", "only with --advise")])
+    if args.profile or args.write or args.profile_steps is not None:
+        flag = "--profile" if args.profile else "--write" if args.write else "--profile-steps"
+        raise ConfigError([(flag, "only with --advise")])
     backends, plan, problems = check_config(cfg, registry, cluster, check_engines=False)
     if problems:
         raise ConfigError(problems)
@@ -107,6 +108,31 @@ def _plan_memory(args: argparse.Namespace, cfg: RunConfig, plan, registry, backe
     return auto.notes()
 
 
+def profile_run(config: str, overrides: list[str], steps: int) -> str:
+    """``plan --advise --profile-steps N``: the config trained for ``steps`` steps as it is (its own device map)
+    into a fresh folder, whose spans and metrics the cost model is fitted from; the folder is kept and named, so
+    that a later ``--profile RUN`` reuses it. A run that fails ends the command with its own message."""
+    import subprocess
+    import sys
+    import tempfile
+
+    if steps < 2:
+        raise ConfigError([("--profile-steps", f"needs at least 2 steps (the first is warm-up and left out), got "
+                                               f"{steps}")])
+    folder = tempfile.mkdtemp(prefix="hybridrl-profile-")
+    print(f"profiling: {steps} steps of {config} into {folder} ...", flush=True)
+    command = [sys.executable, "-m", "hybridrl.cli", "train", config, *overrides, f"trainer.steps={steps}",
+               f"trainer.out={folder}", "trainer.resume=never", "trainer.save_every=0", "trainer.trackers=[jsonl]",
+               "trainer.progress=false"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise ConfigError([("--profile-steps", f"the profiling run failed (exit status {done.returncode}): {last}; "
+                                               f"its folder is {folder}")])
+    print(f"profiled: reuse it with --profile {folder}", flush=True)
+    return folder
+
+
 def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: ClusterSpec) -> int:
     """``plan --advise``: the candidate maps ranked by the cost model (``hybridrl.placement.advice``)."""
     from pathlib import Path
@@ -128,6 +154,10 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
         shape, _ = model_shape(cfg, args.model_config, bases)
     except MemoryEstimateError:
         shape = None
+    if args.profile and args.profile_steps is not None:
+        raise ConfigError([("--profile-steps", "give either --profile RUN or --profile-steps N, not both")])
+    if args.profile_steps is not None:
+        args.profile = profile_run(args.config, args.overrides, args.profile_steps)
     if args.profile:
         profile = fit_profile(args.profile, bandwidth)
     else:
@@ -363,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rank candidate device maps of --cluster by predicted step time (docs/advisor.md)")
     plan.add_argument("--profile", metavar="RUN", help="with --advise: fit the cost model from this run folder "
                                                        "(spans.jsonl, metrics.jsonl) instead of the default profile")
+    plan.add_argument("--profile-steps", metavar="N", type=int, default=None,
+                      help="with --advise: train the config as it is for N steps first and fit the cost model "
+                           "from that run (its folder is printed, for --profile)")
     plan.add_argument("--write", metavar="FILE", help="with --advise: write the best map's config (your YAML plus "
                                                       "its overrides) to FILE")
     plan.add_argument("--bandwidth", action="append", metavar="KIND=GB/s",

@@ -149,6 +149,8 @@ def test_write_keeps_the_users_keys_and_adds_the_winners_overrides(tmp_path, cap
     (["--cluster", "2by8"], "expected NODESxDEVICES like 2x8, got '2by8'"),
     (["--cluster", "1x2", "--profile", "no/such/run"], "no such run folder"),
     (["--cluster", "1x2", "--bandwidth", "warp=9"], "expected KIND=GB/s"),
+    (["--cluster", "1x2", "--profile-steps", "1"], "--profile-steps: needs at least 2 steps"),
+    (["--cluster", "1x2", "--profile-steps", "3", "--profile", "x"], "either --profile RUN or --profile-steps N"),
 ])
 def test_bad_input_is_one_sentence_and_exit_status_2(args, words, capsys):
     assert main(["plan", str(QUICKSTART), "--advise", "--device", "cpu", *args]) == 2
@@ -175,6 +177,23 @@ def test_a_profile_missing_a_phase_names_it(tmp_path):
 def test_profile_and_write_need_advise(capsys):
     assert main(["plan", str(QUICKSTART), "--device", "cpu", "--cluster", "1x1", "--write", "x.yaml"]) == 2
     assert "--write: only with --advise" in capsys.readouterr().err
+    assert main(["plan", str(QUICKSTART), "--device", "cpu", "--cluster", "1x1", "--profile-steps", "3"]) == 2
+    assert "--profile-steps: only with --advise" in capsys.readouterr().err
+
+
+def test_profile_steps_trains_the_config_first_and_fits_that_run(capsys):
+    assert main(["plan", str(QUICKSTART), "--advise", "--device", "cpu", "--cluster", "1x2",
+                 "--profile-steps", "3"]) == 0
+    out = capsys.readouterr().out
+    folder = Path(out.split("reuse it with --profile ", 1)[1].split()[0])
+    try:
+        assert (folder / "spans.jsonl").is_file() and len((folder / "metrics.jsonl").read_text().splitlines()) == 3
+        assert f"costs: profile {folder} (2 step(s))" in out  # the first step left out as warm-up
+        assert "best: " in out
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_the_step_adds_serial_phases_and_overlaps_pipelined_ones():
