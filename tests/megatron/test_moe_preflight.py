@@ -58,3 +58,19 @@ def test_unknown_moe_checkpoint_layout_is_refused(tmp_path: Path) -> None:
     (folder / "tokenizer.json").write_text("{}")
     found = problems(DENSE, tmp_path, [f"model.path={folder}", "model.tiny=null"])
     assert "expert layout hybridrl does not know" in found.get("model.path", ""), found
+
+
+def test_a_checkpoint_megatron_cannot_build_is_refused_before_start(tmp_path: Path) -> None:
+    folder = tmp_path / "qwen2moe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2, "hidden_size": 32,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2, "vocab_size": 64,
+        "intermediate_size": 64, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32}))
+    (folder / "model.safetensors").write_bytes(b"")
+    from hybridrl.data.tokenizer import build_char_tokenizer
+
+    build_char_tokenizer().save_pretrained(str(folder))
+    found = problems(DENSE, tmp_path, [f"model.path={folder}", "model.tiny=null", *MEGATRON])
+    assert "roles.actor.backend=megatron cannot build this checkpoint" in found.get("model.path", ""), found
+    assert "qwen2_moe" in found["model.path"] and found["model.path"].count("cannot build") == 1

@@ -89,6 +89,28 @@ def expert_parallel_problems(cfg: Any, role: str) -> list[tuple[str, str]]:
     return problems
 
 
+def model_problems(cfg: Any, role: str) -> list[tuple[str, str]]:
+    """A checkpoint (``model.path``) the Megatron conversion cannot build (another family, a feature it lacks, such
+    as Qwen2-MoE's shared expert), found before any process starts; named once, for the first Megatron role of
+    the policy model (the actor, else the reference)."""
+    if role not in ("actor", "ref") or (role == "ref" and cfg.roles.actor.backend == "megatron"):
+        return []
+    if cfg.model.tiny is not None or not cfg.model.path:
+        return []
+    from hybridrl.placement.memory import MemoryEstimateError, read_hf_config
+    from hybridrl_megatron.convert import ConversionError, ModelSpec
+
+    try:
+        config = read_hf_config(cfg.model.path)
+    except MemoryEstimateError:
+        return []  # a missing or unreadable config is reported under model.path by the core
+    try:
+        ModelSpec.from_hf_config(config)
+    except ConversionError as exc:
+        return [("model.path", f"roles.{role}.backend=megatron cannot build this checkpoint: {exc}")]
+    return []
+
+
 def recomputes(options: dict[str, Any]) -> bool:
     return options.get("recompute", options.get("gradient_checkpointing", False)) is True
 
@@ -159,7 +181,7 @@ class MegatronMemory:
         value = role_options(cfg, role).get("gradient_checkpointing")
         if value is not None and value != AUTO and not isinstance(value, bool):
             return [(f"roles.{role}.options.gradient_checkpointing", f"must be true, false or auto, got {value!r}")]
-        return expert_parallel_problems(cfg, role)
+        return expert_parallel_problems(cfg, role) + model_problems(cfg, role)
 
     def choices(self, cfg: Any, role: str, knobs: Knobs, settings: TrainSettings | None, why: str
                 ) -> tuple[dict[str, Any], dict[str, Any], list[AutoChoice]]:
