@@ -22,6 +22,25 @@ RAY_TEMP = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"
 psutil = _psutil()
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT and SIGTERM as a terminal's foreground job gets them (default, unblocked),
+    whatever this test process inherited (an ignored SIGINT survives exec, and Python then installs no handler)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` that is neither ignored nor blocked (/proc status)."""
+    masks = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("SigBlk", "SigIgn", "SigCgt"):
+            masks[key] = int(value.strip(), 16)
+    bit = 1 << (signum - 1)
+    return bool(masks["SigCgt"] & bit) and not masks["SigIgn"] & bit and not masks["SigBlk"] & bit
+
+
 class LiveRun:
     """``hybridrl train CONFIG`` with the quick overrides; ``own_home`` gives it a HOME of its own and no Ray
     token settings from this environment (what a user's fresh shell has)."""
@@ -38,7 +57,7 @@ class LiveRun:
                 env.pop(key, None)
         self.proc = subprocess.Popen([sys.executable, "-m", "hybridrl.cli", "train", config, f"trainer.out={self.out}",
                                       *QUICK, *overrides], stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     cwd=ROOT, env=env, start_new_session=True)
+                                     cwd=ROOT, env=env, start_new_session=True, preexec_fn=_as_from_a_terminal)
         self.seen: dict[int, Any] = {}
 
     def tree(self) -> list[Any]:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _live_run import psutil, running, wait_for
+from _live_run import catches, psutil, running, wait_for
 
 from hybridrl.run import checkpoint as ckpt
 
@@ -87,6 +87,7 @@ def test_ctrl_c_while_the_engines_start_leaves_no_ray_process_and_no_session_fol
     wait_for(lambda: named(run.tree(), "ray::") or run.proc.poll() is not None, 300, "Ray's agents")
     sessions = run.sessions()
     run.tree()
+    assert run.proc.poll() is not None or catches(run.proc.pid, signal.SIGINT), "the driver does not catch SIGINT"
     os.killpg(run.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
     try:
         run.proc.wait(timeout=120)
