@@ -167,9 +167,11 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
     host_gib = args.host_memory if args.host_memory is not None else cfg.cluster.host_memory_gb
     planner = plan_candidate(cluster, registry, device_memory_bytes(cluster.device, declared), shape,
                              model_shapes_by_role(cfg, bases), None if host_gib is None else host_gib * GIB)
+    from hybridrl.plugins.registry import RegistryError
+
     try:  # a rollout that runs one engine per rank is offered no tensor parallelism
         rollout_tp = registry.backend("rollout", cfg.roles.rollout.backend).can("tensor_parallel")
-    except ValueError:  # RegistryError
+    except RegistryError:
         rollout_tp = True  # an unknown backend is named by the planner's own check
     ranked = advise(args.config, args.overrides, cluster, profile, planner, rollout_tp=rollout_tp)
     print(render(ranked, profile, cluster))

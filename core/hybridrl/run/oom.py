@@ -130,9 +130,11 @@ def fixes_for(plan: Any, role: str | None, phase: str | None) -> list[str]:
     roles = {m.role: m for m in est.roles} if est is not None else {}
     hooks = dict(getattr(est, "oom_fixes", {}) or {})
     fixes: list[str] = []
+    from hybridrl.rollout.memory import TENSOR_PARALLEL_FIX
+
     if role == "rollout" or phase in ROLLOUT_PHASES:
         own = _own(hooks, roles, "rollout", phase or "gen")
-        more_devices = [f for f in own if f.startswith("roles.rollout.tensor_parallel")]  # dearer than offloading
+        more_devices = [f for f in own if f == TENSOR_PARALLEL_FIX]  # dearer than offloading the trainers
         fixes += [f for f in own if f not in more_devices]
         fixes += _relief(plan, hooks, roles, exclude="rollout")
         fixes += more_devices
