@@ -27,10 +27,18 @@ from typing import Any
 import torch
 
 from hybridrl.algorithms.objective import PolicyObjective
-from hybridrl.batch import ADVANTAGES, PROMPT_IDS, PROMPT_MASK, REF_LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, Batch
 from hybridrl.config import load_config
+from hybridrl.engines.batch import (
+    ADVANTAGES,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    REF_LOG_PROBS,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    Batch,
+)
+from hybridrl.model.tiny import build_tiny_model, tiny_tokenizer
 from hybridrl.plugins.discovery import get_registry
-from hybridrl.tasks.tiny_model import build_tiny_model, tiny_tokenizer
 from hybridrl.testing.backends import build_engine
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -47,7 +47,7 @@ PHASES = ["data", "wake", "gen", "sleep", "reward", "ref", "old_log_prob", "adv"
 
 def write_prompts(path: Path, count: int, prompt_len: int) -> None:
     """``count`` distinct prompts of exactly ``prompt_len`` tokens under the bundled character tokenizer."""
-    from hybridrl.data.tokenizer import build_char_tokenizer
+    from hybridrl.model.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     alphabet = "0123456789abcdefghijklmnopqrstuvwxyz"

@@ -92,7 +92,7 @@ def build_model(size: str, dtype: str, out: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from hybridrl.data.tokenizer import build_char_tokenizer
+    from hybridrl.model.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     cfg = model_config(size)

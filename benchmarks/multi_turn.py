@@ -81,8 +81,8 @@ def main() -> None:
 
     import torch
 
-    from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, left_pad
     from hybridrl.engines import SamplingParams
+    from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, left_pad
     from hybridrl.environments.runner import build_runner, run_episodes
     from hybridrl.environments.spec import EnvironmentSpec
 

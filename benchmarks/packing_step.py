@@ -73,7 +73,7 @@ def ragged_batch(rows: int, prompt_len: int, min_response: int, max_response: in
     (a GRPO group), and responses of lengths drawn uniformly in ``min_response..max_response`` (``fixed``: all
     ``max_response``), each ending in ``eos``, right-padded with ``pad`` (the response mask 0 there). Token ids
     avoid the special ids."""
-    from hybridrl.batch import ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
+    from hybridrl.engines.batch import ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
 
     if not 1 <= min_response <= max_response:
         raise ValueError(f"response lengths need 1 <= min ({min_response}) <= max ({max_response})")
@@ -137,7 +137,7 @@ def synchronize(device: str) -> None:
 
 def measure(variant: str, args: argparse.Namespace, model_dir: Path, batch, objective) -> dict[str, Any]:
     """Build the variant's reference and actor, run warm-up + ``repeats`` train sides, free them."""
-    from hybridrl.batch import LOG_PROBS, REF_LOG_PROBS
+    from hybridrl.engines.batch import LOG_PROBS, REF_LOG_PROBS
 
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     variant, _, budget = variant.partition("@")
@@ -208,8 +208,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from hybridrl.algorithms.objective import PolicyObjective
-    from hybridrl.batch import PROMPT_MASK, RESPONSE_MASK
     from hybridrl.config.schema import AlgorithmConfig
+    from hybridrl.engines.batch import PROMPT_MASK, RESPONSE_MASK
     from hybridrl.observe.flops import batch_prompt_savings, detect_device_name, forward_flops, peak_flops
     from hybridrl.placement.memory import read_hf_config, shape_from_hf_config
     from hybridrl.plugins.discovery import get_registry

@@ -105,8 +105,8 @@ def main() -> None:
     result["cast_copy_ms"] = _median_ms(lambda: served.copy_(master))
     result["rpc_noop_ms"] = _median_ms(lambda: compat.run_on_workers(rollout.llm, lambda w: None), 50)
     # the trainer's order: generate a little, release the KV cache, sync; with a timeline of the sync's calls
-    from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch, left_pad
     from hybridrl.engines import SamplingParams
+    from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, Batch, left_pad
 
     ids, mask = left_pad([[5, 6, 7, 8]] * 8, 0)
     small = Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask})

@@ -52,7 +52,7 @@ def build_model(shape: str, dtype: str, out: Path) -> Path:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from hybridrl.data.tokenizer import build_char_tokenizer
+    from hybridrl.model.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     cfg = Qwen2Config(**SHAPES[shape], tie_word_embeddings=True, use_sliding_window=False,
@@ -69,7 +69,7 @@ def build_model(shape: str, dtype: str, out: Path) -> Path:
 
 def prompt_rows(prompts_per_step: int, n_samples: int) -> tuple[list[list[int]], list[str]]:
     """The GRPO run's first prompts (the reverse task, character tokens), each repeated ``n_samples`` times."""
-    from hybridrl.data.tokenizer import build_char_tokenizer
+    from hybridrl.model.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     lines = (ROOT / "examples" / "data" / "reverse2.jsonl").read_text().splitlines()[:prompts_per_step]
@@ -233,8 +233,8 @@ def _small_update(actor: Any, rollout: Any, small: Any, short: Any) -> Callable[
     import torch
 
     from hybridrl.algorithms.objective import PolicyObjective
-    from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
     from hybridrl.config import AlgorithmConfig
+    from hybridrl.engines.batch import ADVANTAGES, OLD_LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
     from hybridrl.plugins.discovery import get_registry
 
     rollout.wake()
@@ -274,8 +274,8 @@ def _cast_copy_seconds(numel: int, dtype: Any, dev: Any, device: str) -> float:
 def micro(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     import torch
 
-    from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, left_pad
     from hybridrl.engines import EngineContext, SamplingParams, TrainingOptions
+    from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, left_pad
     from hybridrl.runtime.distributed import free_port, init_process_group
     from hybridrl.weights.bridges import sync_in_process
     from hybridrl_fsdp.engine import FSDPEngine
@@ -478,7 +478,9 @@ def grpo_in_process(args: argparse.Namespace, actor: Any, rollout: Any, mem: Mem
 
     from hybridrl.algorithms.advantages import AdvantageInputs
     from hybridrl.algorithms.objective import PolicyObjective, resolve_algorithm
-    from hybridrl.batch import (
+    from hybridrl.config import AlgorithmConfig
+    from hybridrl.engines import SamplingParams
+    from hybridrl.engines.batch import (
         ADVANTAGES,
         OLD_LOG_PROBS,
         PROMPT_IDS,
@@ -488,9 +490,7 @@ def grpo_in_process(args: argparse.Namespace, actor: Any, rollout: Any, mem: Mem
         Batch,
         left_pad,
     )
-    from hybridrl.config import AlgorithmConfig
-    from hybridrl.data.tokenizer import build_char_tokenizer
-    from hybridrl.engines import SamplingParams
+    from hybridrl.model.tokenizer import build_char_tokenizer
     from hybridrl.plugins.discovery import get_registry
     from hybridrl.weights.bridges import sync_in_process
 

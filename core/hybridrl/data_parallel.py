@@ -1,7 +1,7 @@
 """``DataParallelInfo``: how one rank of an engine takes part in the worker group's scatter/gather.
 
 A module of its own, below ``hybridrl.engines`` (which re-exports it as part of the engine contract), so that
-the helpers an engine is built from (``hybridrl.rollout.common``) need not import the contract, whose
+the helpers an engine is built from (``hybridrl.engines.rollout_kit``) need not import the contract, whose
 default episode method runs the episode runner built on those helpers.
 """
 

@@ -39,7 +39,7 @@ SYNC_MODES = ("adapter", "merged")
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-#: capability names (``hybridrl.plugins.capabilities``): a train engine that trains adapters, a rollout that
+#: capability names (``hybridrl.engines.capabilities``): a train engine that trains adapters, a rollout that
 #: serves adapters it is sent.
 TRAIN_CAPABILITY = "lora"
 ROLLOUT_CAPABILITY = "lora_adapters"

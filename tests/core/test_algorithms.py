@@ -22,9 +22,17 @@ from hybridrl.algorithms.losses import (
     token_mean,
 )
 from hybridrl.algorithms.objective import PolicyObjective, ValueObjective
-from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, RETURNS, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.config import AlgorithmConfig
 from hybridrl.engines import LossScale
+from hybridrl.engines.batch import (
+    ADVANTAGES,
+    OLD_LOG_PROBS,
+    REF_LOG_PROBS,
+    RESPONSE_MASK,
+    RETURNS,
+    ROLLOUT_LOG_PROBS,
+    Batch,
+)
 from hybridrl.plugins.discovery import get_registry
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float32)

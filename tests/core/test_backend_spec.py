@@ -12,10 +12,10 @@ import pytest
 
 from hybridrl import hookimpl
 from hybridrl.config import load_config
+from hybridrl.engines.memory_model import RolloutMemoryModel, TrainMemoryModel
 from hybridrl.observe.flops import shared_prompt_roles
 from hybridrl.placement.auto import resolve_auto
 from hybridrl.placement.memory import GIB, model_shape, render_memory
-from hybridrl.placement.model_protocol import RolloutMemoryModel, TrainMemoryModel
 from hybridrl.placement.plan import ClusterSpec, plan_placement, resolve_backends
 from hybridrl.plugins.discovery import build_registry, plugin_manager
 from hybridrl.plugins.registry import RegistryError

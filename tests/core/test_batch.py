@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridrl.batch import (
+from hybridrl.engines.batch import (
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_IDS,
@@ -57,7 +57,7 @@ def test_sequence_tensors_positions_skip_left_padding():
 # --- multi-turn rows: trained tokens and attended tokens differ ----------------------------------------------
 def multi_turn_batch() -> Batch:
     """Row 0: model [11, 12], observation [21, 22], model [13]; row 1: one model turn [14, 15]."""
-    from hybridrl.batch import RESPONSE_ATTENTION_MASK
+    from hybridrl.engines.batch import RESPONSE_ATTENTION_MASK
 
     p_ids, p_mask = left_pad([[5, 6], [7]], pad_id=0)
     r_ids, attention = right_pad([[11, 12, 21, 22, 13], [14, 15]], pad_id=0, width=6)
@@ -67,7 +67,7 @@ def multi_turn_batch() -> Batch:
 
 
 def test_sequence_tensors_attend_to_observations_and_keys_carry_the_attention_mask():
-    from hybridrl.batch import RESPONSE_ATTENTION_MASK, SEQUENCE_KEYS, response_attention_mask, sequence_keys
+    from hybridrl.engines.batch import RESPONSE_ATTENTION_MASK, SEQUENCE_KEYS, response_attention_mask, sequence_keys
 
     batch = multi_turn_batch()
     _, attention, positions = sequence_tensors(batch)
@@ -81,8 +81,8 @@ def test_sequence_tensors_attend_to_observations_and_keys_carry_the_attention_ma
 
 
 def test_reward_sits_on_the_last_model_token_and_text_covers_observations():
-    from hybridrl.batch import last_positions
-    from hybridrl.data.tokenizer import build_char_tokenizer
+    from hybridrl.engines.batch import last_positions
+    from hybridrl.model.tokenizer import build_char_tokenizer
     from hybridrl.rewards.scorer import decode_responses, on_last_token
 
     batch = multi_turn_batch()
@@ -100,7 +100,7 @@ def test_reward_sits_on_the_last_model_token_and_text_covers_observations():
 
 
 def test_padding_rows_copy_the_attention_mask_but_train_nothing():
-    from hybridrl.batch import RESPONSE_ATTENTION_MASK
+    from hybridrl.engines.batch import RESPONSE_ATTENTION_MASK
 
     padded, pad = multi_turn_batch().pad_to_multiple(4, zero_keys=(RESPONSE_MASK,))
     assert pad == 2 and padded[RESPONSE_MASK][2:].sum() == 0 and padded[RESPONSE_ATTENTION_MASK][2:].sum() > 0

@@ -8,7 +8,7 @@ import pytest
 from hybridrl.config import DataConfig, TinyModelConfig
 from hybridrl.data.fixtures import build_chat_tokenizer
 from hybridrl.data.loading import DataError, load_rows, tokenize_rows
-from hybridrl.data.tokenizer import CHAR_CHAT_TEMPLATE, CHAT_ROLE_TOKENS, build_char_tokenizer, load_tokenizer
+from hybridrl.model.tokenizer import CHAR_CHAT_TEMPLATE, CHAT_ROLE_TOKENS, build_char_tokenizer, load_tokenizer
 
 CHAT = [{"role": "user", "content": "2+3="}]
 
@@ -147,7 +147,7 @@ def test_a_system_prompt_without_a_template_is_a_config_error():
 # --- tiny models on other tokenizers -----------------------------------------------------------------
 
 def test_tiny_model_on_a_real_tokenizer_takes_its_vocabulary(tmp_path):
-    from hybridrl.tasks.tiny_model import build_tiny_model
+    from hybridrl.model.tiny import build_tiny_model
 
     folder = build_chat_tokenizer("qwen2", tmp_path / "tok")
     cfg = TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
@@ -161,7 +161,7 @@ def test_tiny_model_on_a_real_tokenizer_takes_its_vocabulary(tmp_path):
 
 
 def test_tiny_model_tokenizer_problems_are_named():
-    from hybridrl.tasks.tiny_model import tokenizer_problem
+    from hybridrl.model.tiny import tokenizer_problem
 
     assert tokenizer_problem(TinyModelConfig(tokenizer="char_chat")) is None
     assert "neither char nor char_chat nor a folder" in tokenizer_problem(TinyModelConfig(tokenizer="/no/such"))

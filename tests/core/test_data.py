@@ -6,7 +6,7 @@ import pytest
 
 from hybridrl.config import DataConfig
 from hybridrl.data.loading import DataError, PromptLoader, PromptRow, load_rows, tokenize_rows
-from hybridrl.data.tokenizer import build_char_tokenizer
+from hybridrl.model.tokenizer import build_char_tokenizer
 from hybridrl.plugins.registry import Registry
 from hybridrl.tasks.reverse import make_reverse_rows
 

@@ -14,7 +14,7 @@ import pytest
 from hybridrl.config import ConfigError, DataConfig, load_config
 from hybridrl.data.fixtures import write_fixtures
 from hybridrl.data.loading import DataError, load_rows, tokenize_rows
-from hybridrl.data.tokenizer import load_tokenizer
+from hybridrl.model.tokenizer import load_tokenizer
 from hybridrl.placement.plan import ClusterSpec
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.rewards.rules import Rules, build_spec

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hybridrl.algorithms.overlong import soft_overlong_penalty, truncated_rows
-from hybridrl.batch import GROUP_INDEX, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, SCORES, Batch
 from hybridrl.config import ConfigError, load_config
+from hybridrl.engines.batch import GROUP_INDEX, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, SCORES, Batch
 from hybridrl.placement.plan import ClusterSpec
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.run.dynamic_sampling import (

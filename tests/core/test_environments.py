@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.batch import (
+from hybridrl.engines import EngineContext, SamplingParams
+from hybridrl.engines.batch import (
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_ATTENTION_MASK,
@@ -19,8 +20,6 @@ from hybridrl.batch import (
     Batch,
     left_pad,
 )
-from hybridrl.data.tokenizer import build_char_tokenizer
-from hybridrl.engines import EngineContext, SamplingParams
 from hybridrl.environments.base import Environment, EpisodeRow, ModelTurn, StepResult
 from hybridrl.environments.chat import ChatFormat, ChatFormatError
 from hybridrl.environments.metrics import episode_metrics
@@ -34,6 +33,7 @@ from hybridrl.environments.trajectory import (
     Trajectory,
     pack_trajectories,
 )
+from hybridrl.model.tokenizer import build_char_tokenizer
 from hybridrl.plugins.registry import Registry
 from hybridrl.tasks.calc import arith, call_credit, make_calc_rows, positional_match
 from hybridrl.testing.environment_contract import build_policy_model, play, row_segments
@@ -62,7 +62,7 @@ def test_observations_are_what_the_template_writes_after_a_finished_turn(tmp_pat
     assert chat.prompt_ids([{"role": "user", "content": "1+1"}]) == encode(tok, "<|user|>1+1<eos><|assistant|>")
 
     from hybridrl.data.fixtures import build_chat_tokenizer
-    from hybridrl.data.tokenizer import load_tokenizer
+    from hybridrl.model.tokenizer import load_tokenizer
 
     qwen = load_tokenizer(build_chat_tokenizer("qwen2", tmp_path / "qwen"))
     qchat = ChatFormat(qwen, [qwen.eos_token_id])

@@ -97,7 +97,7 @@ def test_step_metrics_credit_a_sharing_role_with_each_distinct_prompt_once(tmp_p
     exactly ``shared_prompt_savings``, the other role's does not."""
     from types import SimpleNamespace
 
-    from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
+    from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
     from hybridrl.observe.flops import step_perf_metrics
 
     model, shape = tiny_model(False)

@@ -1,12 +1,20 @@
 import pytest
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch, left_pad
 from hybridrl.config import TinyModelConfig
-from hybridrl.data.tokenizer import load_tokenizer
 from hybridrl.engines import EngineContext, SamplingParams
+from hybridrl.engines.batch import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    Batch,
+    left_pad,
+)
+from hybridrl.model.tiny import build_tiny_model
+from hybridrl.model.tokenizer import load_tokenizer
 from hybridrl.rollout.hf import HFRollout, filter_logits
-from hybridrl.tasks.tiny_model import build_tiny_model
 
 CFG = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
                       max_position=64, seed=0)
@@ -315,7 +323,7 @@ def test_a_resumed_row_is_checked_against_its_own_cap_and_stays_in_the_context(t
     absolute positions a finished row's pads must not run past the position table."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hybridrl.batch import MAX_NEW_TOKENS
+    from hybridrl.engines.batch import MAX_NEW_TOKENS
     from hybridrl.testing.batches import prompt_batch
 
     folder = tmp_path / "gpt2"

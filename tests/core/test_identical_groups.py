@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from hybridrl.batch import GROUP_INDEX, RESPONSE_IDS, RESPONSE_MASK, Batch
+from hybridrl.engines.batch import GROUP_INDEX, RESPONSE_IDS, RESPONSE_MASK, Batch
 from hybridrl.rollout.identical_groups import IdenticalGroupsWarning, identical_group_share, identical_groups_metrics
 
 

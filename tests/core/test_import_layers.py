@@ -103,8 +103,8 @@ def test_the_reader_finds_a_circle() -> None:
     assert circles(graph) == [{"a", "b", "c"}]
     real = import_graph()
     assert "hybridrl.run.faults" in real["hybridrl.run.checkpoint"]  # module level
-    assert "hybridrl.environments.runner" in real["hybridrl.engines"]  # inside a method: counted
-    assert "hybridrl.engines" not in real["hybridrl.environments.runner"]  # under TYPE_CHECKING: not
+    assert "hybridrl.environments.runner" in real["hybridrl.engines.contracts"]  # inside a method: counted
+    assert "hybridrl.engines.contracts" not in real["hybridrl.environments.runner"]  # under TYPE_CHECKING: not
 
 
 def test_the_core_has_no_import_circle() -> None:
@@ -118,6 +118,6 @@ def test_the_circles_once_found_stay_broken() -> None:
     graph = import_graph()
     for low, high in [("hybridrl.run.faults", "hybridrl.run.run_folder"),
                       ("hybridrl.run.faults", "hybridrl.run.checkpoint"),
-                      ("hybridrl.rollout.common", "hybridrl.engines"),
+                      ("hybridrl.engines.rollout_kit", "hybridrl.engines.contracts"),
                       ("hybridrl.run.validation", "hybridrl.run.trainer")]:
         assert high not in graph[low], f"{low} imports {high} again"

@@ -59,7 +59,7 @@ def test_param_count_matches_the_real_model(name, tmp_path):
 
 
 def test_param_count_of_the_bundled_tiny_model(tmp_path):
-    from hybridrl.tasks.tiny_model import build_tiny_model
+    from hybridrl.model.tiny import build_tiny_model
 
     cfg = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
     folder = build_tiny_model(cfg, tmp_path / "tiny")

@@ -8,7 +8,7 @@ import ctypes
 import pytest
 import torch
 
-from hybridrl.engine_support import release_cached_device_memory
+from hybridrl.engines.train_kit import release_cached_device_memory
 from hybridrl.observe.memory import MIB, DeviceMemoryMeter
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -12,10 +12,10 @@ import torch
 
 from hybridrl.config import TinyModelConfig
 from hybridrl.engines import EngineContext
+from hybridrl.model.tiny import build_tiny_model
 from hybridrl.observe.flops import forward_flops, matmul_params
 from hybridrl.placement.memory import MemoryEstimateError, read_hf_config, shape_from_hf_config, tiny_shape
 from hybridrl.run.checks import model_folder_problems
-from hybridrl.tasks.tiny_model import build_tiny_model
 from hybridrl.weights.experts import expert_count, expert_views, fuse_experts, moe_layout_problem, to_checkpoint_layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,8 +82,8 @@ def test_layout_round_trip(moe_pair):
 
 def test_hf_rollout_imports_experts_per_expert(moe_pair):
     """The rollout sent the other model's weights in the checkpoint layout generates what that model does."""
-    from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, Batch, left_pad
     from hybridrl.engines import SamplingParams
+    from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, Batch, left_pad
     from hybridrl.rollout.hf import HFRollout
 
     a, b = moe_pair

@@ -1,4 +1,4 @@
-"""``hybridrl.rollout.common.pack_routing``: per-request routing arrays (what an engine records for every token it
+"""``hybridrl.engines.rollout_kit.pack_routing``: per-request routing arrays (what an engine records for every token it
 fed) placed into ``routed_experts`` / ``prompt_routed_experts``. Every array holds distinct values, so a row or a
 column put one place off shows."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridrl.batch import PROMPT_ROUTED_EXPERTS, ROUTED_EXPERTS
-from hybridrl.rollout.common import pack_routing
+from hybridrl.engines.batch import PROMPT_ROUTED_EXPERTS, ROUTED_EXPERTS
+from hybridrl.engines.rollout_kit import pack_routing
 
 LAYERS, TOP_K = 2, 3
 

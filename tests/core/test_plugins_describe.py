@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from hybridrl.cli import main
-from hybridrl.plugins.capabilities import ROLLOUT_CAPABILITIES, TRAIN_CAPABILITIES
+from hybridrl.engines.capabilities import ROLLOUT_CAPABILITIES, TRAIN_CAPABILITIES
 from hybridrl.plugins.describe import UnknownBackend, describe_backend, find_backends
 from hybridrl.plugins.options import OptionDoc, dataclass_options
 from hybridrl.plugins.registry import Registry

@@ -107,7 +107,7 @@ def a_file(tmp_path: Path) -> Path:
 def model_folder(tmp_path: Path, drop: str) -> Path:
     """The tiny model's HF folder without the files matching ``drop``."""
     from hybridrl.config import TinyModelConfig
-    from hybridrl.tasks.tiny_model import build_tiny_model
+    from hybridrl.model.tiny import build_tiny_model
 
     folder = build_tiny_model(TinyModelConfig(), tmp_path / "model")
     for path in folder.glob(drop):

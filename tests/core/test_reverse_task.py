@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.data.tokenizer import build_char_tokenizer
+from hybridrl.model.tokenizer import build_char_tokenizer
 from hybridrl.plugins.registry import Registry
 from hybridrl.tasks import plugin as task_plugin
 from hybridrl.tasks.reverse import answer_for, main, make_reverse_rows, reverse_reward

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, Batch
 from hybridrl.config import ConfigError, RewardConfig, load_config
-from hybridrl.data.tokenizer import build_char_tokenizer
+from hybridrl.engines.batch import RESPONSE_IDS, RESPONSE_MASK, Batch
+from hybridrl.model.tokenizer import build_char_tokenizer
 from hybridrl.placement.plan import ClusterSpec
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.rewards.calling import RewardError

@@ -144,7 +144,7 @@ def test_an_unreachable_service_is_an_error():
 def test_the_scorer_adds_the_service_to_the_rule_reward(service):
     from test_reward_runner import _batch, _spec
 
-    from hybridrl.data.tokenizer import build_char_tokenizer
+    from hybridrl.model.tokenizer import build_char_tokenizer
     from hybridrl.rewards.scorer import RewardScorer
 
     cfg = RewardConfig(fn="_reward_helpers:flaky", runner="inline", url=service.url, http={"coef": 2.0})

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, Batch
 from hybridrl.config import RewardConfig
-from hybridrl.data.tokenizer import build_char_tokenizer
+from hybridrl.engines.batch import RESPONSE_IDS, RESPONSE_MASK, Batch
+from hybridrl.model.tokenizer import build_char_tokenizer
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.rewards.calling import RewardError
 from hybridrl.rewards.checks import probe_problems, runner_problems

@@ -1,4 +1,4 @@
-"""``hybridrl.rollout.common``: the engine-free pieces the rollout backends share (the vLLM and SGLang plugins'
+"""``hybridrl.engines.rollout_kit``: the engine-free pieces the rollout backends share (the vLLM and SGLang plugins'
 own tests exercise them through their modules; these run with the core alone)."""
 
 from dataclasses import dataclass, field
@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridrl.batch import (
+from hybridrl.engines import rollout_kit as common
+from hybridrl.engines.batch import (
     MAX_NEW_TOKENS,
     RESPONSE_IDS,
     RESPONSE_MASK,
@@ -16,7 +17,6 @@ from hybridrl.batch import (
     complete_groups,
     left_pad,
 )
-from hybridrl.rollout import common
 
 
 def test_eos_and_pad_prefers_the_generation_config_and_falls_back_to_the_first_eos():

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.batch import (
+from hybridrl.config import TinyModelConfig, load_config
+from hybridrl.engines import EngineContext, SamplingParams
+from hybridrl.engines.batch import (
     PROMPT_IDS,
     PROMPT_MASK,
     PROMPT_ROUTED_EXPERTS,
@@ -17,13 +19,11 @@ from hybridrl.batch import (
     Batch,
     left_pad,
 )
-from hybridrl.config import TinyModelConfig, load_config
-from hybridrl.engines import EngineContext, SamplingParams
+from hybridrl.model.tiny import build_tiny_model
 from hybridrl.placement.plan import ClusterSpec
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.run.preflight import check_config
 from hybridrl.run.routing_replay import returns_routing
-from hybridrl.tasks.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"

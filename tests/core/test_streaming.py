@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridrl.batch import (
+from hybridrl.config import load_config
+from hybridrl.data.loading import PromptRow
+from hybridrl.engines.batch import (
     FINISHED,
     GROUP_INDEX,
     MAX_NEW_TOKENS,
@@ -26,8 +28,6 @@ from hybridrl.batch import (
     complete_groups,
     groups_to_complete,
 )
-from hybridrl.config import load_config
-from hybridrl.data.loading import PromptRow
 from hybridrl.run.streaming import GroupsInFlight, forced_lengths, streaming_problems
 
 PAD = 0

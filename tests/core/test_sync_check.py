@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch
 from hybridrl.engines import SamplingParams
+from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch
 from hybridrl.weights.sync_check import SyncCheck, greedy_margins
 
 

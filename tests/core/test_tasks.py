@@ -9,7 +9,7 @@ import pytest
 
 from hybridrl.config import DataConfig, RewardConfig
 from hybridrl.data.loading import DataError, load_rows, tokenize_rows
-from hybridrl.data.tokenizer import build_char_tokenizer
+from hybridrl.model.tokenizer import build_char_tokenizer
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.rewards.rules import Rules, build_spec
 from hybridrl.tasks.arithmetic import make_arithmetic_rows

@@ -5,8 +5,8 @@ import torch
 from safetensors.torch import load_file
 
 from hybridrl.config import TinyModelConfig
-from hybridrl.data.tokenizer import load_tokenizer
-from hybridrl.tasks.tiny_model import MARKER, build_tiny_model
+from hybridrl.model.tiny import MARKER, build_tiny_model
+from hybridrl.model.tokenizer import load_tokenizer
 
 CFG = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
                       max_position=64, seed=3)

@@ -10,9 +10,9 @@ import torch
 
 from hybridrl.algorithms.losses import truncated_is_weights
 from hybridrl.algorithms.objective import PolicyObjective
-from hybridrl.batch import ADVANTAGES, OLD_LOG_PROBS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.config import AlgorithmConfig
 from hybridrl.engines import LossScale
+from hybridrl.engines.batch import ADVANTAGES, OLD_LOG_PROBS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.plugins.discovery import get_registry
 
 MASK = [[1, 1, 1], [1, 1, 0]]

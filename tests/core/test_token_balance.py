@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from hybridrl.batch import (
+from hybridrl.engines.batch import (
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_IDS,

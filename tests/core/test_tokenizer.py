@@ -3,8 +3,8 @@ import string
 
 import pytest
 
-from hybridrl.data import tokenizer as tk
-from hybridrl.data.tokenizer import build_char_tokenizer, load_tokenizer
+from hybridrl.model import tokenizer as tk
+from hybridrl.model.tokenizer import build_char_tokenizer, load_tokenizer
 
 
 def test_special_tokens_come_first():

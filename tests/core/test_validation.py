@@ -11,10 +11,10 @@ import pytest
 import torch
 from test_data_formats import QUICKSTART
 
-from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, Batch
 from hybridrl.config import ConfigError, load_config
 from hybridrl.data.loading import PromptRow
 from hybridrl.engines import SamplingParams
+from hybridrl.engines.batch import RESPONSE_IDS, RESPONSE_MASK, Batch
 from hybridrl.placement.plan import ClusterSpec
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.run.preflight import prepare_run

@@ -128,7 +128,7 @@ def test_periodic_saves_keep_the_newest(full_run) -> None:
 def test_export_loads_in_transformers_with_the_actors_logits(full_run, tmp_path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hybridrl.data.tokenizer import load_tokenizer
+    from hybridrl.model.tokenizer import load_tokenizer
 
     out = tmp_path / "hf"
     proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "export", str(full_run["out"]), "--out", str(out)],

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.batch import GROUP_INDEX, RESPONSE_MASK, TOKEN_VERSIONS
 from hybridrl.config import load_config
+from hybridrl.engines.batch import GROUP_INDEX, RESPONSE_MASK, TOKEN_VERSIONS
 from hybridrl.plugins.discovery import get_registry
 from hybridrl.run.preflight import prepare_run
 from hybridrl.run.trainer import Trainer

@@ -31,7 +31,7 @@ def qwen_style_checkpoint(folder: Path) -> Path:
     """A small random Qwen2 whose tokenizer is the fixture's Qwen2.5-style one (ChatML template, <|im_end|>
     as EOS), saved as an ordinary HF checkpoint folder, as a user's model.path would be."""
     from hybridrl.config import TinyModelConfig
-    from hybridrl.tasks.tiny_model import build_tiny_model
+    from hybridrl.model.tiny import build_tiny_model
 
     cfg = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
                           max_position=512, tokenizer=str(FIXTURES / "qwen2_tokenizer"))

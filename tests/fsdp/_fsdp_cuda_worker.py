@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _fsdp_helpers import PolicyGradient, grouped, make_batch, save_tiny_qwen2  # noqa: E402
 
-from hybridrl.batch import LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK  # noqa: E402
 from hybridrl.engines import EngineContext, TrainingOptions  # noqa: E402
+from hybridrl.engines.batch import LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK  # noqa: E402
 
 
 def cuda_context(model: Path, dtype: str, **options) -> EngineContext:

@@ -10,8 +10,17 @@ from pathlib import Path
 
 import torch
 
-from hybridrl.batch import ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch, left_pad, right_pad
 from hybridrl.engines import EngineContext, LossScale, TrainingOptions
+from hybridrl.engines.batch import (
+    ADVANTAGES,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    Batch,
+    left_pad,
+    right_pad,
+)
 
 VOCAB = 40
 

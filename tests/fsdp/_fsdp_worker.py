@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _fsdp_helpers import PolicyGradient, context, grouped  # noqa: E402
 
-from hybridrl.batch import LOG_PROBS  # noqa: E402
+from hybridrl.engines.batch import LOG_PROBS  # noqa: E402
 
 GLOBAL_BATCH = 8
 STEPS = 3

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _fsdp_cuda_worker import cuda_context, reference_log_probs  # noqa: E402
 from _fsdp_helpers import PolicyGradient, make_batch, save_tiny_qwen2  # noqa: E402
 
-from hybridrl.batch import LOG_PROBS, RESPONSE_MASK  # noqa: E402
+from hybridrl.engines.batch import LOG_PROBS, RESPONSE_MASK  # noqa: E402
 from hybridrl.lora import LoraSpec  # noqa: E402
 
 

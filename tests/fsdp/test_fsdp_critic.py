@@ -10,8 +10,8 @@ from _fsdp_helpers import context, make_batch
 
 from hybridrl.algorithms.losses import token_mean
 from hybridrl.algorithms.objective import ValueObjective
-from hybridrl.batch import PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, RETURNS, SCORES, VALUES, sequence_tensors
 from hybridrl.config import TinyModelConfig
+from hybridrl.engines.batch import PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, RETURNS, SCORES, VALUES, sequence_tensors
 from hybridrl.rewards.scorer import build_tiny_reward_model
 from hybridrl_fsdp.engine import FSDPEngine
 from hybridrl_fsdp.value_model import VALUE_HEAD_FILE, ValueModel

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from _fsdp_worker import GLOBAL_BATCH, OPTIONS, STEPS, global_batch
 
-from hybridrl.batch import ADVANTAGES, RESPONSE_MASK, sequence_tensors
+from hybridrl.engines.batch import ADVANTAGES, RESPONSE_MASK, sequence_tensors
 from hybridrl.runtime.distributed import free_port
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")

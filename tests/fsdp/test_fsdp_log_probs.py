@@ -8,7 +8,7 @@ import pytest
 import torch
 from _fsdp_helpers import context, make_batch
 
-from hybridrl.batch import ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
+from hybridrl.engines.batch import ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
 from hybridrl_fsdp.engine import FSDPEngine
 from hybridrl_fsdp.logprobs import entropy_from_logits, token_log_probs
 

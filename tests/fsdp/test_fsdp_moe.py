@@ -11,9 +11,9 @@ import pytest
 import torch
 from _fsdp_helpers import PolicyGradient, context, grouped, make_batch
 
-from hybridrl.batch import ADVANTAGES, LOG_PROBS, Batch, sequence_tensors
 from hybridrl.config.schema import TinyModelConfig
-from hybridrl.tasks.tiny_model import build_tiny_model
+from hybridrl.engines.batch import ADVANTAGES, LOG_PROBS, Batch, sequence_tensors
+from hybridrl.model.tiny import build_tiny_model
 from hybridrl_fsdp.engine import FSDPEngine
 from hybridrl_fsdp.settings import option_problems
 

@@ -11,7 +11,9 @@ import torch
 from _fsdp_helpers import PolicyGradient, context
 from safetensors.torch import load_file, save_file
 
-from hybridrl.batch import (
+from hybridrl.config.schema import TinyModelConfig
+from hybridrl.engines import EngineContext, SamplingParams
+from hybridrl.engines.batch import (
     ADVANTAGES,
     LOG_PROBS,
     PROMPT_IDS,
@@ -22,11 +24,9 @@ from hybridrl.batch import (
     Batch,
     left_pad,
 )
-from hybridrl.config.schema import TinyModelConfig
-from hybridrl.engines import EngineContext, SamplingParams
+from hybridrl.model.tiny import build_tiny_model
 from hybridrl.rollout.hf import HFRollout
 from hybridrl.rollout.routing import router_modules
-from hybridrl.tasks.tiny_model import build_tiny_model
 from hybridrl_fsdp.engine import FSDPEngine
 from hybridrl_fsdp.routing_replay import ROUTING_MISMATCH_METRIC, token_routing
 

@@ -9,8 +9,8 @@ import torch
 from _fsdp_helpers import NaNObjective, PolicyGradient, context, local_tensor, make_batch
 
 import hybridrl_fsdp.engine as engine_module
-from hybridrl.batch import ADVANTAGES, LOG_PROBS, RESPONSE_MASK
-from hybridrl.engine_support import raise_if_counts_differ
+from hybridrl.engines.batch import ADVANTAGES, LOG_PROBS, RESPONSE_MASK
+from hybridrl.engines.train_kit import raise_if_counts_differ
 from hybridrl_fsdp.engine import FSDPEngine
 
 

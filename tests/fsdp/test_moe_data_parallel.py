@@ -11,7 +11,7 @@ from _fsdp_worker import STEPS
 from test_fsdp_data_parallel import ATOL, launch, wait
 
 from hybridrl.config import TinyModelConfig
-from hybridrl.tasks.tiny_model import build_tiny_model
+from hybridrl.model.tiny import build_tiny_model
 
 TINY_MOE = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
                            num_experts=8, experts_per_token=2, init_std=0.2)

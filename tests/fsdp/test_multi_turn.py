@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from _fsdp_helpers import VOCAB, PolicyGradient, context
 
-from hybridrl.batch import (
+from hybridrl.engines.batch import (
     ADVANTAGES,
     LOG_PROBS,
     PROMPT_IDS,

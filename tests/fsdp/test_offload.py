@@ -14,7 +14,7 @@ import torch
 from _fsdp_helpers import PolicyGradient, context, local_tensor, make_batch
 
 import hybridrl_fsdp.engine as engine_module
-from hybridrl.batch import LOG_PROBS
+from hybridrl.engines.batch import LOG_PROBS
 from hybridrl_fsdp.engine import FSDPEngine
 from hybridrl_fsdp.offload import HostCopy, OffloadPolicy, host_buffer
 

@@ -12,7 +12,16 @@ import torch.nn.functional as F
 from _fsdp_helpers import context, make_batch
 from torch.distributed.tensor import DTensor
 
-from hybridrl.batch import ADVANTAGES, ENTROPY, LOG_PROBS, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
+from hybridrl.engines.batch import (
+    ADVANTAGES,
+    ENTROPY,
+    LOG_PROBS,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    Batch,
+)
 from hybridrl_fsdp.settings import PACKED_ATTENTION
 
 ATOL = 1e-5
@@ -185,7 +194,7 @@ def test_packed_update_with_gradient_checkpointing_equals_without(process_group,
 def test_packed_reward_scores_equal_padded(process_group, tmp_path: Path):
     from _fsdp_helpers import reward_context, save_tiny_reward_model
 
-    from hybridrl.batch import SCORES
+    from hybridrl.engines.batch import SCORES
     from hybridrl_fsdp.engine import FSDPEngine
 
     model = save_tiny_reward_model(tmp_path / "rm")
@@ -199,7 +208,7 @@ def test_packed_reward_scores_equal_padded(process_group, tmp_path: Path):
 def test_multi_turn_rows_attend_to_their_observations_packed_as_padded(process_group, tiny_model: Path):
     """Rows whose responses interleave trained tokens with observations (``response_attention_mask`` 1 there,
     ``response_mask`` 0): packed, the observations stay in the sequence as context and get no log-prob."""
-    from hybridrl.batch import RESPONSE_ATTENTION_MASK
+    from hybridrl.engines.batch import RESPONSE_ATTENTION_MASK
     from hybridrl_fsdp.engine import FSDPEngine
     from hybridrl_fsdp.packing import pack_rows
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(SCRIPT.parent))
 def test_ragged_batch_draws_lengths_in_range_and_ends_each_response_in_eos() -> None:
     from packing_step import ragged_batch
 
-    from hybridrl.batch import PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
+    from hybridrl.engines.batch import PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK
 
     eos, pad = 2, 0
     batch = ragged_batch(64, 8, 16, 1024, vocab=500, eos=eos, pad=pad, seed=3)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from _fsdp_helpers import context, grouped, make_batch
 from test_packing import ATOL, _outputs_and_grads
 
-from hybridrl.batch import (
+from hybridrl.engines.batch import (
     ADVANTAGES,
     PROMPT_IDS,
     PROMPT_MASK,

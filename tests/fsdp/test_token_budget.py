@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _fsdp_helpers import PolicyGradient, context, make_batch  # noqa: E402
 
-from hybridrl.batch import LOG_PROBS, PROMPT_MASK, RESPONSE_MASK, Batch  # noqa: E402
+from hybridrl.engines.batch import LOG_PROBS, PROMPT_MASK, RESPONSE_MASK, Batch  # noqa: E402
 
 BUDGET = 40
 
@@ -70,7 +70,7 @@ def test_trim_cuts_padding_columns_of_prompt_and_response_aligned_tensors() -> N
 # --- the engine -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("packing", [False, True])
 def test_log_probs_and_values_equal_plain_batching(process_group, tiny_model: Path, packing: bool) -> None:
-    from hybridrl.batch import VALUES
+    from hybridrl.engines.batch import VALUES
     from hybridrl_fsdp.engine import FSDPEngine
 
     batch = ragged_batch()

@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _mg_helpers import PolicyGradient  # noqa: E402
 
-from hybridrl.batch import (  # noqa: E402
+from hybridrl.engines import EngineContext, TrainingOptions  # noqa: E402
+from hybridrl.engines.batch import (  # noqa: E402
     ADVANTAGES,
     LOG_PROBS,
     PROMPT_IDS,
@@ -25,7 +26,6 @@ from hybridrl.batch import (  # noqa: E402
     Batch,
     sequence_tensors,
 )
-from hybridrl.engines import EngineContext, TrainingOptions  # noqa: E402
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,

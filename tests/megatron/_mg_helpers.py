@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from hybridrl.batch import (
+from hybridrl.engines import EngineContext, LossScale, TrainingOptions
+from hybridrl.engines.batch import (
     ADVANTAGES,
     PROMPT_IDS,
     PROMPT_MASK,
@@ -22,7 +23,6 @@ from hybridrl.batch import (
     right_pad,
     sequence_tensors,
 )
-from hybridrl.engines import EngineContext, LossScale, TrainingOptions
 
 #: odd on purpose: with vocab_multiple=1 and tensor_parallel=2 the vocabulary is padded by one id.
 VOCAB = 41

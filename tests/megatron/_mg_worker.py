@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _mg_helpers import PolicyGradient, ValueRegression, context, logits_input, make_batch  # noqa: E402
 
-from hybridrl.batch import (  # noqa: E402
+from hybridrl.engines.batch import (  # noqa: E402
     ENTROPY,
     LOG_PROBS,
     VALUES,  # noqa: E402

@@ -23,7 +23,7 @@ from _mg_helpers import (
 )
 from _mg_markers import needs_megatron
 
-from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_MASK, VALUES
+from hybridrl.engines.batch import ENTROPY, LOG_PROBS, RESPONSE_MASK, VALUES
 
 pytestmark = needs_megatron
 
@@ -74,7 +74,7 @@ def test_log_probs_and_entropy_equal_transformers(engine_cls, qwen2_tied: Path) 
 def test_greedy_margins_equal_transformers(engine_cls, qwen2_tied: Path) -> None:
     """``compute_greedy_margins`` (the trainer's sync check): max logit minus the response token's, over the real
     vocabulary (the padded ids left out), 0 at padding; micro-batches of 2 over 5 rows."""
-    from hybridrl.batch import RESPONSE_IDS, sequence_tensors
+    from hybridrl.engines.batch import RESPONSE_IDS, sequence_tensors
     from hybridrl.weights.sync_check import GREEDY_MARGIN
 
     engine = engine_cls(context(qwen2_tied, micro_batch=2))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridrl.config import TinyModelConfig
-from hybridrl.tasks.tiny_model import build_tiny_model
+from hybridrl.model.tiny import build_tiny_model
 from hybridrl_megatron import convert
 from hybridrl_megatron.convert import ConversionError, ModelSpec
 

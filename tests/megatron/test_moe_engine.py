@@ -10,9 +10,9 @@ import torch
 from _mg_helpers import PolicyGradient, context, hf_model, hf_response_log_probs, make_batch
 from _mg_markers import needs_megatron
 
-from hybridrl.batch import LOG_PROBS
 from hybridrl.config import TinyModelConfig
-from hybridrl.tasks.tiny_model import build_tiny_model
+from hybridrl.engines.batch import LOG_PROBS
+from hybridrl.model.tiny import build_tiny_model
 
 pytestmark = needs_megatron
 

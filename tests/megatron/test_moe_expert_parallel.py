@@ -15,7 +15,7 @@ from _mg_worker import BASE_OPTIONS, GLOBAL_BATCH, STEPS
 from test_parallel import ATOL, WEIGHT_ATOL, launch, load
 
 from hybridrl.config import TinyModelConfig
-from hybridrl.tasks.tiny_model import build_tiny_model
+from hybridrl.model.tiny import build_tiny_model
 from hybridrl.weights.experts import to_checkpoint_layout
 
 pytestmark = needs_megatron

@@ -68,7 +68,7 @@ def test_a_checkpoint_megatron_cannot_build_is_refused_before_start(tmp_path: Pa
         "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2, "vocab_size": 64,
         "intermediate_size": 64, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32}))
     (folder / "model.safetensors").write_bytes(b"")
-    from hybridrl.data.tokenizer import build_char_tokenizer
+    from hybridrl.model.tokenizer import build_char_tokenizer
 
     build_char_tokenizer().save_pretrained(str(folder))
     found = problems(DENSE, tmp_path, [f"model.path={folder}", "model.tiny=null", *MEGATRON])

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, Batch
 from hybridrl.engines import EngineContext, SamplingParams
+from hybridrl.engines.batch import RESPONSE_IDS, RESPONSE_MASK, Batch
 from hybridrl.rollout.hf import HFRollout
 from hybridrl.testing.batches import prompt_batch
 from hybridrl.testing.checks import reference_problems
@@ -65,7 +65,7 @@ def _save_qwen2(path: Path, seed: int) -> Path:
             p.copy_(_bf16_values(p))
     model.generation_config = GenerationConfig(eos_token_id=1, pad_token_id=0)
     model.save_pretrained(path)
-    from hybridrl.data.tokenizer import build_char_tokenizer
+    from hybridrl.model.tokenizer import build_char_tokenizer
 
     build_char_tokenizer().save_pretrained(path)
     return path

@@ -18,9 +18,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch, left_pad
 from hybridrl.engines import EngineContext, SamplingParams
-from hybridrl.rollout.common import ReplicaLayout, check_context, engine_seed, mix_seed, pack_responses, unpad_prompts
+from hybridrl.engines.batch import (
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    Batch,
+    left_pad,
+)
+from hybridrl.engines.rollout_kit import (
+    ReplicaLayout,
+    check_context,
+    engine_seed,
+    mix_seed,
+    pack_responses,
+    unpad_prompts,
+)
 from hybridrl.rollout.hf import filter_logits
 from hybridrl.runtime.distributed import free_port
 from hybridrl.runtime.group import Result
@@ -587,7 +602,7 @@ def test_phase_budgets_cut_each_phase_to_the_rows_cap():
 def test_engine_honours_per_row_caps(fake_engine, min_new, ignore_eos):
     """On the fake engine (the logic around SGLang, not SGLang): each row the first ``cap`` tokens of its
     uncapped run, at the call's width; a spent row sends no request."""
-    from hybridrl.batch import MAX_NEW_TOKENS
+    from hybridrl.engines.batch import MAX_NEW_TOKENS
 
     engine, fake = fake_engine["make"](), fake_engine["fake"]
     width = 6
@@ -780,10 +795,10 @@ def test_a_request_runs_the_phases_of_generate(fake_engine, min_new):
 def test_episodes_per_request_equal_batched_rounds(fake_engine, tmp_path):
     from dataclasses import replace
 
-    from hybridrl.data.tokenizer import build_char_tokenizer
     from hybridrl.environments.runner import run_episodes
     from hybridrl.environments.spec import EnvironmentSpec
     from hybridrl.environments.trajectory import NUM_TURNS
+    from hybridrl.model.tokenizer import build_char_tokenizer
     from hybridrl.plugins.discovery import get_registry
 
     assert get_registry().backend("rollout", "sglang").can("requests")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.batch import RESPONSE_ATTENTION_MASK, RESPONSE_MASK
+from hybridrl.engines.batch import RESPONSE_ATTENTION_MASK, RESPONSE_MASK
 from hybridrl.testing import EnvironmentContract
 from hybridrl.testing.environment_contract import FINITE, ROUND_TRIP, build_policy_model, play
 

@@ -25,7 +25,7 @@ import dataclasses
 import torch
 
 from hybridrl import hookimpl
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
+from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.engines import GeneratedTokens
 from hybridrl.rollout.hf import HFRollout, filter_logits
 from hybridrl_fsdp.engine import FSDPEngine

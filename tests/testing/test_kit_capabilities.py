@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from hybridrl import hookimpl
-from hybridrl.batch import PROMPT_ROUTED_EXPERTS, RESPONSE_MASK, ROUTED_EXPERTS
+from hybridrl.engines.batch import PROMPT_ROUTED_EXPERTS, RESPONSE_MASK, ROUTED_EXPERTS
 from hybridrl.rollout.hf import HFRollout
 from hybridrl.weights.buckets import group_into_buckets
 from hybridrl_fsdp.engine import FSDPEngine, _full_copy

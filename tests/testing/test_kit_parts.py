@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridrl.batch import RESPONSE_MASK
 from hybridrl.engines import EngineContext, SamplingParams
+from hybridrl.engines.batch import RESPONSE_MASK
 from hybridrl.rollout.hf import HFRollout, filter_logits
 from hybridrl.testing.batches import prompt_batch
 from hybridrl.testing.models import KIT_WIDTH, build_kit_models
@@ -66,7 +66,7 @@ def test_hf_rollout_accepts_a_prompt_that_just_fits(kit):
 def test_reference_problems_widen_with_the_logits_only_when_asked(kit):
     """``logit_rtol``: a log-prob off by a bfloat16-sized error relative to the row's largest logit passes, the
     same error fails the fixed tolerance, and a row from other weights fails either way."""
-    from hybridrl.batch import RESPONSE_IDS, ROLLOUT_LOG_PROBS, Batch
+    from hybridrl.engines.batch import RESPONSE_IDS, ROLLOUT_LOG_PROBS, Batch
     from hybridrl.testing.checks import reference_problems
 
     ref = ReferenceModel(kit.policy)
@@ -115,7 +115,7 @@ def test_a_token_just_past_a_top_k_or_top_p_edge_is_a_near_tie_and_no_further():
 def _noisy_rows(ref: ReferenceModel, prompts, params: SamplingParams, noise: float, seed: int, eos_ids):
     """A simulated 16-bit engine: each step samples from the reference's logits plus noise of ``noise`` times
     the step's largest logit, with the engine-side truncation, and reports that distribution's log-prob."""
-    from hybridrl.batch import RESPONSE_IDS, ROLLOUT_LOG_PROBS, Batch
+    from hybridrl.engines.batch import RESPONSE_IDS, ROLLOUT_LOG_PROBS, Batch
     from hybridrl.testing.reference import sampling_log_probs
 
     gen = torch.Generator().manual_seed(seed)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.engines import EngineContext, SamplingParams
+from hybridrl.engines.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.rollout.hf import HFRollout, filter_logits
 from hybridrl.testing.batches import prompt_batch
 from hybridrl.testing.models import set_eos

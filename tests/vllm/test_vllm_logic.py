@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, left_pad
 from hybridrl.engines import SamplingParams
-from hybridrl.rollout.common import (
+from hybridrl.engines.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, left_pad
+from hybridrl.engines.rollout_kit import (
     ReplicaLayout,
     check_context,
     engine_seed,

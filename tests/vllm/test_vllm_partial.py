@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridrl.batch import FINISHED, GROUP_INDEX, MAX_NEW_TOKENS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
 from hybridrl.engines import EngineContext, SamplingParams
+from hybridrl.engines.batch import FINISHED, GROUP_INDEX, MAX_NEW_TOKENS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
 from hybridrl.testing.batches import prompt_batch
 from hybridrl.testing.models import KIT_WIDTH, build_kit_models
 from hybridrl.testing.partial import requests, responses

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.batch import RESPONSE_ATTENTION_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
 from hybridrl.config import TinyModelConfig
 from hybridrl.engines import EngineContext, SamplingParams
+from hybridrl.engines.batch import RESPONSE_ATTENTION_MASK, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
 from hybridrl.testing.batches import prompt_batch
 from hybridrl_vllm.requests import RequestPump
 
@@ -108,7 +108,7 @@ def test_pump_aborts_cancelled_requests_and_fails_every_waiter_on_an_engine_erro
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory) -> Path:
     """The bundled tiny model (head size 32, which vLLM's CPU attention supports) with the chat tokenizer."""
-    from hybridrl.tasks.tiny_model import build_tiny_model
+    from hybridrl.model.tiny import build_tiny_model
 
     return build_tiny_model(TinyModelConfig(num_layers=2, max_position=256, tokenizer="char_chat"),
                             tmp_path_factory.mktemp("vllm-episodes") / "tiny")
@@ -181,9 +181,9 @@ def test_requests_in_flight_share_engine_steps(engine):
 
 @pytest.mark.vllm
 def test_episodes_per_request_equal_batched_rounds_and_the_hf_rollout(engine, chat_model):
-    from hybridrl.data.tokenizer import load_tokenizer
     from hybridrl.environments.runner import run_episodes
     from hybridrl.environments.spec import EnvironmentSpec
+    from hybridrl.model.tokenizer import load_tokenizer
     from hybridrl.rollout.hf import HFRollout
     from hybridrl.tasks.calc import make_calc_rows
 

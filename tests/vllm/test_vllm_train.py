@@ -73,7 +73,7 @@ def test_groups_in_flight_train_complete_groups_and_carry_the_rest(layout, tmp_p
     engine must stop at the same step (they schedule identically), or the run would hang or mix rows."""
     import torch
 
-    from hybridrl.batch import GROUP_INDEX, RESPONSE_MASK, TOKEN_VERSIONS
+    from hybridrl.engines.batch import GROUP_INDEX, RESPONSE_MASK, TOKEN_VERSIONS
 
     _, overrides, _ = LAYOUTS[layout]
     cfg = load_config(QUICKSTART, [*SMALL, *overrides, *IN_FLIGHT, f"trainer.out={tmp_path}"])

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import BASELINE_SCORES, VALUES
+from hybridrl.engines.batch import BASELINE_SCORES, VALUES
 
 #: what an estimator may ask the trainer for (see the module docstring).
 KNOWN_NEEDS = frozenset({VALUES, BASELINE_SCORES})

@@ -16,7 +16,9 @@ from pydantic import ValidationError
 
 from hybridrl.algorithms.advantages import estimator_needs
 from hybridrl.algorithms.losses import PolicyLossSettings, clipped_value_loss, masked_mean, truncated_is_weights
-from hybridrl.batch import (
+from hybridrl.config import AlgorithmConfig
+from hybridrl.engines import LossScale
+from hybridrl.engines.batch import (
     ADVANTAGES,
     BASELINE_SCORES,
     ENTROPY,
@@ -29,8 +31,6 @@ from hybridrl.batch import (
     VALUES,
     Batch,
 )
-from hybridrl.config import AlgorithmConfig
-from hybridrl.engines import LossScale
 from hybridrl.plugins.registry import Registry, RegistryError
 
 #: preset keys that describe the algorithm rather than set an ``AlgorithmConfig`` field.

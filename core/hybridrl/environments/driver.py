@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridrl.batch import MESSAGES, META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, Batch
 from hybridrl.engines import SamplingParams
+from hybridrl.engines.batch import MESSAGES, META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, Batch
 from hybridrl.environments.checks import multi_turn
 from hybridrl.environments.metrics import episode_metrics
 from hybridrl.environments.spec import EnvironmentSpec

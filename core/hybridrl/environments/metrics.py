@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from hybridrl.batch import RESPONSE_MASK, Batch, response_attention_mask
+from hybridrl.engines.batch import RESPONSE_MASK, Batch, response_attention_mask
 from hybridrl.environments.trajectory import ENV_METRICS, ENV_SECONDS, NUM_TURNS, REWARD_PARTS, TRUNCATED
 
 

@@ -30,7 +30,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from hybridrl.batch import (
+from hybridrl.engines.batch import (
     MESSAGES,
     META,
     PROMPT_IDS,
@@ -42,12 +42,12 @@ from hybridrl.batch import (
     Batch,
     left_pad,
 )
+from hybridrl.engines.rollout_kit import mix_seed, special_ids, unpad_prompts
 from hybridrl.environments.base import Environment, EnvironmentContext, EpisodeLimits, EpisodeRow, ModelTurn, StepResult
 from hybridrl.environments.chat import ChatFormat
 from hybridrl.environments.spec import EnvironmentSpec
 from hybridrl.environments.trajectory import Trajectory, pack_trajectories
 from hybridrl.errors import HybridRLError
-from hybridrl.rollout.common import mix_seed, special_ids, unpad_prompts
 
 if TYPE_CHECKING:  # types only: the engine contract runs this module (RolloutEngine.generate_episodes)
     from hybridrl.engines import RolloutEngine, SamplingParams
@@ -68,7 +68,7 @@ class EpisodeError(HybridRLError, RuntimeError):
 
 @lru_cache(maxsize=4)
 def _tokenizer(model_path: str) -> Any:
-    from hybridrl.data.tokenizer import load_tokenizer
+    from hybridrl.model.tokenizer import load_tokenizer
 
     return load_tokenizer(model_path)
 

@@ -1,6 +1,6 @@
 """One episode's tokens as it is played, and the batch of rows the trainer receives from a set of them.
 
-Each trajectory becomes one row (``hybridrl.batch``'s multi-turn layout): ``response_ids`` holds every token
+Each trajectory becomes one row (``hybridrl.engines.batch``'s multi-turn layout): ``response_ids`` holds every token
 after the prompt, model turns and observations interleaved; ``response_mask`` is 1 exactly on the model's
 tokens; ``response_attention_mask`` on all of them; ``rollout_log_probs`` holds the model tokens' log-probs
 (0 on observations). Per-row figures of the episode ride along as tensors (``EPISODE_KEYS``) and the reward
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridrl.batch import (
+from hybridrl.engines.batch import (
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_ATTENTION_MASK,

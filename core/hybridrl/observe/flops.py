@@ -70,7 +70,7 @@ def shared_prompt_savings(shape: ModelShape, prompt_lens: Sequence[int], groups:
 
 def batch_prompt_savings(shape: ModelShape, batch: Any, lm_head: bool = True) -> float:
     """``shared_prompt_savings`` of a ``Batch``: its rows grouped by their prompts' real tokens."""
-    from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, distinct_prompts
+    from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, distinct_prompts
 
     groups = distinct_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])[0].tolist()
     return shared_prompt_savings(shape, batch[PROMPT_MASK].sum(-1).tolist(), groups, lm_head)
@@ -173,7 +173,7 @@ def step_perf_metrics(model_path: str, plan: Any, dtype: str, epochs: int, batch
     ``plan`` (devices per role), the step's token counts and its ``timing/*`` metrics (called at the end of
     ``Trainer.train_step``; never fails the step). ``shared_prompt_roles``: roles whose engine computes each
     distinct prompt once."""
-    from hybridrl.batch import PROMPT_MASK, response_attention_mask
+    from hybridrl.engines.batch import PROMPT_MASK, response_attention_mask
 
     try:
         shape = _shape_of(model_path)

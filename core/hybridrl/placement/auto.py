@@ -4,7 +4,7 @@
   importance sampling (``algorithm.tis_cap``) or an algorithm component that declares it needs them
   (``needs = ("rollout_log_probs", ...)`` on a registered advantage, policy loss, loss aggregation or KL
   estimator). Off, vLLM skips a log-softmax over the vocabulary for every sampled token.
-* For train roles whose backend registers a memory model (``hybridrl.placement.model_protocol``), on GPUs,
+* For train roles whose backend registers a memory model (``hybridrl.engines.memory_model``), on GPUs,
   from the memory plan (``hybridrl.placement.memory``): the settings the model offers (``TrainMemoryModel.knobs``;
   FSDP's: the token budget of a micro-batch, ``options.gradient_checkpointing`` and ``options.offload``). Every
   combination of the candidates each model lists is costed by the model (micro-batches launched, the forward that
@@ -24,8 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hybridrl.batch import ROLLOUT_LOG_PROBS
 from hybridrl.config import RunConfig
+from hybridrl.engines.batch import ROLLOUT_LOG_PROBS
+from hybridrl.engines.memory_model import AutoChoice, Knobs
 from hybridrl.placement.host_memory import HOST_USABLE_SHARE, host_needs, host_problems
 from hybridrl.placement.memory import (
     GIB,
@@ -39,7 +40,6 @@ from hybridrl.placement.memory import (
     role_context,
     step_workload,
 )
-from hybridrl.placement.model_protocol import AutoChoice, Knobs
 from hybridrl.placement.plan import PlacementPlan
 from hybridrl.plugins.registry import Registry, RegistryError, load_object
 from hybridrl.roles import role_spec

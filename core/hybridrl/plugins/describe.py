@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hybridrl.engines.capabilities import KNOWN
 from hybridrl.errors import HybridRLError
-from hybridrl.plugins.capabilities import KNOWN
 from hybridrl.plugins.registry import BackendSpec, Registry
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import (
+from hybridrl.engines.batch import (
     META,
     PROMPT_TEXT,
     RESPONSE_IDS,
@@ -222,7 +222,7 @@ def build_tiny_reward_model(cfg: Any, out_dir: str | Path) -> Path:
     """A small random ``Qwen2ForSequenceClassification`` (one label) with the tokenizer of ``cfg.tokenizer``
     (the bundled character one by default), built from a ``TinyModelConfig`` and saved as an HF checkpoint;
     reused when built from the same config. Random weights: it tests the plumbing, it does not judge answers."""
-    from hybridrl.tasks.tiny_model import _check, tiny_tokenizer
+    from hybridrl.model.tiny import _check, tiny_tokenizer
 
     _check(cfg)
     out = Path(out_dir)

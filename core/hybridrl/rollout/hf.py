@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import (
+from hybridrl.engines import EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
+from hybridrl.engines.batch import (
     FINISHED,
     GROUP_INDEX,
     MAX_NEW_TOKENS,
@@ -30,9 +31,8 @@ from hybridrl.batch import (
     distinct_prompts,
     groups_to_complete,
 )
-from hybridrl.engines import EngineContext, NamedTensor, RolloutEngine, SamplingParams, WeightBucket
+from hybridrl.engines.rollout_kit import eos_and_pad
 from hybridrl.lora import MergedAdapters, is_adapter_name
-from hybridrl.rollout.common import eos_and_pad
 from hybridrl.rollout.routing import RoutingCapture, router_modules
 from hybridrl.weights.experts import expert_views, to_checkpoint_layout
 

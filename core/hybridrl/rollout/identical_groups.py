@@ -56,7 +56,7 @@ class IdenticalGroupsWarning:
 def identical_groups_metrics(batch: object, warning: IdenticalGroupsWarning, temperature: float,
                              n_samples: int) -> dict[str, float]:
     """``rollout/identical_groups`` for a generated batch (none with one sample per prompt), fed to ``warning``."""
-    from hybridrl.batch import GROUP_INDEX, RESPONSE_IDS, response_attention_mask
+    from hybridrl.engines.batch import GROUP_INDEX, RESPONSE_IDS, response_attention_mask
 
     share = identical_group_share(batch[RESPONSE_IDS], response_attention_mask(batch), batch[GROUP_INDEX])
     warning.observe(share, temperature, n_samples)

@@ -1,4 +1,4 @@
-"""Rollout memory models (``hybridrl.placement.model_protocol.RolloutMemoryModel``): the core's ``hf`` rollout,
+"""Rollout memory models (``hybridrl.engines.memory_model.RolloutMemoryModel``): the core's ``hf`` rollout,
 whose KV cache grows with the batch, and ``PreallocatingRollout``, the arithmetic of an engine that claims its
 KV cache at start (a plugin instantiates it with its own batch defaults and KV sizing policy).
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hybridrl.engines.memory_model import RoleContext, RoleMemory
 from hybridrl.placement.memory import GIB, ModelShape, kv_demand
-from hybridrl.placement.model_protocol import RoleContext, RoleMemory
 from hybridrl.rollout.kv_budget import KVCacheTooSmall, is_auto, size_kv_cache
 
 #: a rollout engine's CUDA graph pool: a fixed part and a share of its weights.

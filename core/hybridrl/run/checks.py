@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.config import RunConfig
+from hybridrl.engines.capabilities import HEAD_CAPABILITY
 from hybridrl.placement.plan import PlacementPlan
-from hybridrl.plugins.capabilities import HEAD_CAPABILITY
 from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError, load_object
 from hybridrl.roles import role_spec
 from hybridrl.weights.experts import moe_layout_problem
@@ -33,7 +33,7 @@ def model_problems(cfg: RunConfig) -> Problems:
     found here rather than as a traceback from a worker after start-up."""
     problems: Problems = []
     if cfg.model.tiny is not None:
-        from hybridrl.tasks.tiny_model import tokenizer_problem
+        from hybridrl.model.tiny import tokenizer_problem
 
         problem = tokenizer_problem(cfg.model.tiny)
         problems += [] if problem is None else [("model.tiny.tokenizer", problem)]
@@ -86,11 +86,11 @@ def load_policy_tokenizer(cfg: RunConfig, problems: Problems) -> Any | None:
     key = "model.tiny.tokenizer" if cfg.model.tiny is not None else "model.path"
     try:
         if cfg.model.tiny is not None:
-            from hybridrl.tasks.tiny_model import tiny_tokenizer
+            from hybridrl.model.tiny import tiny_tokenizer
 
             tokenizer = tiny_tokenizer(cfg.model.tiny)
         else:
-            from hybridrl.data.tokenizer import load_tokenizer
+            from hybridrl.model.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(cfg.model.path)
     except Exception as exc:  # noqa: BLE001 - whatever the tokenizer's loader raises, the run cannot start

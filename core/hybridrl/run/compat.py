@@ -12,24 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.config import RunConfig
-
-#: config entries that say nothing about the weights' shapes (left out of the recorded config).
-_NOT_SHAPE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures", "id2label",
-              "label2id", "bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def model_signature(config: Any) -> dict[str, Any]:
-    """``{"config": scalar entries of the HF config, "shapes": parameter name -> shape}`` of the causal LM that
-    ``config`` builds, on the meta device (no memory, a second for a 70B model)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    shapes = {name: list(t.shape) for name, t in model.state_dict().items()}
-    scalars = {k: v for k, v in sorted(config.to_dict().items())
-               if k not in _NOT_SHAPE and isinstance(v, (int, float, str, bool)) and v is not None}
-    return {"config": scalars, "shapes": shapes}
+from hybridrl.model.signature import model_signature  # noqa: F401  (re-exported: its home before)
 
 
 def _hf_config(cfg: RunConfig, path: str | None) -> Any:
@@ -37,7 +20,7 @@ def _hf_config(cfg: RunConfig, path: str | None) -> Any:
     from transformers import AutoConfig
 
     if path is None and cfg.model.tiny is not None:
-        from hybridrl.tasks.tiny_model import tiny_hf_config
+        from hybridrl.model.tiny import tiny_hf_config
 
         return tiny_hf_config(cfg.model.tiny)
     return AutoConfig.from_pretrained(path or cfg.model.path)

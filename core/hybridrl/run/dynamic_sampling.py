@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hybridrl.batch import GROUP_INDEX, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, SCORES, Batch
+from hybridrl.engines.batch import GROUP_INDEX, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, SCORES, Batch
 from hybridrl.run.faults import RunFailure
 
 

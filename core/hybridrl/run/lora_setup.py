@@ -85,7 +85,7 @@ def _policy_config(cfg: RunConfig) -> Any:
     from transformers import AutoConfig
 
     if cfg.model.tiny is not None:
-        from hybridrl.tasks.tiny_model import tiny_hf_config
+        from hybridrl.model.tiny import tiny_hf_config
 
         return tiny_hf_config(cfg.model.tiny)
     return AutoConfig.from_pretrained(cfg.model.path)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hybridrl.batch import Batch
+from hybridrl.engines.batch import Batch
 from hybridrl.errors import HybridRLError
 from hybridrl.runtime.group import PendingCall
 

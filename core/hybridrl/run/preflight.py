@@ -261,10 +261,10 @@ def _reward_problems(cfg: RunConfig, registry: Registry) -> list[tuple[str, str]
 
 def prepare_model(cfg: RunConfig) -> tuple[str, Any]:
     """The HF checkpoint folder every role loads (building the tiny model when asked) and its tokenizer."""
-    from hybridrl.data.tokenizer import load_tokenizer
+    from hybridrl.model.tokenizer import load_tokenizer
 
     if cfg.model.tiny is not None:
-        from hybridrl.tasks.tiny_model import build_tiny_model
+        from hybridrl.model.tiny import build_tiny_model
 
         path = build_tiny_model(cfg.model.tiny, Path(cfg.trainer.out) / "init_model")
     else:

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import (
+from hybridrl.data.loading import PromptRow
+from hybridrl.engines.batch import (
     FINISHED,
     GROUP_INDEX,
     MAX_NEW_TOKENS,
@@ -44,7 +45,6 @@ from hybridrl.batch import (
     Batch,
     left_pad,
 )
-from hybridrl.data.loading import PromptRow
 
 
 @dataclass

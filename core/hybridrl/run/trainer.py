@@ -24,7 +24,9 @@ from hybridrl.algorithms.advantages import AdvantageInputs
 from hybridrl.algorithms.kl_control import build_kl_controller
 from hybridrl.algorithms.objective import PolicyObjective, ValueObjective, resolve_algorithm
 from hybridrl.algorithms.overlong import soft_overlong_penalty, truncated_rows
-from hybridrl.batch import (
+from hybridrl.config.secrets import redacted
+from hybridrl.engines import SamplingParams
+from hybridrl.engines.batch import (
     ADVANTAGES,
     BASELINE_SCORES,
     GROUP_INDEX,
@@ -55,8 +57,6 @@ from hybridrl.batch import (
     response_attention_mask,
     sequence_keys,
 )
-from hybridrl.config.secrets import redacted
-from hybridrl.engines import SamplingParams
 from hybridrl.environments.driver import Episodes
 from hybridrl.observe.flops import shared_prompt_roles, step_perf_metrics
 from hybridrl.observe.gc_pauses import gc_pause_metrics

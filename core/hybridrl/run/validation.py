@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import MESSAGES, META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RESPONSE_MASK, Batch, left_pad
 from hybridrl.config import RunConfig
 from hybridrl.engines import SamplingParams
+from hybridrl.engines.batch import MESSAGES, META, PROMPT_IDS, PROMPT_MASK, PROMPT_TEXT, RESPONSE_MASK, Batch, left_pad
 from hybridrl.environments.driver import Episodes
 from hybridrl.runtime.group import WorkerGroup
 

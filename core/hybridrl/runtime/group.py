@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridrl.batch import Batch, token_balanced_order
 from hybridrl.engines import DataParallelInfo
+from hybridrl.engines.batch import Batch, token_balanced_order
 from hybridrl.placement.plan import ProcessGroupPlan
 from hybridrl.runtime.deadline import CallDeadline, Waited, wait_all
 

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridrl.batch import (
+from hybridrl.engines import LossScale
+from hybridrl.engines.batch import (
     ADVANTAGES,
     LOG_PROBS,
     PROMPT_IDS,
@@ -17,7 +18,6 @@ from hybridrl.batch import (
     left_pad,
     right_pad,
 )
-from hybridrl.engines import LossScale
 
 #: ids below this are the character tokenizer's specials (pad, eos, bos): random sequences avoid them.
 FIRST_PLAIN_ID = 3

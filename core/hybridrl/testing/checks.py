@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.engines import SamplingParams
+from hybridrl.engines.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.testing.reference import ReferenceModel, near_support_edge, sampling_log_probs
 
 

@@ -32,7 +32,8 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.batch import (
+from hybridrl.engines import EngineContext, GeneratedTokens, RolloutEngine, SamplingParams, WeightBucket
+from hybridrl.engines.batch import (
     META,
     PROMPT_IDS,
     PROMPT_MASK,
@@ -45,7 +46,6 @@ from hybridrl.batch import (
     left_pad,
     right_pad,
 )
-from hybridrl.engines import EngineContext, GeneratedTokens, RolloutEngine, SamplingParams, WeightBucket
 from hybridrl.environments.spec import EnvironmentSpec
 from hybridrl.environments.trajectory import ENV_METRICS, ENV_REWARD, NUM_TURNS, REWARD_PARTS, TRUNCATED
 
@@ -111,7 +111,7 @@ def build_policy_model(folder: Path, tokenizer: str = "char_chat") -> Path:
     ``tokenizer``: ``char``, ``char_chat`` (the bundled ones) or ``qwen2`` (a Qwen2.5-style BPE tokenizer with
     its ChatML template, ``hybridrl.data.fixtures``)."""
     from hybridrl.config import TinyModelConfig
-    from hybridrl.tasks.tiny_model import build_tiny_model
+    from hybridrl.model.tiny import build_tiny_model
 
     if tokenizer == "qwen2":
         from hybridrl.data.fixtures import build_chat_tokenizer

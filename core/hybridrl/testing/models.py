@@ -58,7 +58,7 @@ class KitModels:
 
 
 def _tokenizer():
-    from hybridrl.data.tokenizer import build_char_tokenizer
+    from hybridrl.model.tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
 
@@ -90,7 +90,7 @@ def _eos_banned_path(model, prompts: tuple[tuple[int, ...], ...], eos: int, widt
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy decoding with EOS banned (one batched, uncached forward per step): ``(eos_logit, best_other)``,
     each ``(rows, width)``, at every step."""
-    from hybridrl.batch import left_pad
+    from hybridrl.engines.batch import left_pad
 
     ids, mask = left_pad([list(p) for p in prompts], pad_id=0)
     eos_logit = torch.zeros(len(prompts), width)

@@ -14,7 +14,15 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridrl.batch import FINISHED, GROUP_INDEX, MAX_NEW_TOKENS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
+from hybridrl.engines.batch import (
+    FINISHED,
+    GROUP_INDEX,
+    MAX_NEW_TOKENS,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    Batch,
+)
 from hybridrl.testing.batches import prompt_batch
 from hybridrl.testing.reference import ReferenceModel
 

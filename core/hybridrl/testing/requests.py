@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.engines import SamplingParams
+from hybridrl.engines.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
 from hybridrl.testing.checks import reference_problems, stop_problems
 from hybridrl.testing.reference import ReferenceModel
 

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.batch import (
+from hybridrl.engines import SamplingParams
+from hybridrl.engines.batch import (
     FINISHED,
     PROMPT_IDS,
     PROMPT_MASK,
@@ -27,7 +28,6 @@ from hybridrl.batch import (
     Batch,
     complete_groups,
 )
-from hybridrl.engines import SamplingParams
 from hybridrl.testing import backends
 from hybridrl.testing import lora as kit_lora
 from hybridrl.testing import partial as cut
@@ -239,7 +239,7 @@ class RolloutEngineContract(KitBase):
         """The kit's tiny MoE (``hybridrl.testing.routing.KIT_MOE``) with an EOS that the greedy continuations of
         some kit prompts reach early and of others never, so that its rows end at different columns (built only
         for a backend that declares ``return_routing``)."""
-        from hybridrl.tasks.tiny_model import build_tiny_model
+        from hybridrl.model.tiny import build_tiny_model
 
         self._declares(backend_name, "return_routing", kit_device)
         path = build_tiny_model(KIT_MOE, tmp_path_factory.mktemp("kit-moe") / "model")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.batch import (
+from hybridrl.engines.batch import (
     ADVANTAGES,
     ENTROPY,
     LOG_PROBS,
@@ -264,7 +264,7 @@ class TrainEngineContract(KitBase):
 
     @pytest.fixture(scope="class")
     def moe_model(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
-        from hybridrl.tasks.tiny_model import build_tiny_model
+        from hybridrl.model.tiny import build_tiny_model
 
         return build_tiny_model(KIT_MOE, tmp_path_factory.mktemp("kit-moe") / "model")
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrl.batch import GROUP_INDEX, PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, first_row_of_each_group
 from hybridrl.engines import SamplingParams
+from hybridrl.engines.batch import GROUP_INDEX, PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, first_row_of_each_group
 
 GREEDY_MARGIN = "greedy_margin"
 

@@ -1,4 +1,4 @@
-"""The example train engine's memory model (``hybridrl.placement.model_protocol.TrainMemoryModel``): what
+"""The example train engine's memory model (``hybridrl.engines.memory_model.TrainMemoryModel``): what
 ``ExampleTrainer`` holds on its one device, so ``hybridrl plan`` can size it and the ``auto`` search can choose
 its micro-batch. Engine-free: no torch, no transformers (a plan imports it on a laptop).
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridrl.placement.model_protocol import (
+from hybridrl.engines.memory_model import (
     AutoChoice,
     Knobs,
     RoleContext,

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, Batch, sequence_tensors
 from hybridrl.engines import EngineContext, LossScale, Objective, TrainEngine, WeightBucket
+from hybridrl.engines.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, Batch, sequence_tensors
 from hybridrl.weights.buckets import group_into_buckets
 
 STATE_FILE = "example_trainer.pt"

@@ -32,7 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hybridrl.batch import (
+from hybridrl.engines import EngineContext, LossScale, Objective, TrainEngine, TrainingOptions, WeightBucket
+from hybridrl.engines.batch import (
     ENTROPY,
     LOG_PROBS,
     RESPONSE_IDS,
@@ -44,7 +45,7 @@ from hybridrl.batch import (
     Batch,
     sequence_tensors,
 )
-from hybridrl.engine_support import (
+from hybridrl.engines.train_kit import (
     WeightedMean,
     check_same_count,
     engine_device,
@@ -52,7 +53,6 @@ from hybridrl.engine_support import (
     require_process_group,
     sampling_temperature,
 )
-from hybridrl.engines import EngineContext, LossScale, Objective, TrainEngine, TrainingOptions, WeightBucket
 from hybridrl.roles import role_spec
 from hybridrl.runtime.distributed import all_reduce_sum
 from hybridrl.weights.buckets import group_into_buckets

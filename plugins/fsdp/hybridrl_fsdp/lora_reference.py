@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from hybridrl.batch import Batch
 from hybridrl.engines import EngineContext, TrainEngine, WeightBucket
+from hybridrl.engines.batch import Batch
 from hybridrl.weights.buckets import group_into_buckets
 from hybridrl_fsdp.engine import FSDPEngine, _full_copy, _persistent_buffers
 

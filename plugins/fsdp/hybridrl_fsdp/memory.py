@@ -1,4 +1,4 @@
-"""The FSDP2 engine's memory model (``hybridrl.placement.model_protocol.TrainMemoryModel``), registered with the
+"""The FSDP2 engine's memory model (``hybridrl.engines.memory_model.TrainMemoryModel``), registered with the
 backend so the planner and the ``auto`` search know what a role of this engine holds. Engine-free: it imports
 no torch, so a laptop plans a GPU cluster.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from hybridrl.placement.model_protocol import (
+from hybridrl.engines.memory_model import (
     AUTO,
     OFFLOAD_MODES,
     AutoChoice,

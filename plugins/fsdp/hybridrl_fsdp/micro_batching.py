@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, response_attention_mask
+from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch, response_attention_mask
 from hybridrl_fsdp.packing import PackedRows, pack_rows, prompt_groups
 
 PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK)

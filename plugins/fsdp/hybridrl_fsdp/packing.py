@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import (
+from hybridrl.engines.batch import (
     PROMPT_IDS,
     PROMPT_MASK,
     RESPONSE_IDS,
@@ -107,7 +107,7 @@ SHARED_KWARG = "hybridrl_shared_prompts"
 
 
 def prompt_groups(batch: Batch) -> torch.Tensor:
-    """``(B,)`` the same id for rows whose prompts are the same real tokens (``hybridrl.batch.distinct_prompts``)."""
+    """``(B,)`` the same id for rows whose prompts are the same real tokens (``batch.distinct_prompts``)."""
     return distinct_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])[0]
 
 

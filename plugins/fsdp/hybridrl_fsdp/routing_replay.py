@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridrl.batch import (
+from hybridrl.engines.batch import (
     PROMPT_IDS,
     PROMPT_MASK,
     PROMPT_ROUTED_EXPERTS,

@@ -97,7 +97,7 @@ def make_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0)
     padding; advantages U(0.5, 1.5) (see the module docstring)."""
     import torch
 
-    from hybridrl.batch import ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
+    from hybridrl.engines.batch import ADVANTAGES, PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK, Batch
 
     gen = torch.Generator().manual_seed(seed)
     prompt_ids = torch.randint(1, vocab, (rows, prompt), generator=gen)
@@ -120,7 +120,7 @@ class PolicyGradient:
     needs = ("log_probs",)
 
     def __call__(self, outputs, micro_batch, scale):
-        from hybridrl.batch import ADVANTAGES, RESPONSE_MASK
+        from hybridrl.engines.batch import ADVANTAGES, RESPONSE_MASK
 
         mask = micro_batch[RESPONSE_MASK].float()
         loss = -(outputs["log_probs"] * micro_batch[ADVANTAGES] * mask).sum() / scale.total_tokens * scale.dp_size
@@ -206,8 +206,8 @@ def run_layout(cfg: dict, rank: int, model_path: Path, batch, tp: int, pp: int, 
     import torch
     import torch.distributed as dist
 
-    from hybridrl.batch import LOG_PROBS
     from hybridrl.engines import EngineContext, TrainingOptions
+    from hybridrl.engines.batch import LOG_PROBS
     from hybridrl_megatron.engine import MegatronEngine
 
     cuda = cfg["device"] == "cuda"

@@ -30,15 +30,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridrl.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, VALUES, Batch, sequence_tensors
-from hybridrl.engine_support import (
+from hybridrl.engines import DataParallelInfo, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
+from hybridrl.engines.batch import ENTROPY, LOG_PROBS, RESPONSE_IDS, RESPONSE_MASK, VALUES, Batch, sequence_tensors
+from hybridrl.engines.train_kit import (
     WeightedMean,
     check_same_count,
     engine_device,
     require_process_group,
     sampling_temperature,
 )
-from hybridrl.engines import DataParallelInfo, EngineContext, LossScale, Objective, TrainEngine, WeightBucket
 from hybridrl.weights.buckets import group_into_buckets
 from hybridrl.weights.sync_check import GREEDY_MARGIN
 from hybridrl_megatron.convert import VALUE_HEAD_NAMES, HFCheckpoint, padded_vocab_size, write_hf_checkpoint

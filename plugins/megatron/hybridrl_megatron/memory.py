@@ -1,4 +1,4 @@
-"""The Megatron engine's memory model (``hybridrl.placement.model_protocol.TrainMemoryModel``): tensor and
+"""The Megatron engine's memory model (``hybridrl.engines.memory_model.TrainMemoryModel``): tensor and
 pipeline parallel, not FSDP's sharding. Engine-free (no torch, no Megatron): a laptop plans it.
 
 What one device holds (``hybridrl_megatron.optim``, ``use_distributed_optimizer=False``):
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridrl.placement.model_protocol import (
+from hybridrl.engines.memory_model import (
     AUTO,
     AutoChoice,
     Knobs,

@@ -231,7 +231,7 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001
                 info[mod] = f"missing: {type(exc).__name__}: {exc}"
         try:
-            import hybridrl.batch  # noqa: F401 - needs tensordict
+            import hybridrl.engines.batch  # noqa: F401 - needs tensordict
             info["hybridrl"] = "importable"
         except Exception as exc:  # noqa: BLE001
             info["hybridrl"] = f"not importable: {exc}"
@@ -248,7 +248,7 @@ def main() -> int:
         a.save_pretrained(str(folder), safe_serialization=True)
         tokenizer = "saved"
         try:  # the engine runs without one (skip_tokenizer_init); saved so the folder is a complete checkpoint
-            from hybridrl.data.tokenizer import build_char_tokenizer
+            from hybridrl.model.tokenizer import build_char_tokenizer
 
             build_char_tokenizer().save_pretrained(str(folder))
         except Exception as exc:  # noqa: BLE001
@@ -280,14 +280,14 @@ def main() -> int:
                 "engine_gb": round((free0 - free1) / 2**30, 2)}
 
     def batch_of(prompts: list[list[int]]):
-        from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch, left_pad
+        from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, Batch, left_pad
 
         ids, mask = left_pad(prompts, pad_id=PAD)
         return Batch.from_tensors({PROMPT_IDS: ids, PROMPT_MASK: mask})
 
     def engine_greedy() -> tuple[list[list[int]], torch.Tensor, float]:
-        from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
         from hybridrl.engines import SamplingParams
+        from hybridrl.engines.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
 
         t = time.perf_counter()
         out = ctx["engine"].generate(batch_of(ctx["prompts"]),
@@ -298,8 +298,8 @@ def main() -> int:
         return tokens, out[ROLLOUT_LOG_PROBS], dt
 
     def generate() -> dict[str, Any]:
-        from hybridrl.batch import RESPONSE_MASK
         from hybridrl.engines import SamplingParams
+        from hybridrl.engines.batch import RESPONSE_MASK
 
         tokens, _, dt = engine_greedy()
         ctx["greedy_a"] = tokens
@@ -367,8 +367,8 @@ def main() -> int:
         return out
 
     def sampling() -> dict[str, Any]:
-        from hybridrl.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
         from hybridrl.engines import SamplingParams
+        from hybridrl.engines.batch import RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
 
         e, prompts = ctx["engine"], ctx["prompts"][:4]
         out: dict[str, Any] = {}

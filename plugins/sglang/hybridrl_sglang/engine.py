@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import PROMPT_IDS, PROMPT_MASK, Batch
 from hybridrl.engines import (
     DataParallelInfo,
     EngineContext,
@@ -30,7 +29,8 @@ from hybridrl.engines import (
     SamplingParams,
     WeightBucket,
 )
-from hybridrl.rollout.common import (
+from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, Batch
+from hybridrl.engines.rollout_kit import (
     ReplicaLayout,
     check_context,
     engine_seed,
@@ -116,7 +116,7 @@ class SGLangRollout(RolloutEngine):
     def _start_memory(self, ctx: EngineContext) -> PoolMemory | None:
         """``gpu_memory_utilization: auto``: the KV pool from what is free now, the trainers of this process
         built (``hybridrl.rollout.kv_budget``, ``options.auto_fraction``); a number is checked against it."""
-        from hybridrl.engine_support import release_cached_device_memory
+        from hybridrl.engines.train_kit import release_cached_device_memory
         from hybridrl.placement.memory import DTYPE_BYTES, read_hf_config, shape_from_hf_config
         from hybridrl.rollout.kv_budget import AUTO, demand_from_options
         from hybridrl_sglang.memory import SGLANG_MEMORY
@@ -153,7 +153,7 @@ class SGLangRollout(RolloutEngine):
     def _make_room(self, tags: list[str]) -> None:
         """Before the memory saver maps ``tags`` back: the caching allocator's free blocks of this process (the
         trainers' activations and logits) go back to the device, and what must come back has to be free."""
-        from hybridrl.engine_support import release_cached_device_memory
+        from hybridrl.engines.train_kit import release_cached_device_memory
 
         release_cached_device_memory()
         need = (getattr(self, "pool_bytes", None) or 0) * ("kv_cache" in tags) + \

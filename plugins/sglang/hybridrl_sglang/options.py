@@ -41,8 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridrl.plugins.options import dataclass_options
-from hybridrl.rollout.common import (
+from hybridrl.engines.rollout_kit import (
     ENGINE_OPTION_CASTS,
     check_choice,
     check_engine_options,
@@ -50,6 +49,7 @@ from hybridrl.rollout.common import (
     read_choices,
     read_options,
 )
+from hybridrl.plugins.options import dataclass_options
 from hybridrl.rollout.kv_budget import (
     AUTO,
     UTILIZATION_KEY,

@@ -7,7 +7,7 @@ In: ``prompt_ids``/``prompt_mask`` left-padded ``(B, P)`` -> one ``input_ids`` l
 SGLang's sampled-token log-probs are ``log softmax(logits / T)`` *before* top-k/top-p truncation; the contract
 wants them under the distribution the token was drawn from, so with top-k/top-p they are renormalised over the
 kept support, computed from the top log-probs SGLang returns (``renormalise``). Unpadding, the context check and
-packing are the core's (``hybridrl.rollout.common``).
+packing are the core's (``hybridrl.engines.rollout_kit``).
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@ scheduler process per tensor-parallel rank, so only the first rank of a replica 
 ``sglang.Engine``; it must see the GPUs of all its peers (Ray narrows each worker to its own), so the leader
 gathers the peers' visible devices and starts the engine with them. The other ranks host no engine: they
 return no output and their weight imports are no-ops (the leader feeds every tensor-parallel rank). The layout
-(``leader``, ``peers`` included) is the core's ``hybridrl.rollout.common.ReplicaLayout``; the devices are here.
+(``leader``, ``peers`` included) is the core's ``hybridrl.engines.rollout_kit.ReplicaLayout``; the devices are here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hybridrl.rollout.common import ReplicaLayout
+from hybridrl.engines.rollout_kit import ReplicaLayout
 
 
 def engine_devices(layout: ReplicaLayout, visible_per_rank: Sequence[str | None]) -> str | None:

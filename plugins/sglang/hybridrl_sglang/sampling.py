@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridrl.engines import SamplingParams
-from hybridrl.rollout.common import request_seeds
+from hybridrl.engines.rollout_kit import request_seeds
 
 #: logit bias that bans a token (``-inf`` would also work in SGLang, but a finite value survives every
 #: serialisation and gives ``exp() == 0`` in float32).

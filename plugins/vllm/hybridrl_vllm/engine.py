@@ -25,15 +25,6 @@ from typing import Any
 
 import torch
 
-from hybridrl.batch import (
-    FINISHED,
-    GROUP_INDEX,
-    PROMPT_IDS,
-    PROMPT_MASK,
-    RESPONSE_MASK,
-    Batch,
-    groups_to_complete,
-)
 from hybridrl.engines import (
     DataParallelInfo,
     EngineContext,
@@ -43,7 +34,16 @@ from hybridrl.engines import (
     SamplingParams,
     WeightBucket,
 )
-from hybridrl.rollout.common import (
+from hybridrl.engines.batch import (
+    FINISHED,
+    GROUP_INDEX,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    RESPONSE_MASK,
+    Batch,
+    groups_to_complete,
+)
+from hybridrl.engines.rollout_kit import (
     GroupCompletion,
     ReplicaLayout,
     check_context,
@@ -231,7 +231,7 @@ class VLLMRollout(RolloutEngine):
     def _start_memory(self, ctx: EngineContext) -> StartMemory:
         """The KV cache from what is free now: the trainers of this process are built and hold their resident
         state (``gpu_memory_utilization: auto``, ``hybridrl.rollout.kv_budget``)."""
-        from hybridrl.engine_support import release_cached_device_memory
+        from hybridrl.engines.train_kit import release_cached_device_memory
         from hybridrl.placement.memory import DTYPE_BYTES, read_hf_config, shape_from_hf_config
         from hybridrl.rollout.kv_budget import demand_from_options
         from hybridrl_vllm.memory import VLLM_MEMORY
@@ -552,7 +552,7 @@ class VLLMRollout(RolloutEngine):
         """Before mapping ``tags`` back: give the caching allocator's free blocks back to the device (the
         trainers' activations and logits of the phases just run, cached in this same process), and refuse
         with the numbers, instead of failing inside vLLM's allocator, when what must come back is not free."""
-        from hybridrl.engine_support import release_cached_device_memory
+        from hybridrl.engines.train_kit import release_cached_device_memory
 
         release_cached_device_memory()
         need = compat.asleep_bytes(self.llm, tags)

@@ -3,7 +3,7 @@
 In: ``prompt_ids``/``prompt_mask`` left-padded ``(B, P)`` -> one token list per row. Out: each request's
 sampled ids and the log-probs vLLM returned -> ``response_ids``/``response_mask``/``rollout_log_probs``,
 right-padded to exactly ``max_new_tokens`` columns, the stop (EOS) token inside the mask. Unpadding, the
-context check and packing are the core's (``hybridrl.rollout.common``); reading vLLM's log-probs is here.
+context check and packing are the core's (``hybridrl.engines.rollout_kit``); reading vLLM's log-probs is here.
 """
 
 from __future__ import annotations

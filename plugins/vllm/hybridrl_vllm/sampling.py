@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridrl.engines import SamplingParams
-from hybridrl.rollout.common import request_seeds
+from hybridrl.engines.rollout_kit import request_seeds
 
 #: ``seed_mode`` values: one seed per request (reproducible, independent of batching), the engine's
 #: own random stream (no per-request generators: faster for large batches on GPU), or ``auto``: request on

@@ -2,7 +2,7 @@
 
 A backend plugin implements one of these and registers it with ``registry.add_train_engine`` /
 ``registry.add_rollout``, declaring there which optional methods it implements (``supports=``, the names in
-``hybridrl.plugins.capabilities``): pre-flight and the trainer read the declarations, never probe the methods.
+``hybridrl.engines.capabilities``): pre-flight and the trainer read the declarations, never probe the methods.
 The core never imports a backend; it only calls these methods, inside the worker process that hosts the role
 (see ``hybridrl.runtime.worker``).
 """
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from hybridrl.batch import FINISHED, MAX_NEW_TOKENS, Batch, cap_responses
 from hybridrl.data_parallel import DataParallelInfo
+from hybridrl.engines.batch import FINISHED, MAX_NEW_TOKENS, Batch, cap_responses
 from hybridrl.lora import LoraSpec
 
 if TYPE_CHECKING:
