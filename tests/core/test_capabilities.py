@@ -111,7 +111,7 @@ def test_typed_training_settings_reach_the_engine_and_backend_options_stay_its_o
 
 @pytest.mark.parametrize("overrides, key, reason", [
     (["roles.actor.options.gradient_checkpointing=maybe"], "roles.actor.options.gradient_checkpointing",
-     "must be true, false or auto"),
+     "must be one of true, false, auto"),
     (["roles.actor.options.grad_checkpointing=true"], "roles.actor.options.grad_checkpointing",
      "unknown option of the fsdp backend"),
     (["roles.actor.backend=megatron", "roles.ref.backend=megatron", "roles.actor.max_tokens_per_micro_batch=512"],

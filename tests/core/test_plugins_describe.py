@@ -20,7 +20,7 @@ def test_a_train_backend_shows_its_capabilities_and_declared_options(capsys: pyt
     assert out.startswith("fsdp: train backend")
     assert "distribution hybridrl-fsdp" in out and "max ranks:     any" in out
     assert f"    lora                 {TRAIN_CAPABILITIES['lora']}" in out
-    assert "checked by hybridrl_fsdp.settings:option_problems" in out
+    assert "options: (validated by hybridrl_fsdp.settings:FSDPSettings)" in out
     assert "    packing                   bool = True: padding-free micro-batches" in out
     assert "moe_aux_loss_coef         float | None = unset: " in out
 

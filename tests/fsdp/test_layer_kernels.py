@@ -76,7 +76,7 @@ def test_the_option_is_checked_before_any_process_starts():
     assert option_problems("actor", {"fused_kernels": False}) == []
     for bad in ("yes", 1):
         (problem,) = option_problems("actor", {"fused_kernels": bad})
-        assert problem[0] == "fused_kernels" and "auto, true or false" in problem[1]
+        assert problem[0] == "fused_kernels" and "auto, true, false" in problem[1]
     assert FSDPSettings.from_options({}, "actor").fused_kernels == "auto"
 
 

@@ -93,8 +93,8 @@ def resolve_algorithm(cfg: AlgorithmConfig, registry: Registry) -> ResolvedAlgor
 class PolicyObjective:
     """Callable objective for ``TrainEngine.update`` (see ``hybridrl.engines.Objective``)."""
 
-    def __init__(self, cfg: AlgorithmConfig, registry: Registry) -> None:
-        algo = resolve_algorithm(cfg, registry)
+    def __init__(self, cfg: AlgorithmConfig, registry: Registry, resolved: ResolvedAlgorithm | None = None) -> None:
+        algo = resolved if resolved is not None else resolve_algorithm(cfg, registry)
         cfg = self.cfg = algo.config
         self.policy_loss: Callable = registry.get("policy_loss", algo.policy_loss)
         self.aggregate: Callable = registry.get("loss_aggregation", algo.loss_agg)

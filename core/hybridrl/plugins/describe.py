@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridrl.engines.capabilities import KNOWN
+from hybridrl.engines.options import is_options_model
 from hybridrl.errors import HybridRLError
 from hybridrl.plugins.registry import BackendSpec, Registry
 
@@ -50,6 +51,9 @@ def _option_lines(spec: BackendSpec) -> list[str]:
     if spec.options is None:
         return [f"  options:       not declared{checked}"]
     declared: Sequence[Any] = spec.hook("options")
+    if is_options_model(declared):
+        checked = f" (validated by {_qualname(declared)}" + (f", checked by {checker})" if checker else ")")
+        declared = declared.docs()  # type: ignore[attr-defined]
     lines = [f"  options:{checked}"]
     width = max((len(o.key) for o in declared), default=0)
     for option in declared:

@@ -163,7 +163,8 @@ def option_problems(cfg: RunConfig, backends: dict[str, BackendEntry]) -> Proble
 
     problems: Problems = []
     for role, entry in backends.items():
-        if entry.check_options is None:
+        problems += typed_option_problems(cfg, role, entry)
+        if entry.check_options is None or any(k.startswith(f"roles.{role}.options") for k, _ in problems):
             continue
         try:
             check = load_object(entry.check_options)
@@ -182,6 +183,25 @@ def option_problems(cfg: RunConfig, backends: dict[str, BackendEntry]) -> Proble
                 path = f"roles.{role}.options.{key}"
             problems.append((path, reason))
     return problems
+
+
+def typed_option_problems(cfg: RunConfig, role: str, entry: BackendEntry) -> Problems:
+    """``roles.<role>.options`` validated against the backend's options model, when it registered one
+    (``hybridrl.engines.options.BackendOptions``), each problem under its key path."""
+    from hybridrl.engines.options import is_options_model
+
+    if entry.options is None:
+        return []
+    try:
+        model = entry.hook("options")
+    except RegistryError as exc:
+        return [(f"roles.{role}.backend", str(exc))]
+    if not is_options_model(model):
+        return []
+    _, found = model.read(getattr(cfg.roles, role).options)
+    backend = f"unknown option of the {entry.name} backend"
+    return [(f"roles.{role}.options" + (f".{key}" if key else ""), reason.replace("unknown option", backend, 1))
+            for key, reason in found]
 
 
 def capability_problems(plan: PlacementPlan, backends: dict[str, BackendEntry]) -> Problems:

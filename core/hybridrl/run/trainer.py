@@ -131,7 +131,8 @@ class Trainer:
         self.setup = setup
         self.cfg = cfg = setup.cfg
         self.registry = setup.registry
-        self.algo = resolve_algorithm(cfg.algorithm, self.registry)
+        plan = setup.run_plan  # resolved once by pre-flight; a setup built by hand resolves here
+        self.algo = plan.algorithm if plan is not None else resolve_algorithm(cfg.algorithm, self.registry)
         self.tokenizer = setup.tokenizer
         self.loader = PromptLoader(setup.prompts, cfg.data.prompts_per_step, cfg.trainer.seed, cfg.data.shuffle)
         self.advantage_fn = self.registry.get("advantage", self.algo.advantage)
@@ -140,7 +141,7 @@ class Trainer:
         self.kl_fn = self.registry.get("kl_estimator", kl_cfg.estimator) if kl_on else None
         self.kl_in_reward = self.kl_fn is not None and kl_cfg.apply_as == "reward"
         self.kl_ctrl = build_kl_controller(kl_cfg) if self.kl_in_reward else None
-        self.policy_objective = PolicyObjective(cfg.algorithm, self.registry)
+        self.policy_objective = PolicyObjective(cfg.algorithm, self.registry, self.algo)
         self.scorer = RewardScorer(self.tokenizer, setup.rules, reward_cfg=cfg.roles.reward)
         self.episodes = Episodes.for_run(cfg, self.registry)  # None: single-turn generation
         r = cfg.roles.rollout
@@ -213,6 +214,8 @@ class Trainer:
         if resume_from is None:
             write_private(out / "samples.jsonl", "")
         write_config(out / "config.json", self.cfg.model_dump(mode="json", by_alias=True))  # secrets redacted
+        if self.setup.run_plan is not None:
+            write_config(out / "run_plan.json", self.setup.run_plan.record())
         log.info("%s", self.setup.plan.render())
         for note in self.setup.notes:
             log.info("note: %s", note)
