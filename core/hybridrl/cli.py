@@ -173,7 +173,8 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
         rollout_tp = registry.backend("rollout", cfg.roles.rollout.backend).can("tensor_parallel")
     except RegistryError:
         rollout_tp = True  # an unknown backend is named by the planner's own check
-    ranked = advise(args.config, args.overrides, cluster, profile, planner, rollout_tp=rollout_tp)
+    ranked = advise(args.config, args.overrides, cluster, profile, planner, rollout_tp=rollout_tp,
+                    registry=registry)
     print(render(ranked, profile, cluster))
     if args.write:
         best = next((r for r in ranked if r.prediction is not None), None)

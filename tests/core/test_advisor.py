@@ -1,6 +1,7 @@
 """The device-map advisor (``hybridrl.placement.advice``): the cost model's fit, the ranking, the refusals and
 ``hybridrl plan --advise``. CPU only: the profiles are recorded (``tests/core/profiles/quickstart``, 4 steps of
-``examples/quickstart.yaml`` on one CPU slot) or written here with known rates."""
+``examples/quickstart.yaml`` on one CPU slot; ``tests/core/profiles/ppo``, 6 steps of it as PPO with ``PPO``'s
+overrides) or written here with known rates."""
 
 from __future__ import annotations
 
@@ -20,12 +21,17 @@ ROOT = Path(__file__).resolve().parents[2]
 RECORDED = Path(__file__).parent / "profiles" / "quickstart"
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 QWEN7B = ROOT / "examples" / "qwen7b-colocated.yaml"
+#: tests/core/profiles/ppo: 6 steps of the quick start as PPO (a critic colocated with the actor) on one CPU slot
+RECORDED_PPO = Path(__file__).parent / "profiles" / "ppo"
+PPO = ["algorithm.name=ppo", "algorithm.critic_warmup=0", "data.prompts_per_step=16", "algorithm.n_samples=8"]
 
 
 def _write_run(folder: Path, steps: list[tuple[float, float]], gen_a: float, gen_b: float, train_tps: float,
-               ref_tps: float, devices: int = 2, skip: tuple[str, ...] = ()) -> None:
+               ref_tps: float, devices: int = 2, skip: tuple[str, ...] = (),
+               critic: tuple[float, float] | None = None, extra: dict | None = None) -> None:
     """A run folder whose phases took exactly what the given rates say: ``steps`` are (response length, prompt
-    length); 4 prompts x 4 samples, one replica per device, ``devices`` devices in one colocated pool."""
+    length); 4 prompts x 4 samples, one replica per device, ``devices`` devices in one colocated pool; ``critic``:
+    the (values, update_critic) tokens/s per device of a critic on that pool too."""
     folder.mkdir(parents=True)
     sequences = 16
     spans, metrics = [], []
@@ -34,12 +40,15 @@ def _write_run(folder: Path, steps: list[tuple[float, float]], gen_a: float, gen
         tokens = int(sequences * (length + prompt))
         phases = {"gen": gen_a + gen_b * length, "ref": tokens / (ref_tps * devices),
                   "update_actor": tokens / (train_tps * devices), "data": 0.1, "adv": 0.2, "reshard": 0.05}
+        if critic is not None:
+            phases |= {"values": tokens / (critic[0] * devices), "update_critic": tokens / (critic[1] * devices)}
         spans.append({"step": step, "phase": "step", "role": "driver", "pool": None, "ranks": [], "start": t,
                       "end": t + sum(phases.values()), "tokens": None})
         for phase, seconds in phases.items():
             if phase in skip:
                 continue
-            role = {"gen": "rollout", "ref": "ref", "update_actor": "actor", "reshard": "actor"}.get(phase, "driver")
+            role = {"gen": "rollout", "ref": "ref", "update_actor": "actor", "reshard": "actor", "values": "critic",
+                    "update_critic": "critic"}.get(phase, "driver")
             pooled = role != "driver"
             spans.append({"step": step, "phase": phase, "role": role, "pool": "main" if pooled else None,
                           "ranks": [[0, devices - 1]] if pooled else [], "start": t, "end": t + seconds,
@@ -51,8 +60,9 @@ def _write_run(folder: Path, steps: list[tuple[float, float]], gen_a: float, gen
     (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     config = {"data": {"prompts_per_step": 4}, "algorithm": {"n_samples": 4, "kl": {"coef": 0.01}},
               "roles": {"actor": {"pool": "main"}, "ref": {"pool": "main"},
-                        "rollout": {"pool": "main", "tensor_parallel": 1}}}
-    (folder / "config.json").write_text(json.dumps(config))
+                        "rollout": {"pool": "main", "tensor_parallel": 1},
+                        "critic": {"pool": "main"} if critic is not None else None}}
+    (folder / "config.json").write_text(json.dumps(config | (extra or {})))
 
 
 def test_the_fit_recovers_the_rates_a_run_was_made_with(tmp_path):
@@ -71,6 +81,11 @@ def test_the_fit_recovers_the_rates_a_run_was_made_with(tmp_path):
 def test_one_response_length_fits_the_line_through_the_origin():
     assert fit_line([10.0, 10.0], [2.0, 2.0]) == (0.0, pytest.approx(0.2))
     assert fit_line([1.0, 2.0, 3.0], [1.5, 2.5, 3.5]) == (pytest.approx(0.5), pytest.approx(1.0))
+    # a slope that falls with the length is noise (the first profile of the quick start fitted -0.09 s a round):
+    # through the origin, so a longer response never predicts a shorter generation
+    a, b = fit_line([2.90, 2.95, 3.00], [0.030, 0.020, 0.021])
+    assert a == 0.0 and b == pytest.approx(sum(x * y for x, y in zip([2.90, 2.95, 3.00], [0.030, 0.020, 0.021])) /
+                                           sum(x * x for x in [2.90, 2.95, 3.00])) and b > 0
 
 
 def test_the_recorded_quickstart_profile_fits():
@@ -79,6 +94,73 @@ def test_the_recorded_quickstart_profile_fits():
     assert 0 < profile.train_tps < float("inf") and 0 < profile.ref_tps < float("inf")
     assert profile.response_length == pytest.approx(2.96, abs=0.05)  # quickstart answers 2 digits + EOS
     assert profile.gen_round > 0
+
+
+def test_the_fit_recovers_a_critics_rates(tmp_path):
+    steps = [(100.0, 20.0), (200.0, 20.0), (300.0, 10.0)]
+    _write_run(tmp_path / "run", steps, 0.5, 0.02, 500.0, 2000.0, critic=(1500.0, 400.0))
+    profile = fit_profile(tmp_path / "run")
+    assert profile.values_tps == pytest.approx(1500.0, rel=1e-2)
+    assert profile.critic_train_tps == pytest.approx(400.0, rel=1e-2)
+    assert profile.fixed == pytest.approx(0.3)  # the critic's phases are modelled, not the driver's work
+
+
+def test_a_critic_profile_without_update_critic_names_it(tmp_path):
+    _write_run(tmp_path / "run", [(10.0, 5.0), (20.0, 5.0)], 0.1, 0.01, 100.0, 100.0, critic=(100.0, 100.0),
+               skip=("update_critic",))
+    with pytest.raises(ProfileError, match="no spans of update_critic"):
+        fit_profile(tmp_path / "run")
+
+
+def test_a_critic_warm_up_without_actor_updates_is_explained(tmp_path):
+    _write_run(tmp_path / "run", [(10.0, 5.0), (20.0, 5.0)], 0.1, 0.01, 100.0, 100.0, critic=(100.0, 100.0),
+               skip=("update_actor",), extra={"algorithm": {"n_samples": 4, "critic_warmup": 5}})
+    with pytest.raises(ProfileError, match=r"critic trains alone for algorithm.critic_warmup=5 steps"):
+        fit_profile(tmp_path / "run")
+
+
+def _ppo_ranked(profile: CostProfile, nodes: int, devices: int) -> list:
+    from hybridrl.placement.memory import model_shape
+    from hybridrl.plugins.discovery import get_registry
+
+    cluster = ClusterSpec(nodes, devices, "cpu", declared=True)
+    registry = get_registry(())
+    planner = plan_candidate(cluster, registry, None, model_shape(load_config(QUICKSTART, PPO))[0])
+    return advise(QUICKSTART, PPO, cluster, profile, planner, registry=registry)
+
+
+def test_the_recorded_ppo_profile_predicts_its_own_step():
+    """The profiled map (colocated on one CPU slot) is predicted within 20% of the steps it was fitted from,
+    with the critic's phases in the prediction."""
+    profile = fit_profile(RECORDED_PPO)
+    assert 0 < profile.values_tps < float("inf") and 0 < profile.critic_train_tps < float("inf")
+    rows = [json.loads(line) for line in (RECORDED_PPO / "metrics.jsonl").read_text().splitlines()][1:]
+    measured = sum(r["timing/step"] for r in rows) / len(rows)
+    (ranked,) = [r for r in _ppo_ranked(profile, 1, 1) if r.prediction is not None]
+    p = ranked.prediction
+    assert ranked.candidate.name == "colocated 1x1"
+    assert p.step == pytest.approx(measured, rel=0.2)
+    for phase in ("values", "update_critic"):
+        seen = sum(r[f"timing/{phase}"] for r in rows) / len(rows)
+        assert p.phases[phase] == pytest.approx(seen, rel=0.2)
+    assert p.critic == pytest.approx(p.phases["values"] + p.phases["update_critic"])
+
+
+def test_a_critic_gets_a_pool_of_its_own_and_is_time_shared_when_colocated(capsys):
+    profile = fit_profile(RECORDED_PPO)
+    ranked = {r.candidate.name: r for r in _ppo_ranked(profile, 1, 4)}
+    colocated, own = ranked["colocated 1x4"].prediction, ranked["split train 1x2:critic 1x1:gen 1x1"].prediction
+    assert colocated and own
+    one = next(r.prediction for r in _ppo_ranked(profile, 1, 1) if r.prediction)
+    assert colocated.critic == pytest.approx(one.critic / 4)  # on all 4 devices, in turn with the other phases
+    assert own.critic == pytest.approx(one.critic)  # on its 1 device; the trainer still waits for it
+    assert set(own.busy) == {"train", "critic", "gen"}
+    assert own.busy["critic"] == pytest.approx(own.critic / own.step)
+    assert "critic on fewer devices" in ranked["split train 1x2:critic 1x1:gen 1x1"].why
+    assert main(["plan", str(QUICKSTART), *PPO, "--advise", "--device", "cpu", "--cluster", "1x4",
+                 "--profile", str(RECORDED_PPO)]) == 0
+    out = capsys.readouterr().out
+    assert "critic s" in out.splitlines()[1] and "split train 1x2:critic 1x1:gen 1x1" in out
 
 
 def _best_split_gen_devices(profile: CostProfile) -> int:

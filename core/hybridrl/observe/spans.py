@@ -5,12 +5,14 @@ the spans are tied to devices through the placement plan (a phase's roles -> the
 appended to ``<trainer.out>/spans.jsonl``, one line per (phase, role). A device's busy fraction of the step is
 the union of its spans over the step's wall time, logged as ``device/<pool>.<rank>/busy``. Measured on the
 driver's clock: a device counts as busy while the driver waits on a call to its role, whatever the kernels do
-inside it (CUDA events or NVML sampling would refine this per device).
+inside it. Given the worker groups, a GPU whose worker samples NVML reports its kernel utilisation over the step
+instead (``hybridrl.observe.device_busy``), and ``device/busy_sampled`` says the share of devices measured so.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,8 @@ from hybridrl.errors import HybridRLError
 if TYPE_CHECKING:
     from hybridrl.observe.timing import PhaseTimer
     from hybridrl.placement.plan import PlacementPlan
+
+log = logging.getLogger(__name__)
 
 #: the pooled roles whose devices each timed phase keeps busy; phases not listed run in the driver.
 PHASE_ROLES: dict[str, tuple[str, ...]] = {
@@ -136,6 +140,7 @@ class SpanLog:
     pool_sizes: dict[str, int]  # pool -> devices (ranks)
     path: Path | None = None  # None: nothing written (tests, a plan without a run folder)
     epochs: int = 1
+    busy_source: str | None = None  # the last source line logged (``device_busy.source_line``)
 
     @classmethod
     def for_plan(cls, plan: PlacementPlan, out: str | Path | None, epochs: int = 1) -> SpanLog:
@@ -159,15 +164,27 @@ class SpanLog:
         return out
 
     def record_step(self, step: int, timer: PhaseTimer, step_seconds: float, response_tokens: int,
-                    all_tokens: int) -> dict[str, float]:
-        """Append the step's spans to the file and return ``device/<pool>.<rank>/busy`` for the step."""
+                    all_tokens: int, groups: Mapping[str, Any] | None = None) -> dict[str, float]:
+        """Append the step's spans to the file and return ``device/<pool>.<rank>/busy`` for the step; with the
+        worker ``groups``, NVML's value where a worker sampled one, and ``device/busy_sampled``."""
         spans = self.spans(step, timer, step_seconds, response_tokens, all_tokens)
         if self.path is not None:
             from hybridrl.run.file_modes import open_private
 
             with open_private(self.path) as f:
                 f.writelines(json.dumps(s.to_json()) + "\n" for s in spans)
-        return busy_metrics(busy_fractions(spans, self.pool_sizes, timer.started, timer.started + step_seconds))
+        lo, hi = timer.started, timer.started + step_seconds
+        busy = busy_fractions(spans, self.pool_sizes, lo, hi)
+        if groups is None:
+            return busy_metrics(busy)
+        from hybridrl.observe.device_busy import merge_busy, sampled_busy, source_line
+
+        busy, sampled = merge_busy(busy, sampled_busy(groups, lo, hi))
+        line = source_line(sampled, len(busy))
+        if line != self.busy_source:
+            log.info("%s", line)
+            self.busy_source = line
+        return busy_metrics(busy) | {"device/busy_sampled": sampled / max(len(busy), 1)}
 
 
 class SpansError(HybridRLError, ValueError):

@@ -562,7 +562,8 @@ class Trainer:
             metrics["rollout/logp_diff"] = float(
                 ((batch[ROLLOUT_LOG_PROBS] - batch[OLD_LOG_PROBS]).abs() * batch[RESPONSE_MASK]).sum()
                 / max(resp_tokens, 1.0))
-        metrics.update(self.span_log.record_step(self.step, timer, step_seconds, int(resp_tokens), int(all_tokens)))
+        metrics.update(self.span_log.record_step(self.step, timer, step_seconds, int(resp_tokens), int(all_tokens),
+                                                 groups=self.groups))
         metrics.update(step_perf_metrics(self.setup.model_path, self.setup.plan, self.cfg.model.dtype,
                                          self.cfg.algorithm.epochs, batch, metrics, self.shared_prompt_roles))
         metrics.update(peak_memory_metrics(self.groups))

@@ -16,6 +16,7 @@ import torch
 
 from hybridrl.engines import DataParallelInfo, EngineContext, RolloutEngine, TrainEngine
 from hybridrl.observe.console import quiet_library_bars
+from hybridrl.observe.device_busy import BusySampler, device_sampler
 from hybridrl.observe.gc_pauses import GcPauseMeter
 from hybridrl.observe.memory import DeviceMemoryMeter
 from hybridrl.observe.profile import CallProfiler
@@ -41,6 +42,7 @@ class RoleWorker:
         self.memory = DeviceMemoryMeter(device, rank)  # device peak per phase; OOM -> DeviceOutOfMemory
         self.profiler = CallProfiler(rank)  # trainer.profile_step: kernel profiles of named calls
         self.gc_pauses = GcPauseMeter()  # gc/<role>.<method>_s: the collector's pauses inside each call
+        self.busy: BusySampler | None = None  # NVML utilisation of a CUDA device, from the first engine built
 
     # --- set-up ---------------------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -66,6 +68,8 @@ class RoleWorker:
                             device=self.device, **ctx_fields)
         with self.memory.watch(role, "build"):
             self.engines[role] = engine_cls(ctx)
+        if self.busy is None:  # CUDA is set up now: the sampler reads the device this process uses
+            self.busy = device_sampler(self.device)
         return self.engines[role].data_parallel()
 
     def build_view(self, role: str, of_role: str, backend: str, ctx_fields: dict[str, Any]) -> DataParallelInfo:
@@ -151,6 +155,11 @@ class RoleWorker:
     def gc_report(self) -> dict[str, float]:
         """The collector's pauses per call since the last report (``GcPauseMeter.report``)."""
         return self.gc_pauses.report()
+
+    def busy_report(self, lo: float, hi: float) -> float | None:
+        """The share of ``[lo, hi]`` (seconds since the epoch) this worker's GPU ran kernels, sampled by NVML;
+        None without a sampler (the driver keeps the span-based fraction)."""
+        return self.busy.fraction(lo, hi) if self.busy is not None else None
 
     def memory_report(self) -> dict[str, float]:
         """The device peak (MiB) of each phase this worker ran since the last report (GPU only)."""

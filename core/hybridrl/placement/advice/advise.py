@@ -88,11 +88,16 @@ def plan_candidate(cluster: ClusterSpec, registry: Any, device_bytes: float | No
 
 
 def advise(config: str | Path, overrides: Sequence[str], cluster: ClusterSpec, profile: CostProfile,
-           planner: Planner, rollout_tp: bool = True) -> list[Ranked]:
+           planner: Planner, rollout_tp: bool = True, registry: Any = None) -> list[Ranked]:
     """Every candidate map of the config at ``config`` (with the user's ``overrides``) on ``cluster``, the kept
     ones ranked by predicted samples/s (best first), then the dropped ones with their reason. ``rollout_tp``:
-    whether the rollout backend splits an engine over ranks (capability ``tensor_parallel``)."""
+    whether the rollout backend splits an engine over ranks (capability ``tensor_parallel``). With ``registry``
+    the maps place the roles the algorithm adds (a PPO config's critic, unwritten in its YAML)."""
     base = load_config(config, list(overrides))
+    if registry is not None:
+        from hybridrl.run.preflight import with_algorithm_roles
+
+        base, _ = with_algorithm_roles(base, registry)
     kept: list[Ranked] = []
     dropped: list[Ranked] = []
     for candidate in candidate_maps(base, cluster.nodes, cluster.devices_per_node, rollout_tp):
@@ -147,21 +152,27 @@ def why_it_loses(r: Ranked, best: Ranked) -> str:
     best_gen = best.prediction.phases["gen"] if best.prediction else 0.0
     if r.candidate.tp != best.candidate.tp and p.bound != "train" and p.phases["gen"] > 1.1 * best_gen:
         reasons.append(f"tp{r.candidate.tp} generates slower")
+    best_critic = best.prediction.critic if best.prediction else None
+    if p.critic is not None and best_critic is not None and p.critic > 1.1 * best_critic and p.bound != "gen":
+        reasons.append("critic on fewer devices")
     return ", ".join(dict.fromkeys(reasons)) or "slower"
 
 
 def render(ranked: list[Ranked], profile: CostProfile, cluster: ClusterSpec) -> str:
     """The ranked table ``hybridrl plan --advise`` prints."""
-    header = ("#", "map", "step s", "samples/s", "busy per pool", "peak GiB", "why it loses")
+    critic = any(r.prediction is not None and r.prediction.critic is not None for r in ranked)
+    header = ("#", "map", "step s", "samples/s", *(("critic s",) if critic else ()), "busy per pool", "peak GiB",
+              "why it loses")
     rows: list[tuple[str, ...]] = [header]
     for i, r in enumerate(ranked, 1):
         p = r.prediction
         peak = ", ".join(f"{pool} {gib:.1f}" for pool, gib in r.planned.peak_gib.items()) or "-"
         if p is None:
-            rows.append(("-", r.candidate.name, "-", "-", "-", peak, r.why))
+            rows.append(("-", r.candidate.name, "-", "-", *(("-",) if critic else ()), "-", peak, r.why))
             continue
         busy = ", ".join(f"{pool} {share:.0%}" for pool, share in p.busy.items())
-        rows.append((str(i), r.candidate.name, f"{p.step:.2f}", f"{p.samples_per_s:.1f}", busy, peak,
+        critic_cell = (f"{p.critic:.2f}" if p.critic is not None else "-",) if critic else ()
+        rows.append((str(i), r.candidate.name, f"{p.step:.2f}", f"{p.samples_per_s:.1f}", *critic_cell, busy, peak,
                      "best" if i == 1 else r.why))
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     lines = [f"device-map advice for {cluster.describe()}; costs: {profile.source}" +

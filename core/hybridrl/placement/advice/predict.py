@@ -6,7 +6,10 @@ trainer runs them.
   still the sum (without wake and sleep); the split's gain is more devices per phase and no time-sharing of memory.
 * pipelined (staleness 1): the rollout generates step k+1 while step k trains: ``max(gen, train) + reshard``.
 
-Plus the driver's fixed work every step. A pool's busy fraction is its phases' seconds over the step.
+With a critic its ``values`` and ``update_critic`` join the train phases, on the critic's pool: time-shared with
+the actor's phases when it shares their pool, and still in turn with them on a pool of its own (the trainer waits
+for each call; a critic pool buys memory, not overlap). Plus the driver's fixed work every step. A pool's busy
+fraction is its phases' seconds over the step.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from hybridrl.config import RunConfig
 from hybridrl.placement.advice.candidates import Candidate
 from hybridrl.placement.advice.profile import DEFAULT_CONCURRENCY, CostProfile
 
+#: the phases on the train side of a step (after the batch is generated, before the reshard)
+TRAIN_PHASES = ("ref", "old_log_prob", "values", "update_critic", "update_actor")
+
 
 @dataclass
 class Prediction:
@@ -28,6 +34,13 @@ class Prediction:
     busy: dict[str, float]  # pool -> share of the step
     bound: str  # the phase group that sets the step: "gen", "train" or "serial"
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def critic(self) -> float | None:
+        """Seconds of the critic's phases (``values`` + ``update_critic``), None without a critic."""
+        if "values" not in self.phases and "update_critic" not in self.phases:
+            return None
+        return self.phases.get("values", 0.0) + self.phases.get("update_critic", 0.0)
 
 
 def _link(plan: Any, reshard: Any) -> tuple[str, str]:
@@ -70,6 +83,10 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
         phases["ref"] = tokens / (profile.ref_tps * len(plan.pools[plan.role_pool["ref"]]))
     phases["old_log_prob"] = tokens / (profile.old_log_prob_tps * actor_devices)
     phases["update_actor"] = tokens * epochs / (profile.train_tps * actor_devices)
+    if "critic" in plan.role_pool:
+        critic_devices = len(plan.pools[plan.role_pool["critic"]])
+        phases["values"] = tokens / (profile.values_tps * critic_devices)
+        phases["update_critic"] = tokens * epochs / (profile.critic_train_tps * critic_devices)
     shared = plan.colocated("rollout", "actor") or any(plan.colocated("rollout", r) for r in plan.role_pool
                                                        if r != "rollout")
     if shared:
@@ -77,7 +94,7 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
     phases["reshard"] = reshard_seconds(profile, plan, reshard)
     phases["fixed"] = profile.fixed
     gen = phases["gen"] + phases.get("wake", 0.0) + phases.get("sleep", 0.0)
-    train = phases.get("ref", 0.0) + phases["old_log_prob"] + phases["update_actor"]
+    train = sum(phases.get(p, 0.0) for p in TRAIN_PHASES)
     if candidate.kind == "pipelined":
         step = max(gen, train) + phases["reshard"] + profile.fixed
         bound = "gen" if gen >= train else "train"
@@ -86,7 +103,8 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
         bound = "serial" if candidate.kind == "colocated" else ("gen" if gen >= train else "train")
     work: dict[str, float] = {}
     for phase, roles in (("gen", ("rollout",)), ("wake", ("rollout",)), ("sleep", ("rollout",)), ("ref", ("ref",)),
-                         ("old_log_prob", ("actor",)), ("update_actor", ("actor",)),
+                         ("old_log_prob", ("actor",)), ("update_actor", ("actor",)), ("values", ("critic",)),
+                         ("update_critic", ("critic",)),
                          ("reshard", ("actor", "rollout"))):
         if phase in phases:
             for pool in {plan.role_pool[r] for r in roles if r in plan.role_pool}:

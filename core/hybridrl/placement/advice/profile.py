@@ -9,7 +9,8 @@ The forms, chosen to be fitted from the few steps of a short profiling run:
   (``roles.rollout.options.max_num_seqs``, else ``DEFAULT_CONCURRENCY``). Decoding is memory-bound: a round of
   ``concurrency`` sequences costs about what one sequence does. With fewer than two distinct ``rounds`` among the
   profiled steps the intercept cannot be told apart and is taken as 0.
-* **train, reference and old log-probs**: tokens per second per device (data-parallel scaling is linear).
+* **train, reference and old log-probs**, and a critic's **values** and **update_critic**: tokens per second per
+  device (data-parallel scaling is linear), each on the devices of its own role's pool.
 * **reshard**: ``reshard_fixed`` plus the bytes of one sync over the link between the pools
   (``LINK_BANDWIDTH``, overridable).
 * **wake and sleep** of a colocated rollout, and the driver's fixed per-step work (data, rule rewards,
@@ -47,9 +48,11 @@ DEFAULT_SECONDS = {"gen_fixed": 1.0, "wake": 2.0, "sleep": 1.0, "fixed": 1.0, "r
 DEFAULT_PARAMS = 7e9
 
 #: the phases the model predicts; the other ``timing/<phase>`` of a step (data, reward, adv ...) are fixed work
-MODELLED = ("gen", "wake", "sleep", "ref", "old_log_prob", "update_actor", "reshard")
+MODELLED = ("gen", "wake", "sleep", "ref", "old_log_prob", "update_actor", "values", "update_critic", "reshard")
+#: the phases a critic adds to the step (``roles.ROLES["critic"]``): its forward and its update
+CRITIC_PHASES = ("values", "update_critic")
 #: timings that are no phase of a steady step
-NOT_FIXED = ("step", "sync_check", "val", "gen_baseline", "overlap_saved", "values", "update_critic")
+NOT_FIXED = ("step", "sync_check", "val", "gen_baseline", "overlap_saved")
 PROFILE_HOWTO = ("record one with `hybridrl train CONFIG trainer.steps=3 trainer.out=RUN` (a run writes "
                  "spans.jsonl and metrics.jsonl into trainer.out)")
 
@@ -73,6 +76,8 @@ class CostProfile:
     sleep: float
     fixed: float  # the driver's work per step
     reshard_fixed: float  # s per sync besides the bytes
+    values_tps: float = math.inf  # critic forward tokens/s per device (inf: no critic was profiled)
+    critic_train_tps: float = math.inf  # update_critic tokens/s per device (tokens counted once per epoch)
     response_length: float | None = None  # mean response tokens; None: the config's max_new_tokens
     prompt_length: float | None = None  # mean prompt tokens; None: half the config's max_prompt_len
     tp_exponent: float = TP_EXPONENT
@@ -96,17 +101,21 @@ def default_profile(device: str, active_params: float | None) -> CostProfile:
     return CostProfile(gen_fixed=s["gen_fixed"], gen_round=weight_bytes / DEFAULT_MEMORY_BW.get(device, 1.8e12),
                        train_tps=flops / (6 * params), ref_tps=flops / (2 * params),
                        old_log_prob_tps=flops / (2 * params), wake=s["wake"], sleep=s["sleep"], fixed=s["fixed"],
-                       reshard_fixed=s["reshard_fixed"], source=f"default ({device}, {params / 1e9:.2g}B parameters)")
+                       reshard_fixed=s["reshard_fixed"], values_tps=flops / (2 * params),
+                       critic_train_tps=flops / (6 * params),
+                       source=f"default ({device}, {params / 1e9:.2g}B parameters)")
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least squares ``y = a + b x`` (``a >= 0``); with fewer than two distinct ``x``, ``a = 0``."""
+    """Least squares ``y = a + b x`` (``a >= 0``, ``b >= 0``); with fewer than two distinct ``x``, ``a = 0``.
+    A negative set-up time or a negative slope is noise (lengths that barely differ: the quick start's responses
+    are 2.9 to 3.0 tokens long, and one slow step tilts the line), so the line goes through the origin."""
     if len(set(round(x, 9) for x in xs)) < 2:
         return 0.0, sum(ys) / max(sum(xs), 1e-12)
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     a = my - b * mx
-    if a < 0:  # a negative set-up time is noise: the line through the origin
+    if a < 0 or b < 0:
         return 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
     return a, b
 
@@ -155,18 +164,23 @@ def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None) -
     if len(steps) > 1:
         steps = steps[1:]
     has_ref = _get(config, "roles.ref") is not None and (_get(config, "algorithm.kl.coef", 0) or 0) > 0
-    needed = ["gen", "update_actor"] + (["ref"] if has_ref else [])
+    has_critic = _get(config, "roles.critic") is not None
+    needed = ["gen", "update_actor"] + (["ref"] if has_ref else []) + (list(CRITIC_PHASES) if has_critic else [])
     seen = {s.phase for step in steps for s in by_step[step]}
     absent = [p for p in needed if p not in seen]
     if not steps or absent:
         what = ", ".join(absent) if steps else "any step with both spans and metrics"
-        raise ProfileError(f"--profile {run}: the run recorded no spans of {what} (the cost model needs gen, "
-                           f"update_actor{' and ref' if has_ref else ''}); {PROFILE_HOWTO}")
+        warmup = int(_get(config, "algorithm.critic_warmup", 0) or 0)
+        hint = (f" (the critic trains alone for algorithm.critic_warmup={warmup} steps: profile more steps, or "
+                "with algorithm.critic_warmup=0)" if has_critic and "update_actor" in absent and warmup else "")
+        raise ProfileError(f"--profile {run}: the run recorded no spans of {what}{hint} (the cost model needs "
+                           f"{', '.join(needed)}); {PROFILE_HOWTO}")
     sequences = int(_get(config, "data.prompts_per_step", 1)) * int(_get(config, "algorithm.n_samples", 1))
     tp = max(1, int(_get(config, "roles.rollout.tensor_parallel", 1)))
     concurrency = int(_get(config, "roles.rollout.options.max_num_seqs", DEFAULT_CONCURRENCY))
     xs, ys, lengths, prompt_lengths = [], [], [], []
-    rates: dict[str, list[tuple[float, float]]] = {"update_actor": [], "ref": [], "old_log_prob": []}
+    rates: dict[str, list[tuple[float, float]]] = {p: [] for p in ("update_actor", "ref", "old_log_prob",
+                                                                    *CRITIC_PHASES)}
     for step in steps:
         spans, row = by_step[step], metrics[step]
         length = float(row.get("response_length/mean") or 0.0)
@@ -181,7 +195,7 @@ def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None) -
                 ys.append(seconds)
             elif span.phase in rates and span.tokens and span.ranks:
                 rates[span.phase].append((float(span.tokens), seconds * len(span.ranks)))
-                if span.phase == "ref":
+                if span.phase in ("ref", "values"):  # prompts and responses
                     prompt_lengths.append(span.tokens / sequences - length)
         lengths.append(length)
     gen_fixed, gen_round = fit_line(xs, ys)
@@ -200,7 +214,8 @@ def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None) -
     colocated = _get(config, "roles.rollout.pool") == _get(config, "roles.actor.pool")
     moved = median("reshard/bytes") / links["self" if colocated else "net"]
     return CostProfile(gen_fixed=gen_fixed, gen_round=gen_round, train_tps=rate("update_actor"), ref_tps=rate("ref"),
-                       old_log_prob_tps=rate("old_log_prob"), wake=median("timing/wake"),
+                       old_log_prob_tps=rate("old_log_prob"), values_tps=rate("values"),
+                       critic_train_tps=rate("update_critic"), wake=median("timing/wake"),
                        sleep=median("timing/sleep"), fixed=fixed,
                        reshard_fixed=max(0.0, median("timing/reshard") - moved),
                        response_length=statistics.fmean(lengths) if lengths else None,

@@ -1,0 +1,179 @@
+"""The busy fraction measured on the device (``hybridrl.observe.device_busy``): the sampler fed by an injected
+utilisation function, the NVML device it would read, and the driver's choice of NVML's value where a worker
+sampled one, else the span-based one. CPU only: no GPU and no NVML library."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from hybridrl.observe.device_busy import BusySampler, merge_busy, nvml_target, nvml_utilisation, sampled_busy
+from hybridrl.observe.spans import SpanLog
+from hybridrl.observe.timing import PhaseTimer
+from hybridrl.placement.plan import ClusterSpec, Device, PlacementPlan, ProcessGroupPlan
+
+
+def split_plan() -> PlacementPlan:
+    """actor + ref on pool 'train' (2 devices), rollout on pool 'gen' (2 devices)."""
+    train, gen = [Device(0, 0), Device(0, 1)], [Device(0, 2), Device(0, 3)]
+    groups = [ProcessGroupPlan("train", "fsdp", {"actor": "fsdp", "ref": "fsdp"}, train, 0),
+              ProcessGroupPlan("gen", "hf", {"rollout": "hf"}, gen, 0)]
+    return PlacementPlan(ClusterSpec(1, 4, "cpu"), {"train": train, "gen": gen}, groups,
+                         {"actor": "train", "ref": "train", "rollout": "gen"})
+
+
+def timer_with(phases: list[tuple[str, float, float]], started: float = 1000.0) -> PhaseTimer:
+    """A timer whose spans are given (seconds after ``started``), as if the phases had run."""
+    timer = PhaseTimer()
+    timer.started = started
+    timer.spans = [(name, started + a, started + b) for name, a, b in phases]
+    return timer
+
+
+STEP_PHASES = [("data", 0.0, 0.5), ("gen", 0.5, 4.5), ("reward", 4.5, 5.0), ("ref", 5.0, 6.0),
+               ("update_actor", 6.0, 9.0), ("reshard", 9.0, 10.0)]
+SPAN_BUSY = {"device/train.0/busy": 0.5, "device/train.1/busy": 0.5, "device/gen.0/busy": 0.5,
+             "device/gen.1/busy": 0.5}  # STEP_PHASES on split_plan, from the spans
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sampler_of(values: list[float], clock: Clock, step: float = 0.5) -> BusySampler:
+    """A sampler that has taken ``values`` (percent), one every ``step`` seconds of ``clock``."""
+    source = iter(values)
+    sampler = BusySampler(lambda: next(source), clock=clock)
+    for _ in values:
+        assert sampler.sample()
+        clock.now += step
+    return sampler
+
+
+def test_the_fraction_is_the_mean_utilisation_of_the_windows_samples():
+    clock = Clock(1000.0)
+    sampler = sampler_of([100, 100, 0, 50, 0, 0], clock)  # at 1000.0, 1000.5 ... 1002.5
+    assert sampler.fraction(1000.0, 1001.5) == pytest.approx((1.0 + 1.0 + 0.0 + 0.5) / 4)
+    assert sampler.fraction(1002.0, 1003.0) == 0.0  # an idle GPU
+    assert sampler.fraction(1000.0, 1003.0) == 0.0  # those before the last window asked for were dropped
+    assert sampler.fraction(1010.0, 1011.0) is None  # no sample in the window: the driver keeps the spans
+
+
+def test_utilisation_outside_0_to_100_is_clipped():
+    sampler = sampler_of([150, -5], Clock())
+    assert sampler.fraction(0.0, 2000.0) == pytest.approx(0.5)
+
+
+def test_a_failing_source_stops_the_sampling():
+    clock = Clock()
+
+    def utilisation() -> float:
+        raise RuntimeError("NVML: not supported")
+
+    sampler = BusySampler(utilisation, clock=clock)
+    assert not sampler.sample() and "not supported" in (sampler.failed or "")
+    assert not sampler.sample()
+    assert sampler.fraction(0.0, 2000.0) is None
+
+
+def test_the_thread_samples_until_stopped():
+    seen: list[float] = []
+
+    def utilisation() -> float:
+        seen.append(time.time())
+        return 80.0
+
+    sampler = BusySampler(utilisation, interval=0.01)
+    begun = time.time()
+    sampler.start()
+    deadline = time.time() + 5.0
+    while len(seen) < 5 and time.time() < deadline:
+        time.sleep(0.01)
+    sampler.stop()
+    taken = len(seen)
+    assert taken >= 5 and sampler.fraction(begun, time.time()) == pytest.approx(0.8)
+    time.sleep(0.05)
+    assert len(seen) == taken  # stopped
+
+
+@pytest.mark.parametrize(("index", "visible", "target"), [
+    (0, None, 0), (1, "", 1), (0, "3", 3), (1, "2,5", 5), (0, "GPU-8f6c, GPU-1a2b", "GPU-8f6c"),
+])
+def test_the_nvml_device_is_the_physical_one_behind_cuda_visible_devices(index, visible, target):
+    assert nvml_target(index, visible) == target
+
+
+def test_without_nvml_or_a_cuda_device_there_is_no_sampler(monkeypatch):
+    assert nvml_utilisation("cpu") is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # importing it raises ImportError: not installed
+    assert nvml_utilisation("cuda") is None
+
+
+@dataclass
+class Pool:
+    pool: str
+
+
+class Group:
+    """A worker group's ``call_all("busy_report", lo, hi)``: the given per-rank answers (or an error)."""
+
+    def __init__(self, pool: str, answers: list[float | None] | Exception) -> None:
+        self.plan = Pool(pool)
+        self.answers = answers
+        self.asked: list[tuple[Any, ...]] = []
+
+    def call_all(self, method: str, *args: Any) -> list[float | None]:
+        self.asked.append((method, *args))
+        if isinstance(self.answers, Exception):
+            raise self.answers
+        return list(self.answers)
+
+
+def test_nvml_values_replace_the_span_based_ones_device_by_device():
+    train = Group("train", [0.25, None])  # rank 1 did not sample
+    gen = Group("gen", [0.75, 0.8])
+    groups = {"actor": train, "ref": train, "rollout": gen}  # fused roles share a group: asked once
+    metrics = SpanLog.for_plan(split_plan(), None).record_step(1, timer_with(STEP_PHASES), 10.0, 40, 100, groups)
+    assert metrics == {"device/train.0/busy": 0.25, "device/train.1/busy": pytest.approx(0.5),
+                       "device/gen.0/busy": 0.75, "device/gen.1/busy": 0.8, "device/busy_sampled": 0.75}
+    assert train.asked == [("busy_report", 1000.0, 1010.0)]  # the step's wall-clock window
+
+
+def test_without_nvml_the_span_based_value_is_used(caplog):
+    groups = {"actor": Group("train", [None, None]), "rollout": Group("gen", RuntimeError("worker gone"))}
+    log = SpanLog.for_plan(split_plan(), None)
+    with caplog.at_level("INFO", logger="hybridrl.observe.spans"):
+        metrics = log.record_step(1, timer_with(STEP_PHASES), 10.0, 40, 100, groups)
+        log.record_step(2, timer_with(STEP_PHASES, 1020.0), 10.0, 40, 100, groups)
+    assert metrics == {**{k: pytest.approx(v) for k, v in SPAN_BUSY.items()}, "device/busy_sampled": 0.0}
+    lines = [r.getMessage() for r in caplog.records if "busy fractions" in r.getMessage()]
+    assert lines == ["device busy fractions: from the phase spans on all 4 device(s) (no NVML sampling)"]  # once
+    assert SpanLog.for_plan(split_plan(), None).record_step(1, timer_with(STEP_PHASES), 10.0, 40, 100) == \
+        pytest.approx(SPAN_BUSY)  # no groups given: the spans, as before
+
+
+def test_processes_sharing_a_device_report_the_largest_fraction():
+    groups = {"actor": Group("main", [0.2, 0.6]), "rollout": Group("main", [0.5, None])}
+    assert sampled_busy(groups, 0.0, 1.0) == {("main", 0): 0.5, ("main", 1): 0.6}
+    merged, sampled = merge_busy({("main", 0): 0.9, ("main", 1): 0.9, ("main", 2): 0.9}, {("main", 1): 0.6})
+    assert merged == {("main", 0): 0.9, ("main", 1): 0.6, ("main", 2): 0.9} and sampled == 1
+
+
+def test_a_cpu_worker_has_no_sampler_and_reports_none():
+    from hybridrl.runtime.worker import RoleWorker
+
+    worker = RoleWorker(0, 1, "cpu")
+    try:
+        assert worker.busy is None and worker.busy_report(0.0, 1.0) is None
+    finally:
+        worker.gc_pauses.close()
