@@ -1,0 +1,376 @@
+"""The device-map advisor's predicted step against measured runs of the same maps.
+
+``hybridrl plan --advise`` ranks maps by a cost model fitted from one profiled run; this checks that model where
+it matters, on maps it was not fitted from. It (1) trains the config as given for ``--steps`` steps into a fresh
+folder (the profile), (2) fits the cost model on it (``fit_profile``) and ranks the cluster's candidate maps
+(``advise``), (3) trains the config with each chosen candidate's overrides for ``--steps`` steps and takes the
+mean ``timing/step`` after the first ``--skip`` steps (the profile run is the measurement of its own map when
+that map is a candidate), and (4) prints the table and merges the rows into ``--out``, replacing those of the same
+(device, map, workload), so CPU and GPU rows live in one file. A run that fails or times out becomes a row with
+an ``error``. ``--rounds N`` runs the arms back to back N times (a shared machine drifts): the measured figure
+is the mean of the rounds, ``spread_s`` their range.
+
+    python benchmarks/advice_validation.py --rounds 3                      # CPU: quick start, 1x2
+    python benchmarks/advice_validation.py --config examples/configs/qwen2.5-0.5b --steps 6 --skip 2   # 1 GPU
+
+A model-shape folder (``examples/configs/<shape>``, a ``config.json`` of a Hugging Face model) as ``--config`` runs
+the standard GRPO workload of ``benchmarks/model_sizes.py`` on random weights built by its helpers (or on
+``--model-path``); trailing ``key=value`` overrides go to every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+
+from grpo_step import STANDARD, write_prompts  # noqa: E402
+from model_sizes import SHAPES, ensure_model, train_run, workload_config  # noqa: E402  (benchmarks/: no package)
+
+#: keys every run gets: a fresh folder, no checkpoints, metrics as JSON lines only
+RUN_KEYS = ["trainer.save_every=0", "trainer.trackers=[jsonl]", "trainer.progress=false"]
+#: the phases compared per row (measured ``timing/<phase>`` means beside the predicted seconds)
+PHASES = ("wake", "gen", "sleep", "ref", "old_log_prob", "values", "update_critic", "update_actor", "reshard")
+
+
+# --- what runs where ------------------------------------------------------------------------------------------
+def gpu_names() -> list[str]:
+    """The GPUs' names from ``nvidia-smi`` (the driver opens no CUDA context on a GPU the runs will use)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def device_label(device: str) -> str:
+    """The row's device: the GPU's name (and count), or the CPU's cores; no host name."""
+    if device == "cuda":
+        names = gpu_names()
+        return f"{len(names)}x {names[0]}" if names else "cuda"
+    return f"cpu {os.cpu_count() or 1} cores ({platform.machine()})"
+
+
+def shape_size(config: Path) -> str | None:
+    """The ``model_sizes`` size whose shape folder ``config`` is (``examples/configs/qwen2.5-0.5b`` -> 0.5b)."""
+    if not config.is_dir():
+        return None
+    return next((size for size, folder in SHAPES.items() if folder == config.name), None)
+
+
+def workload_file(args: argparse.Namespace, size: str, workdir: Path) -> Path:
+    """The standard workload's run config for a model-shape folder, written by ``model_sizes``' helpers: random
+    weights built once into ``workdir`` (or ``--model-path``), prompts enough for every step."""
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    model_dir = Path(args.model_path) if args.model_path else ensure_model(size, dtype, workdir)[0]
+    data = workdir / "prompts.jsonl"
+    write_prompts(data, args.prompts * max(args.steps, 1), args.prompt_len)
+    shape = argparse.Namespace(device=args.device, prompt_len=args.prompt_len, prompts=args.prompts,
+                               samples=args.samples, backend=args.backend, new_tokens=args.new_tokens,
+                               steps=args.steps)
+    cfg = workload_config(shape, size, model_dir, data, workdir / "unused")
+    path = workdir / f"config-{size}.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+# --- one run --------------------------------------------------------------------------------------------------
+def run_arm(config: Path, overrides: list[str], steps: int, skip: int, out: Path, timeout: float
+            ) -> dict[str, Any]:
+    """Train ``config`` with ``overrides`` into ``out`` (made fresh) and read its steps back: the mean step after
+    ``skip``, every step's seconds, the phases' means; ``error`` when it failed or finished fewer steps."""
+    shutil.rmtree(out, ignore_errors=True)
+    code, log, wall = train_run(config, [*overrides, f"trainer.steps={steps}", f"trainer.out={out}", *RUN_KEYS],
+                                timeout)
+    rows = read_metrics(out)
+    result: dict[str, Any] = {"folder": str(out), "wall_s": round(wall, 1), "returncode": code,
+                              "step_seconds": [round(r["timing/step"], 4) for r in rows if "timing/step" in r]}
+    later = [r for r in rows[skip:] if "timing/step" in r]
+    if later:
+        result["mean_step_s"] = statistics.fmean(r["timing/step"] for r in later)
+        result["phases_s"] = {p: statistics.fmean(r.get(f"timing/{p}", 0.0) for r in later) for p in PHASES
+                              if any(f"timing/{p}" in r for r in later)}
+    if code != 0 or len(rows) < steps or not later:
+        what = "timed out" if code == -1 else f"exit status {code}"
+        tail = [line for line in log.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
+        result["error"] = f"{what}, {len(rows)} of {steps} steps: {tail[0][-300:]}"
+        result["log_tail"] = log[-3000:]
+    return result
+
+
+def read_metrics(folder: Path) -> list[dict[str, Any]]:
+    path = folder / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return sorted((r for r in rows if "step" in r), key=lambda r: r["step"])
+
+
+# --- the advice -----------------------------------------------------------------------------------------------
+def ranked_maps(config: Path, overrides: list[str], cluster: Any, profile_dir: Path) -> tuple[list[Any], Any, Any]:
+    """The candidates ranked as ``hybridrl plan --advise --profile`` ranks them (its planner, shape and
+    registry), the fitted profile, and the profile run's own map as planned (``Planned``)."""
+    from hybridrl.config import load_config
+    from hybridrl.placement.advice.advise import advise, plan_candidate
+    from hybridrl.placement.advice.profile import fit_profile
+    from hybridrl.placement.memory import MemoryEstimateError, device_memory_bytes, model_shape, model_shapes_by_role
+    from hybridrl.plugins.discovery import get_registry
+    from hybridrl.plugins.registry import RegistryError
+    from hybridrl.run.preflight import with_algorithm_roles
+
+    cfg = load_config(config, overrides)
+    registry = get_registry(tuple(cfg.plugins))
+    bases = (config.resolve().parent, config.resolve().parent.parent)
+    try:
+        shape, _ = model_shape(cfg, None, bases)
+    except MemoryEstimateError:
+        shape = None
+    profile = fit_profile(profile_dir)
+    planner = plan_candidate(cluster, registry, device_memory_bytes(cluster.device, cfg.cluster.device_memory_gb),
+                             shape, model_shapes_by_role(cfg, bases))
+    try:
+        rollout_tp = registry.backend("rollout", cfg.roles.rollout.backend).can("tensor_parallel")
+    except RegistryError:
+        rollout_tp = True
+    ranked = advise(config, overrides, cluster, profile, planner, rollout_tp=rollout_tp, registry=registry)
+    own = planner(with_algorithm_roles(cfg, registry)[0], None)
+    return ranked, profile, own
+
+
+def as_given(own: Any, profile: Any) -> Any:
+    """The profile run's own map as a ranked entry (predicted from the profile fitted on it): the fit checked
+    on the steps it was fitted from, for a map that is no candidate of the cluster (quick start: 1 of 2 slots)."""
+    from hybridrl.placement.advice.advise import Ranked
+    from hybridrl.placement.advice.candidates import Candidate
+    from hybridrl.placement.advice.predict import predict
+
+    layout, tp, pipelined = signature(own.cfg, own.plan)
+    kind = "pipelined" if pipelined else "colocated" if len(layout) == 1 else "split"
+    label = ":".join(f"{'+'.join(roles)} {n}" for roles, n in layout)
+    candidate = Candidate(f"as given ({kind} {label})", kind, tuple((pool, 1, len(d)) for pool, d in
+                                                                    own.plan.pools.items()), tp, ())
+    return Ranked(candidate, own, predict(candidate, own.cfg, own.plan, profile, own.reshard))
+
+
+def signature(cfg: Any, plan: Any) -> tuple[Any, ...]:
+    """What makes two configs the same device map: each pool's roles and device count, the rollout's tensor
+    parallelism, pipelined or not (pool names aside: the profile's ``main`` is a candidate's ``main``)."""
+    pools = {pool: [] for pool in plan.pools}
+    for role, pool in plan.role_pool.items():
+        pools[pool].append(role)
+    layout = tuple(sorted((tuple(sorted(roles)), len(plan.pools[pool])) for pool, roles in pools.items() if roles))
+    return layout, max(1, cfg.roles.rollout.tensor_parallel), bool(cfg.trainer.pipelined)
+
+
+def choose(ranked: list[Any], wanted: list[str], device: str) -> list[Any]:
+    """The candidates to validate: those named (a name, or a kind: the best-ranked of that kind), else on CPU
+    the best colocated, split and pipelined map, on a GPU the colocated one."""
+    kept = [r for r in ranked if r.prediction is not None]
+    if not wanted:
+        wanted = ["colocated", "split", "pipelined"] if device == "cpu" else ["colocated"]
+    out: list[Any] = []
+    for name in wanted:
+        match = next((r for r in ranked if r.candidate.name == name), None) or \
+            next((r for r in kept if r.candidate.kind == name), None)
+        if match is None:
+            raise SystemExit(f"advice_validation: no candidate map '{name}' (maps: "
+                             f"{', '.join(r.candidate.name for r in ranked)})")
+        if match not in out:
+            out.append(match)
+    return out
+
+
+# --- the result file ------------------------------------------------------------------------------------------
+def merge(path: Path, rows: list[dict[str, Any]], context: dict[str, Any]) -> dict[str, Any]:
+    """The file's rows with those of the same (device, map, workload) replaced; ``runs`` keeps each (device,
+    workload)'s context (command, steps, profile)."""
+    data: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            data = {}
+    key = ("device", "map", "workload")
+    new = {tuple(r[k] for k in key) for r in rows}
+    kept = [r for r in data.get("rows", []) if tuple(r.get(k) for k in key) not in new]
+    runs = [c for c in data.get("runs", []) if (c.get("device"), c.get("workload")) !=
+            (context["device"], context["workload"])]
+    return {"benchmark": "advice_validation",
+            "about": "predicted step (hybridrl plan --advise, fitted from the profile run) against the mean "
+                     "measured timing/step after the warm-up steps; ratio = measured / predicted",
+            "rows": kept + rows, "runs": runs + [context]}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("map", "predicted s", "measured s", "ratio", "spread s", "note")
+    lines = [head]
+    for r in rows:
+        spread = r.get("spread_s")
+        lines.append((r["map"], _num(r.get("predicted_step_s")), _num(r.get("measured_step_s")),
+                      _num(r.get("ratio"), "{:.2f}"), f"{spread[0]:.3f}-{spread[1]:.3f}" if spread else "-",
+                      r.get("error") or ("profile run" if r.get("profile_run") else "")))
+    widths = [max(len(line[c]) for line in lines) for c in range(len(head))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def _num(value: Any, fmt: str = "{:.3f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+# --- main -----------------------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="examples/quickstart.yaml",
+                        help="a run config, or a model-shape folder (examples/configs/qwen2.5-0.5b)")
+    parser.add_argument("--cluster", default=None, help="NODESxDEVICES the maps are made for (default: detected)")
+    parser.add_argument("--maps", default="", help="comma-separated candidate names or kinds (colocated, split, "
+                                                  "pipelined); default: CPU all three kinds, a GPU colocated")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the mean")
+    parser.add_argument("--rounds", type=int, default=1, help="run the arms back to back this many times")
+    parser.add_argument("--workload", default=None, help="the rows' workload label (default: the config's name)")
+    parser.add_argument("--out", default=str(RESULTS / "advice_validation.json"))
+    parser.add_argument("--workdir", default=None, help="run folders and built models (default: a fresh temp)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for one run")
+    parser.add_argument("--model-path", default=None, help="a model-shape config: use this model folder")
+    parser.add_argument("--backend", default="vllm", help="a model-shape config: the rollout backend")
+    parser.add_argument("--prompts", type=int, default=STANDARD["prompts"])
+    parser.add_argument("--samples", type=int, default=STANDARD["samples"])
+    parser.add_argument("--prompt-len", type=int, default=STANDARD["prompt_len"])
+    parser.add_argument("--new-tokens", type=int, default=STANDARD["new_tokens"])
+    parser.add_argument("override", nargs="*", help="config overrides (key=value) for every run")
+    args = parser.parse_args()
+    if args.skip >= args.steps:
+        raise SystemExit("advice_validation: --skip must leave steps to measure")
+
+    from hybridrl.cli import parse_cluster
+    from hybridrl.placement.plan import ClusterSpec
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="advice-validation-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    given = Path(args.config)
+    size = shape_size(given)
+    args.device = "cuda" if gpu_names() else "cpu"
+    if given.is_dir() and size is None:
+        raise SystemExit(f"advice_validation: {given} is no known model-shape folder ({', '.join(SHAPES.values())})")
+    config = workload_file(args, size, workdir) if size else given
+    workload = args.workload or (f"{size} grpo {args.prompts}x{args.samples} {args.prompt_len}+{args.new_tokens} "
+                                 f"{args.backend}" if size else given.stem)
+    overrides = list(args.override)
+    if args.cluster:  # a declared cluster: the runs place on it too (CPU slots may oversubscribe the cores)
+        cluster = parse_cluster(args.cluster, args.device)
+        overrides += [f"cluster.device={args.device}", f"cluster.nodes={cluster.nodes}",
+                      f"cluster.devices_per_node={cluster.devices_per_node}"]
+    else:
+        count = len(gpu_names()) if args.device == "cuda" else (os.cpu_count() or 1)
+        cluster = ClusterSpec(1, count, args.device, declared=True)
+    device = device_label(args.device)
+    command = " ".join(["python", "benchmarks/advice_validation.py", *sys.argv[1:]])
+    print(f"advice_validation: {workload} on {device}, maps for {cluster.describe()}, {args.steps} steps "
+          f"(skip {args.skip}) x {args.rounds} round(s); runs in {workdir}", flush=True)
+
+    start = time.perf_counter()
+    profile_dir = workdir / "profile"
+    profile_run = run_arm(config, overrides, args.steps, args.skip, profile_dir, args.timeout)
+    print(f"profile: {profile_run.get('mean_step_s', float('nan')):.3f} s a step ({profile_run['wall_s']} s)",
+          flush=True)
+    context: dict[str, Any] = {"device": device, "workload": workload, "command": command, "config": str(given),
+                               "overrides": overrides, "cluster": cluster.describe(), "steps": args.steps,
+                               "skip": args.skip, "rounds": args.rounds, "profile_step_s": profile_run.get(
+                                   "mean_step_s"), "profile_step_seconds": profile_run["step_seconds"]}
+    rows: list[dict[str, Any]] = []
+    try:
+        ranked, profile, own = ranked_maps(config, overrides, cluster, profile_dir)
+    except Exception as exc:  # noqa: BLE001  (a failed profile or fit is the file's answer, not a crash)
+        error = profile_run.get("error") or f"{type(exc).__name__}: {exc}"
+        context["error"] = error
+        rows.append({"device": device, "map": "(profile)", "workload": workload, "predicted_step_s": None,
+                     "measured_step_s": profile_run.get("mean_step_s"), "error": error[:500]})
+        ranked, profile, own = [], None, None
+    if ranked:
+        mine = signature(own.cfg, own.plan) if own is not None and own.plan is not None else None
+        context["profile"] = {k: v for k, v in vars(profile).items() if k not in ("bandwidth",)}
+        chosen = choose(ranked, [m.strip() for m in args.maps.split(",") if m.strip()], args.device)
+        measured: dict[str, list[dict[str, Any]]] = {r.candidate.name: [] for r in chosen}
+        for round_no in range(args.rounds):
+            for r in chosen:
+                name = r.candidate.name
+                if r.planned.plan is not None and signature(r.planned.cfg, r.planned.plan) == mine \
+                        and round_no == 0:
+                    measured[name].append({**profile_run, "profile_run": True})
+                    continue
+                folder = workdir / f"{name.replace(' ', '_').replace(':', '-')}-{round_no}"
+                arm = run_arm(config, [*overrides, *r.candidate.overrides], args.steps, args.skip, folder,
+                              args.timeout)
+                print(f"  {name} round {round_no + 1}: {arm.get('mean_step_s', float('nan')):.3f} s a step "
+                      f"({arm['wall_s']} s){'  ' + arm['error'] if 'error' in arm else ''}", flush=True)
+                measured[name].append(arm)
+        if mine is not None and not any(a.get("profile_run") for arms in measured.values() for a in arms):
+            given_map = as_given(own, profile)
+            rows.append(row_of(given_map, [{**profile_run, "profile_run": True}], device, workload, command, args))
+        for r in chosen:
+            rows.append(row_of(r, measured[r.candidate.name], device, workload, command, args))
+    context["wall_s"] = round(time.perf_counter() - start, 1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(merge(out, rows, context), indent=2) + "\n")
+    print(table(rows))
+    print(f"wrote {out} ({context['wall_s']} s)")
+
+
+def row_of(r: Any, arms: list[dict[str, Any]], device: str, workload: str, command: str,
+           args: argparse.Namespace) -> dict[str, Any]:
+    """One map's row: the prediction (step and phases) beside the rounds' measurements."""
+    p = r.prediction
+    good = [a for a in arms if "mean_step_s" in a and "error" not in a]
+    means = [a["mean_step_s"] for a in good]
+    row: dict[str, Any] = {
+        "device": device, "map": r.candidate.name, "workload": workload,
+        "predicted_step_s": round(p.step, 4) if p else None,
+        "measured_step_s": round(statistics.fmean(means), 4) if means else None,
+        "kind": r.candidate.kind, "overrides": list(r.candidate.overrides), "steps": args.steps, "skip": args.skip,
+        "rounds": len(good), "round_step_s": [round(m, 4) for m in means],
+        "spread_s": [round(min(means), 4), round(max(means), 4)] if means else None,
+        "step_stdev_s": round(statistics.stdev(s for a in good for s in a["step_seconds"][args.skip:]), 4)
+        if sum(len(a["step_seconds"][args.skip:]) for a in good) > 1 else None,
+        "profile_run": any(a.get("profile_run") for a in arms),
+        "predicted_phases_s": {k: round(v, 4) for k, v in p.phases.items()} if p else None,
+        "measured_phases_s": {k: round(statistics.fmean(a["phases_s"].get(k, 0.0) for a in good), 4)
+                              for k in PHASES if any(k in a.get("phases_s", {}) for a in good)} if good else None,
+        "command": command,
+    }
+    if p is None:
+        row["error"] = f"dropped by the advisor: {r.why}"
+    elif row["measured_step_s"]:
+        row["ratio"] = round(row["measured_step_s"] / p.step, 3)
+    failed = [a["error"] for a in arms if "error" in a]
+    if failed:
+        row["error"] = "; ".join(failed)[:500]
+        row["log_tail"] = next(a.get("log_tail", "") for a in arms if "error" in a)
+    return row
+
+
+if __name__ == "__main__":
+    main()
