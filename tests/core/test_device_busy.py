@@ -10,29 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from _span_helpers import split_plan, timer_with
 
 from hybridrl.observe.device_busy import BusySampler, merge_busy, nvml_target, nvml_utilisation, sampled_busy
 from hybridrl.observe.spans import SpanLog
-from hybridrl.observe.timing import PhaseTimer
-from hybridrl.placement.plan import ClusterSpec, Device, PlacementPlan, ProcessGroupPlan
-
-
-def split_plan() -> PlacementPlan:
-    """actor + ref on pool 'train' (2 devices), rollout on pool 'gen' (2 devices)."""
-    train, gen = [Device(0, 0), Device(0, 1)], [Device(0, 2), Device(0, 3)]
-    groups = [ProcessGroupPlan("train", "fsdp", {"actor": "fsdp", "ref": "fsdp"}, train, 0),
-              ProcessGroupPlan("gen", "hf", {"rollout": "hf"}, gen, 0)]
-    return PlacementPlan(ClusterSpec(1, 4, "cpu"), {"train": train, "gen": gen}, groups,
-                         {"actor": "train", "ref": "train", "rollout": "gen"})
-
-
-def timer_with(phases: list[tuple[str, float, float]], started: float = 1000.0) -> PhaseTimer:
-    """A timer whose spans are given (seconds after ``started``), as if the phases had run."""
-    timer = PhaseTimer()
-    timer.started = started
-    timer.spans = [(name, started + a, started + b) for name, a, b in phases]
-    return timer
-
 
 STEP_PHASES = [("data", 0.0, 0.5), ("gen", 0.5, 4.5), ("reward", 4.5, 5.0), ("ref", 5.0, 6.0),
                ("update_actor", 6.0, 9.0), ("reshard", 9.0, 10.0)]
