@@ -107,6 +107,40 @@ def test_group_completion_counts_groups_as_their_last_row_ends():
     assert common.GroupCompletion([], 0).done
 
 
+def test_group_completion_keeps_running_groups_decoding_and_starts_waiting_ones_in_order():
+    groups = [3, 3, 1, 1, 4, 4, 8, 8]  # four groups, in the order of their first row: 3, 1, 4, 8
+    schedule = common.GroupCompletion(groups, groups_needed=3, running=2)
+    assert schedule.begin() == [0, 1, 2, 3]  # groups 3 and 1 decode; 4 and 8 wait
+    assert schedule.finish(2) == []  # group 1 still has a row running
+    assert schedule.finish(3) == [4, 5]  # group 1 complete: group 4 starts
+    assert schedule.finish(0) == [] and schedule.finish(1) == [6, 7]  # group 3 complete: group 8 starts
+    assert not schedule.done
+    assert schedule.finish(5) == [] and schedule.finish(4) == []  # the third group completes: done, none starts
+    assert schedule.done and schedule.finished == [True] * 6 + [False] * 2
+
+
+def test_group_completion_passes_over_a_waiting_group_with_nothing_left_to_decode():
+    # rows 2-3 (group 1) have no budget left: finished before the call, complete without a slot
+    schedule = common.GroupCompletion([0, 0, 1, 1, 2, 2], groups_needed=3, running=1)
+    schedule.finish(2)
+    schedule.finish(3)
+    assert schedule.complete == 1
+    assert schedule.begin() == [0, 1]
+    assert schedule.finish(0) == [] and schedule.finish(1) == [4, 5]  # group 1 skipped: it needs no decoding
+    # a running group with nothing to decode frees its slot at once
+    early = common.GroupCompletion([0, 0, 1, 1], groups_needed=2, running=1)
+    early.finish(0)
+    early.finish(1)
+    assert early.begin() == [2, 3]
+
+
+def test_running_groups_is_a_share_of_the_calls_groups():
+    index = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4])
+    assert common.running_groups(index, 1.0) is None
+    assert common.running_groups(index, 0.5) == 3  # ceil(2.5)
+    assert common.running_groups(index, 0.01) == 1
+
+
 def test_options_unset_keys_keep_the_defaults():
     options = {"tensor_parallel": "2", "enforce_eager": None, "seed_mode": "", "other": 1}
     read = common.read_options(options, common.ENGINE_OPTION_CASTS)

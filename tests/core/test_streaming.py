@@ -28,6 +28,7 @@ from hybridrl.engines.batch import (
     complete_groups,
     groups_to_complete,
 )
+from hybridrl.engines.rollout_kit import GroupCompletion, running_groups
 from hybridrl.run.streaming import GroupsInFlight, forced_lengths, streaming_problems
 
 PAD = 0
@@ -109,6 +110,56 @@ def test_a_step_takes_the_first_complete_groups_and_resumes_the_rest():
     assert metrics["async/version_lag_mean"] == pytest.approx(3 / 9)
 
 
+def refill_round(requests: Batch, width: int, share: float, running: float = 1.0) -> Batch:
+    """A stand-in for an engine with ``refill``: every decoding row gains one token a step (token = 100 + its
+    position) until its budget ends; ``GroupCompletion`` decides which rows decode and when the round stops."""
+    index = requests[GROUP_INDEX]
+    schedule = GroupCompletion(index.tolist(), groups_to_complete(index, share), running_groups(index, running))
+    budgets = requests[MAX_NEW_TOKENS].tolist()
+    decoding, counts = set(schedule.begin()), [0] * len(budgets)
+    while decoding and not schedule.done:
+        for row in sorted(decoding):
+            counts[row] += 1
+            if counts[row] == budgets[row]:
+                decoding.discard(row)
+                decoding.update(schedule.finish(row))
+    n = len(budgets)
+    mask = (torch.arange(width)[None, :] < torch.tensor(counts)[:, None]).long()
+    ids = torch.where(mask.bool(), 100 + torch.arange(width)[None, :].expand(n, width), PAD)
+    return Batch.from_tensors({RESPONSE_IDS: ids, RESPONSE_MASK: mask, ROLLOUT_LOG_PROBS: -mask.float(),
+                               FINISHED: torch.tensor(schedule.finished)})
+
+
+def test_refill_keeps_the_target_decoding_and_starts_waiting_groups_as_groups_complete():
+    caps = {0: 9, 1: 2, 2: 9, 3: 2, 4: 2}  # group -> every sample's budget; later groups: 4
+    flight = GroupsInFlight(2, 2, 1.5, partial=True, max_staleness=1, max_new_tokens=10, pad_id=PAD,
+                            response_cap=lambda gid, _: caps.get(gid, 4), refill=True)
+    draw = prompts()
+    flight.begin_step(train_version=0, next_prompts=draw)
+    assert [g.gid for g in flight] == [0, 1, 2, 3, 4]  # the target (3 groups) and a step's worth (2) waiting
+    requests, rows = flight.requests()
+    share, running = flight.until_args()
+    assert (share, running) == (pytest.approx(2 / 5), pytest.approx(3 / 5))
+    flight.absorb(rows, refill_round(requests, 10, share, running), version=0)
+    # groups 0, 1, 2 decode; 1 completes after 2 tokens and group 3 starts, which completes 2 tokens later
+    assert [g.gid for g in flight.take(2)] == [1, 3]
+    assert [len(flight.groups[i].samples[0].tokens) for i in range(3)] == [4, 4, 0]  # group 4 never started
+    flight.end_step()
+    assert flight.step.carried_groups == 2
+    # next step: the groups holding tokens decode first, the fresh ones wait (oldest first in each part)
+    flight.begin_step(train_version=1, next_prompts=draw)
+    requests, _ = flight.requests()
+    order = list(dict.fromkeys(requests[GROUP_INDEX].tolist()))
+    assert order == [0, 2, 4, 5, 6]
+    assert flight.until_args()[1] == pytest.approx(3 / 5)
+
+
+def test_without_refill_a_round_has_no_waiting_groups():
+    flight = GroupsInFlight(2, 2, 1.5, partial=True, max_staleness=1, max_new_tokens=10, pad_id=PAD)
+    flight.begin_step(train_version=0, next_prompts=prompts())
+    assert len(flight.groups) == 3 and flight.until_args() == (pytest.approx(2 / 3),)
+
+
 def test_tokens_older_than_the_bound_are_thrown_away_and_regenerated():
     flight = GroupsInFlight(1, 1, 2.0, partial=True, max_staleness=1, max_new_tokens=8, pad_id=PAD,
                             response_cap=lambda gid, _: 8)
@@ -156,8 +207,9 @@ def test_forced_lengths_are_seeded_and_capped():
     assert forced_lengths(config()) is None
 
 
-def problems(*overrides: str, can_partial: bool = True, multi_turn: bool = False) -> list[tuple[str, str]]:
-    return streaming_problems(config(*overrides), can_partial, "eng", multi_turn)
+def problems(*overrides: str, can_partial: bool = True, multi_turn: bool = False,
+             can_refill: bool = False) -> list[tuple[str, str]]:
+    return streaming_problems(config(*overrides), can_partial, "eng", multi_turn, can_refill)
 
 
 def test_pre_flight_refusals_name_the_key():
@@ -167,6 +219,8 @@ def test_pre_flight_refusals_name_the_key():
     assert problems("roles.rollout.oversample=2", "trainer.pipelined=true") == []  # split pools: async
     assert "multi-turn" in problems("roles.rollout.oversample=2", multi_turn=True)[0][1]
     assert problems("roles.rollout.response_lengths={median: 8}")[0][0] == "roles.rollout.response_lengths"
+    assert problems("roles.rollout.oversample=2", "roles.rollout.refill=true")[0][0] == "roles.rollout.refill"
+    assert problems("roles.rollout.oversample=2", "roles.rollout.refill=true", can_refill=True) == []
     with pytest.raises(ValueError, match="roles.rollout.oversample"):
         config("roles.rollout.oversample=0.5")
 

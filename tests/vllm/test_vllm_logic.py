@@ -254,6 +254,26 @@ def test_sleep_level_reads_yaml_strings_and_names_the_key():
         VLLMOptions.from_options({"sleep_level": "weights"})
 
 
+def test_cuda_graphs_cover_the_sequences_a_step_holds():
+    opts = VLLMOptions.from_options({})
+    def kwargs(options, sequences, device="cuda"):
+        return llm_kwargs(VLLMOptions.from_options(options), model_path="/m", dtype="bfloat16", device=device,
+                          seed=0, distributed=False, logprobs_kwargs={}, sequences=sequences)
+    assert "compilation_config" not in kwargs({}, 512)  # vLLM's own capture covers 512
+    assert kwargs({}, 640)["compilation_config"] == {"max_cudagraph_capture_size": 640}
+    assert "max_num_seqs" not in kwargs({}, 640)
+    big = kwargs({}, 1500)
+    assert big["compilation_config"] == {"max_cudagraph_capture_size": 1504} and big["max_num_seqs"] == 1504
+    assert kwargs({"graph_sequences": 256}, 640)["compilation_config"] == {"max_cudagraph_capture_size": 256}
+    assert "compilation_config" not in kwargs({}, 640, device="cpu")  # eager on CPU
+    assert "compilation_config" not in kwargs({"enforce_eager": True}, 640)
+    mine = {"compilation_config": {"cudagraph_mode": "NONE"}}
+    assert kwargs({"engine_kwargs": mine}, 640)["compilation_config"] == mine["compilation_config"]
+    with pytest.raises(ValueError, match="graph_sequences"):
+        VLLMOptions.from_options({"graph_sequences": 0})
+    assert opts.graph_sequences is None
+
+
 def test_llm_kwargs_on_cpu_without_process_group():
     kw = llm_kwargs(VLLMOptions.from_options({"kv_cache_gb": 0.5}), model_path="/m", dtype="float32",
                     device="cpu", seed=0, distributed=False, logprobs_kwargs={})

@@ -127,3 +127,19 @@ def test_generate_until_needs_group_index(engine, kit):
     batch.set(MAX_NEW_TOKENS, torch.full((len(kit.prompts),), 2))
     with pytest.raises(ValueError, match=GROUP_INDEX):
         engine.generate_until(batch, SamplingParams(temperature=0.0, max_new_tokens=KIT_WIDTH), 1.0)
+
+
+def test_a_waiting_group_starts_when_a_running_one_completes(engine, kit, path):
+    """``running``: one group decodes at a time; group 0 (one token) completes and lets group 1 (two tokens a
+    row) start; two groups complete the call, so group 2 never starts: no request, no token, unfinished."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=KIT_WIDTH)
+    n = len(kit.prompts)
+    prompts = [kit.prompts[0], *kit.prompts, *kit.prompts]
+    batch = requests(prompts, kit.pad_id, [1] + [2] * n + [KIT_WIDTH] * n, [0] + [1] * n + [2] * n)
+    out = engine.generate_until(batch, greedy, 2 / 3, 1 / 3)
+    _clean(engine)
+    assert out[FINISHED].tolist() == [True] * (1 + n) + [False] * n, path
+    lengths = out[RESPONSE_MASK].sum(1).tolist()
+    assert lengths[0] == 1 and all(1 <= k <= 2 for k in lengths[1:1 + n]) and lengths[1 + n:] == [0] * n
+    capped = engine.generate(batch, greedy)
+    assert torch.equal(out[RESPONSE_IDS][:1 + n], capped[RESPONSE_IDS][:1 + n])

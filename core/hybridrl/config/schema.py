@@ -309,6 +309,11 @@ class RolloutConfig(RoleBase):
                             "and resumes under the next step's weights (tokens at most trainer.max_staleness updates "
                             "old); false: its group is dropped (which favours short responses); auto: on when "
                             "oversample > 1 and the backend declares `partial`")
+    refill: bool | Literal["auto"] = Field(
+        "auto", description="keep oversample x prompts_per_step groups decoding: each group that completes mid-step "
+                            "lets a new prompt's group start at once, so the engine's batch never empties into a tail "
+                            "of a few long rows; auto: on when oversample > 1 and the backend declares `refill` "
+                            "(vLLM)")
     response_lengths: ResponseLengthsConfig | None = Field(
         None, description="benchmarks: force each sample's response length, drawn from a lognormal {median, sigma, "
                           "seed} capped at max_new_tokens (with ignore_eos)")

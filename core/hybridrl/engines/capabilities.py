@@ -34,6 +34,9 @@ ROLLOUT_CAPABILITIES: dict[str, str] = {
     "lora_adapters": "import_weights takes LoRA adapters and serves them on the base (roles.actor.lora.sync=adapter)",
     "partial": "generate_until stops once its share of groups is complete and returns the other rows' tokens so far "
                "(roles.rollout.oversample, partial rollouts)",
+    "refill": "generate_until(..., running=r) decodes at most ceil(r x groups) groups at once and starts a waiting "
+              "group as soon as a running one completes, so its batch never empties into a tail "
+              "(roles.rollout.refill)",
     "tensor_parallel": "one engine spans roles.rollout.tensor_parallel consecutive ranks of its pool, its weights "
                        "and KV cache split over them (without it: one engine per rank)",
     "return_routing": "generate with params.return_routing returns routed_experts (B, R, layers, top_k): the experts "

@@ -252,12 +252,17 @@ class RolloutEngine(ABC):
         from (logits / temperature, after top-k/top-p renormalisation; raw log-softmax when greedy).
         ``params.seed`` is shared by all ranks; an engine mixes in its rank so replicas draw distinct streams."""
 
-    def generate_until(self, batch: Batch, params: SamplingParams, share: float) -> Batch:
+    def generate_until(self, batch: Batch, params: SamplingParams, share: float, running: float = 1.0) -> Batch:
         """``generate`` that may stop early: rows that sample one prompt share a ``group_index``, and once
         ``ceil(share * groups)`` of the batch's groups have every row finished, the engine stops and returns
         each unfinished row's tokens so far (maybe none). Returns ``generate``'s keys plus ``finished`` (B,)
         bool. Every row honours its ``max_new_tokens`` cap when the batch has one (the driver resumes a cut
         row as prompt + its tokens, with the rest of its budget, under new weights: partial rollouts).
+
+        ``running`` below 1 (passed only to an engine that declares ``refill``): at most
+        ``ceil(running * groups)`` groups decode at once; the others wait in batch order and each starts as a
+        running group completes (``rollout_kit.GroupCompletion``). A row never started returns no token,
+        unfinished.
 
         Default: ``generate`` to the end, rows cut to their caps, all finished: correct, never early. An engine
         that stops early (its batch decodes no tail of a few long rows) declares the `partial` capability."""

@@ -7,14 +7,15 @@ No inference-engine import: only torch, and transformers inside ``special_ids``.
 * seeds that differ per (step seed, replica, row) (``mix_seed``, ``request_seeds``, ``engine_seed``);
 * between hybridrl's padded tensors and per-request token lists (``unpad_prompts``, ``row_caps``,
   ``check_context``, ``pack_responses``), and per-request routing (``pack_routing``);
-* when a ``generate_until`` may stop: groups whose rows have all finished, counted as rows finish
-  (``GroupCompletion``);
+* when a ``generate_until`` may stop, and which groups decode meanwhile: groups whose rows have all finished,
+  counted as rows finish, each letting a waiting group start (``GroupCompletion``, ``running_groups``);
 * reading the rollout role's free-form options (``read_options``, ``read_choices``, ``check_engine_options``,
   ``check_choice``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -192,29 +193,73 @@ def check_context(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequen
                              f"engine's context length {context_length}")
 
 
-class GroupCompletion:
-    """Which rows of a ``generate_until`` call have finished and how many groups (rows sharing a
-    ``group_index``) have all theirs, updated one row at a time: an engine calls ``finish`` as its requests
-    end and stops once ``done``. Constant work per finished row (the decode loop calls it every step)."""
+def running_groups(group_index: torch.Tensor, running: float) -> int | None:
+    """How many of the distinct groups in ``group_index`` a ``generate_until(running=...)`` call decodes at once:
+    ``ceil(running * groups)``, at least one; None (every group at once) for ``running`` 1 or more."""
+    if running >= 1:
+        return None
+    groups = int(torch.unique(group_index).numel()) if len(group_index) else 0
+    return max(1, math.ceil(running * groups - 1e-9))
 
-    def __init__(self, group_index: Sequence[int], groups_needed: int) -> None:
+
+class GroupCompletion:
+    """Which rows of a ``generate_until`` call have finished, how many groups (rows sharing a ``group_index``)
+    have all theirs, and which rows decode: an engine calls ``finish`` as its requests end and stops once
+    ``done``. Constant work per finished row (the decode loop calls it every step).
+
+    ``running`` (None: every group at once) caps the groups decoding at once: the others wait in batch order
+    (of their first row), and each starts as soon as a running group completes, so the engine keeps
+    ``running`` groups decoding instead of a batch that empties into a tail of a few long rows
+    (capability ``refill``). ``begin`` names the rows to start, ``finish`` the rows it lets start."""
+
+    def __init__(self, group_index: Sequence[int], groups_needed: int, running: int | None = None) -> None:
         self.group_of = [int(g) for g in group_index]
         self.left: dict[int, int] = {}
-        for g in self.group_of:
+        self.rows_of: dict[int, list[int]] = {}
+        for row, g in enumerate(self.group_of):
             self.left[g] = self.left.get(g, 0) + 1
+            self.rows_of.setdefault(g, []).append(row)
         self.finished = [False] * len(self.group_of)
         self.complete = 0
         self.needed = groups_needed
+        order = list(self.rows_of)  # groups in the order of their first row (dicts keep insertion order)
+        cut = len(order) if running is None else max(1, running)
+        self.waiting = order[cut:]
+        self.started = False
 
-    def finish(self, row: int) -> None:
-        """Row ``row`` ended (a stop token or its cap); a repeated call changes nothing."""
+    def begin(self) -> list[int]:
+        """The rows to start now: the unfinished rows of the first ``running`` groups, and of as many waiting
+        groups as the groups already complete (rows with no budget, finished before the call) let start."""
+        self.started = True
+        waiting = set(self.waiting)
+        rows = [r for g, rows in self.rows_of.items() if g not in waiting for r in rows if not self.finished[r]]
+        for _ in range(sum(1 for g, left in self.left.items() if left == 0 and g not in waiting)):
+            rows += self._admit()
+        return rows
+
+    def finish(self, row: int) -> list[int]:
+        """Row ``row`` ended (a stop token or its cap); a repeated call changes nothing. Returns the rows that
+        start now (a waiting group's, when ``row`` completed its group and the call is not yet ``done``)."""
         if self.finished[row]:
-            return
+            return []
         self.finished[row] = True
         group = self.group_of[row]
         self.left[group] -= 1
-        if self.left[group] == 0:
-            self.complete += 1
+        if self.left[group] != 0:
+            return []
+        self.complete += 1
+        return self._admit() if self.started else []
+
+    def _admit(self) -> list[int]:
+        """The next waiting group's unfinished rows (one whose rows all finished already completes at once and
+        lets the next one start)."""
+        while self.waiting and not self.done:
+            group = self.waiting.pop(0)
+            rows = [r for r in self.rows_of[group] if not self.finished[r]]
+            if rows:
+                return rows
+            # a group with every row finished before it started: complete already, counted when finished
+        return []
 
     @property
     def done(self) -> bool:

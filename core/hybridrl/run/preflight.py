@@ -191,7 +191,7 @@ def check_config(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, check
                              "splits an engine over ranks (vllm, sglang)"))
         if rollout_backend is not None:
             problems += streaming_problems(cfg, rollout_backend.can("partial"), rollout_backend.name,
-                                           multi_turn(cfg, registry))
+                                           multi_turn(cfg, registry), rollout_backend.can("refill"))
         problems += capability_problems(plan, backends) + option_problems(cfg, backends)
         problems += routing_problems(cfg, backends, multi_turn(cfg, registry))
         problems += bridge_placement_problems(cfg, plan, registry)

@@ -15,6 +15,10 @@ log-prob (``rollout_log_probs``), which the truncated importance weight (``algor
 token is trained at most ``trainer.max_staleness`` actor updates after it was sampled: a sample holding an older
 token starts again (its tokens are counted as thrown away, never trained).
 
+With ``refill`` (an engine that declares it: vLLM) a round also holds a step's worth of fresh groups that wait:
+the engine keeps the target's groups decoding and starts a waiting group each time a running one completes, so
+its batch stays full instead of emptying into a tail of a few long rows.
+
 With ``oversample`` 1 every group in flight must finish, nothing is carried over, and a step equals the
 synchronous one (the same seeds, the same batch).
 """
@@ -94,10 +98,13 @@ class GroupsInFlight:
 
     def __init__(self, prompts_per_step: int, n_samples: int, oversample: float, partial: bool,
                  max_staleness: int, max_new_tokens: int, pad_id: int,
-                 response_cap: Callable[[int, int], int] | None = None) -> None:
+                 response_cap: Callable[[int, int], int] | None = None, refill: bool = False) -> None:
         self.prompts_per_step, self.n_samples = prompts_per_step, n_samples
         self.target = math.ceil(oversample * prompts_per_step - 1e-9)
         self.partial, self.max_staleness = partial, max_staleness
+        #: keep ``target`` groups decoding: a round also holds a step's worth of waiting groups, each started by
+        #: the engine as a running group completes (``generate_until``'s ``running``, capability ``refill``)
+        self.refill = refill
         self.max_new_tokens, self.pad_id = max_new_tokens, pad_id
         #: ``(group id, sample) -> token budget`` (benchmarks force lengths); None: max_new_tokens
         self.response_cap = response_cap
@@ -120,8 +127,9 @@ class GroupsInFlight:
         self.top_up(next_prompts)
 
     def top_up(self, next_prompts: Callable[[], list[PromptRow]]) -> None:
-        """Fill the groups in flight up to the target with new prompts (drawn a loader batch at a time)."""
-        while len(self.groups) < self.target:
+        """Fill the groups in flight up to the target with new prompts (drawn a loader batch at a time), and
+        with refill a step's worth of waiting groups beyond it."""
+        while len(self.groups) < self.target + (self.prompts_per_step if self.refill else 0):
             if not self.waiting:
                 self.waiting = list(next_prompts())
             self.groups.append(self._new_group(self.waiting.pop(0)))
@@ -145,10 +153,22 @@ class GroupsInFlight:
         unfinished = len(self.groups) - self.complete_groups
         return min(1.0, (self.prompts_per_step - self.complete_groups) / max(unfinished, 1))
 
+    def until_args(self) -> tuple[float, ...]:
+        """``generate_until``'s arguments after the batch: ``(share,)``, and with refill the share of the round's
+        groups that decode at once (``running``: the target)."""
+        if not self.refill:
+            return (self.share_to_complete(),)
+        unfinished = len(self.groups) - self.complete_groups
+        return self.share_to_complete(), min(1.0, self.target / max(unfinished, 1))
+
     def requests(self) -> tuple[Batch, list[tuple[Group, Sample]]]:
         """The unfinished samples as one generation batch (prompt + tokens so far, the rest of each budget),
-        and which sample each row is."""
-        rows = [(g, s) for g in self.groups if not g.complete for s in g.samples if not s.finished]
+        and which sample each row is. With refill the groups that hold tokens come first (they decode at once;
+        the fresh ones wait their turn), each part oldest first."""
+        groups = [g for g in self.groups if not g.complete]
+        if self.refill:
+            groups.sort(key=lambda g: not any(s.tokens for s in g.samples))  # stable: oldest first within each
+        rows = [(g, s) for g in groups for s in g.samples if not s.finished]
         ids, mask = left_pad([g.row.token_ids + s.tokens for g, s in rows], self.pad_id)
         batch = Batch.from_tensors({
             PROMPT_IDS: ids, PROMPT_MASK: mask,
@@ -188,7 +208,7 @@ class GroupsInFlight:
             self.step.thrown_tokens += sum(len(s.tokens) for g in unfinished for s in g.samples)
             self.step.dropped_groups = len(unfinished)
             self.groups = [g for g in self.groups if g.complete]
-        self.step.carried_groups = len(self.groups)
+        self.step.carried_groups = sum(any(s.tokens for s in g.samples) for g in self.groups)
 
     # --- the training batch ---------------------------------------------------------------------------
     def batch(self, groups: list[Group], with_messages: bool = False) -> Batch:
@@ -258,10 +278,10 @@ class GroupsInFlight:
 
 
 def streams(cfg: Any) -> bool:
-    """Whether the run's steps go through the groups in flight (``oversample`` above 1 or partial rollouts
-    asked for) rather than one batch generated to its end."""
+    """Whether the run's steps go through the groups in flight (``oversample`` above 1, partial rollouts or
+    refill asked for) rather than one batch generated to its end."""
     rollout = cfg.roles.rollout
-    return rollout.oversample > 1 or rollout.partial is True
+    return rollout.oversample > 1 or rollout.partial is True or getattr(rollout, "refill", "auto") is True
 
 
 def partial_rollouts(cfg: Any, can_partial: bool) -> bool:
@@ -270,7 +290,15 @@ def partial_rollouts(cfg: Any, can_partial: bool) -> bool:
     return bool(partial) if partial != "auto" else cfg.roles.rollout.oversample > 1 and can_partial
 
 
-def streaming_problems(cfg: Any, can_partial: bool, backend: str, multi_turn: bool) -> list[tuple[str, str]]:
+def refills(cfg: Any, can_refill: bool) -> bool:
+    """``roles.rollout.refill`` resolved: auto is on where groups are over-provisioned and the backend starts
+    waiting groups while it decodes."""
+    refill = cfg.roles.rollout.refill
+    return bool(refill) if refill != "auto" else cfg.roles.rollout.oversample > 1 and can_refill
+
+
+def streaming_problems(cfg: Any, can_partial: bool, backend: str, multi_turn: bool,
+                       can_refill: bool = False) -> list[tuple[str, str]]:
     """Why the groups in flight cannot run with this config (empty: they can)."""
     rollout = cfg.roles.rollout
     problems: list[tuple[str, str]] = []
@@ -284,6 +312,10 @@ def streaming_problems(cfg: Any, can_partial: bool, backend: str, multi_turn: bo
         problems.append((key, f"the rollout backend '{backend}' cannot stop a generation once enough groups are "
                               "complete (it does not declare the `partial` capability); use a backend that does "
                               "(hf, vllm) or leave oversample at 1 and partial unset"))
+    if rollout.refill is True and not can_refill:
+        problems.append(("roles.rollout.refill", f"the rollout backend '{backend}' cannot start waiting groups while "
+                                                 "it decodes (it does not declare the `refill` capability); use a "
+                                                 "backend that does (vllm) or leave refill at auto"))
     if multi_turn:
         problems.append((key, "multi-turn episodes (environment) are generated whole; leave oversample at 1 and "
                               "partial unset with an environment"))

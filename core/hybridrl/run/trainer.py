@@ -75,7 +75,7 @@ from hybridrl.run.pipeline import GenerationJob, needs_sync, staleness_of
 from hybridrl.run.preflight import RunSetup
 from hybridrl.run.routing_replay import returns_routing
 from hybridrl.run.state import Checkpointer, StepGuard, trained_roles
-from hybridrl.run.streaming import GroupsInFlight, forced_lengths, partial_rollouts, streams
+from hybridrl.run.streaming import GroupsInFlight, forced_lengths, partial_rollouts, refills, streams
 from hybridrl.run.validation import Validator
 from hybridrl.runtime.deadline import CallDeadline
 from hybridrl.runtime.group import Result, WorkerGroup, average_metrics, unique_groups
@@ -182,7 +182,8 @@ class Trainer:
         self.in_flight = GroupsInFlight(
             cfg.data.prompts_per_step, cfg.algorithm.n_samples, r.oversample,
             partial_rollouts(cfg, setup.backends["rollout"].can("partial")), cfg.trainer.max_staleness,
-            r.max_new_tokens, self.pad_id, self.response_cap) if streams(cfg) else None
+            r.max_new_tokens, self.pad_id, self.response_cap,
+            refills(cfg, setup.backends["rollout"].can("refill"))) if streams(cfg) else None
         #: each step's phases as spans on the plan's devices (spans.jsonl) and device/<pool>.<rank>/busy
         self.span_log = SpanLog.for_plan(setup.plan, cfg.trainer.out, cfg.algorithm.epochs)
 
@@ -353,8 +354,7 @@ class Trainer:
         flight.begin_step(train_version, self.next_prompts)
         requests, rows = flight.requests()
         params = dataclasses.replace(self.sampling, seed=self.cfg.trainer.seed * 100_003 + step)
-        pending = self.groups["rollout"].submit("rollout", "generate_until", requests, params,
-                                                flight.share_to_complete())
+        pending = self.groups["rollout"].submit("rollout", "generate_until", requests, params, *flight.until_args())
         return GenerationJob(requests, step, self.rollout_version, pending, rows=rows)
 
     def collect_in_flight(self, job: GenerationJob, log: StepLog) -> Batch:
@@ -368,7 +368,7 @@ class Trainer:
             params = dataclasses.replace(self.sampling, seed=self.cfg.trainer.seed * 100_003 + job.step
                                          + 7_919 * flight.step.rounds)
             out = log.took("gen", self.groups["rollout"].call("rollout", "generate_until", requests, params,
-                                                              flight.share_to_complete()))
+                                                              *flight.until_args()))
             flight.absorb(rows, out, job.version)
         batch = flight.batch(flight.take(self.cfg.data.prompts_per_step))
         flight.end_step()
@@ -451,7 +451,7 @@ class Trainer:
                     params = dataclasses.replace(self.sampling,
                                                  seed=self.cfg.trainer.seed * 100_003 + self.step + 7_919 * salt)
                     out = log.took("gen", rollout.call("rollout", "generate_until", requests, params,
-                                                       flight.share_to_complete()))
+                                                       *flight.until_args()))
                     flight.absorb(rows, out, self.rollout_version)
             batch = flight.batch(flight.take(groups.groups_needed - groups.kept_groups))
             batch.info["temperature"] = self.temperature

@@ -76,6 +76,9 @@ PARTIAL_CAPS = ("with the 'partial' capability every row must honour its max_new
 PARTIAL_STOP = ("generate_until (capability 'partial') must stop once its share of groups is complete: every row a "
                 "prefix of an uninterrupted run, the rows still running cut short, finished=True exactly on the rows "
                 "that ended (an EOS or the cap)")
+REFILL = ("generate_until with running below 1 (capability 'refill') must decode at most ceil(running x groups) "
+          "groups at once and start a waiting group (in batch order) only when a running one completes: a group that "
+          "never started returns no token and finished=False, the started rows an uninterrupted run's tokens")
 PARTIAL_RESUME = ("a row cut short by generate_until, resubmitted as prompt + its tokens with the rest of its budget, "
                   "must continue (greedy, same weights) to the tokens of an uninterrupted run")
 #: the share of fed (token, layer) pairs whose returned experts may differ from the reference's (near ties).
@@ -548,6 +551,34 @@ class RolloutEngineContract(KitBase):
         check(backend_name, PARTIAL_RESUME, cut.resumed_problems(
             [prompts[i] for i in open_rows], [heads[i] for i in open_rows], resumed, full.index(open_rows), policy_ref,
             self.greedy_tie_tolerance, self.logit_rtol))
+
+    def test_refill_starts_a_waiting_group_as_a_running_one_completes(
+            self, backend_name: str, rollout: Any, kit_models: KitModels, policy_ref: ReferenceModel) -> None:
+        """Capability ``refill``: three groups, one decoding at a time (running 1/3), two needed (share 2/3).
+        Group 0 (one row capped at one token) completes first and lets group 1 (every kit prompt, capped at two
+        tokens) start; once group 1 completes the call is done, and group 2 (full width) never started."""
+        self._declares(backend_name, "refill")
+        kit_prompts = list(kit_models.prompts)
+        prompts = [kit_prompts[0], *kit_prompts, *kit_prompts]
+        caps = [1] + [2] * len(kit_prompts) + [KIT_WIDTH] * len(kit_prompts)
+        groups = [0] + [1] * len(kit_prompts) + [2] * len(kit_prompts)
+        out = rollout.generate_until(cut.requests(prompts, kit_models.pad_id, caps, groups), GREEDY_PARAMS, 2 / 3,
+                                     1 / 3)
+        full = rollout.generate(prompt_batch(prompts, kit_models.pad_id), GREEDY_PARAMS)
+        problems = cut.layout_problems(out, len(prompts), KIT_WIDTH) + cut.finished_problems(out, len(prompts))
+        check(backend_name, REFILL, problems)
+        started = 1 + len(kit_prompts)
+        problems = cut.cut_problems(out.index(list(range(started))), prompts[:started], caps[:started],
+                                    full.index(list(range(started))), kit_models.eos_ids, policy_ref,
+                                    self.logprob_atol, self.greedy_tie_tolerance, self.logit_rtol)
+        finished = out[FINISHED].tolist()
+        if not all(finished[:started]):
+            problems.append(f"groups 0 and 1 must both complete (finished={finished[:started]})")
+        waited = out[RESPONSE_MASK][started:].sum(1).tolist()
+        if any(waited) or any(finished[started:]):
+            problems.append(f"group 2 must never start (two groups complete first, one decoding at a time): its rows "
+                            f"returned {waited} tokens, finished={finished[started:]}")
+        check(backend_name, REFILL, problems)
 
     def test_lora_adapters_serve_the_merged_weights(self, backend_name: str, engine_slot: EngineSlot,
                                                     prompts: Batch, kit_models: KitModels,

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
-from typing import Any
+from typing import Any, Protocol
 
 from packaging.version import Version
 
@@ -175,16 +175,17 @@ def can_generate_direct(llm: Any) -> bool:
             and hasattr(core, "engine_core") and hasattr(core, "get_output"))
 
 
-def _add_direct(llm: Any, prompts: list[Any], params: list[Any], lora_request: Any) -> dict[str, int]:
-    """Queue every prompt on the in-process engine core; ``{request id: prompt position}``. A failure midway
-    aborts the requests already queued."""
+def _add_direct(llm: Any, prompts: list[Any], params: list[Any], lora_request: Any,
+                positions: list[int] | None = None) -> dict[str, int]:
+    """Queue the prompts at ``positions`` (default: every one) on the in-process engine core; ``{request id:
+    prompt position}``. A failure midway aborts the requests already queued."""
     engine = llm.llm_engine
     processor, core = engine.input_processor, engine.engine_core
     tasks = engine.get_supported_tasks()
     index: dict[str, int] = {}
     try:
-        for i, (prompt, sampling) in enumerate(zip(prompts, params)):
-            request = processor.process_inputs(f"hybridrl-{i}", prompt, sampling, supported_tasks=tasks,
+        for i in range(len(prompts)) if positions is None else positions:
+            request = processor.process_inputs(f"hybridrl-{i}", prompts[i], params[i], supported_tasks=tasks,
                                                lora_request=lora_request)
             processor.assign_request_id(request)
             core.add_request(request)
@@ -228,36 +229,50 @@ def generate_direct(llm: Any, prompts: list[Any], params: list[Any], lora_reques
 
 
 #: ``(token ids, sampled log-probs or None)`` per prompt, and whether each ended (a stop token or its length)
-#: rather than being aborted: what the ``..._until`` generations return.
+#: rather than being aborted or never started: what the ``..._until`` generations return.
 Partial = tuple[list[tuple[list[int], list[float] | None]], list[bool]]
 
 
-def generate_tokens_until(llm: Any, prompts: list[Any], params: Any, on_finish: Callable[[int], bool],
+class RowSchedule(Protocol):
+    """Which prompts decode and when the generation stops (``hybridrl.engines.rollout_kit.GroupCompletion``)."""
+
+    def begin(self) -> list[int]: ...
+
+    def finish(self, row: int) -> list[int]: ...
+
+    @property
+    def done(self) -> bool: ...
+
+
+def generate_tokens_until(llm: Any, prompts: list[Any], params: Any, schedule: RowSchedule,
                           lora_request: Any = None) -> Partial:
-    """``generate_tokens`` that may stop early: ``on_finish(position)`` is called as each prompt's request
-    ends and returns whether enough have ended; after the engine step in which it first says so, every request
-    still running is aborted, keeping the tokens it has. The engine is left holding no request of ours, its
-    prefix cache intact (the aborted requests' cached blocks stay valid: no weight changed). Through the engine
-    core (``generate_direct_until``) where the engine allows it, else through ``LLMEngine``'s requests."""
+    """``generate_tokens`` that may stop early and start prompts while it decodes: the prompts of
+    ``schedule.begin()`` are queued first; as each request ends, ``schedule.finish(position)`` names the
+    prompts to queue now; after the engine step in which ``schedule.done`` first holds, every request still
+    running is aborted, keeping the tokens it has (a prompt never started has none). The engine is left holding
+    no request of ours, its prefix cache intact (the aborted requests' cached blocks stay valid: no weight
+    changed). Through the engine core (``generate_direct_until``) where the engine allows it, else through
+    ``LLMEngine``'s requests."""
     per_row = params if isinstance(params, list) else [params] * len(prompts)
     if can_generate_direct(llm):
-        return generate_direct_until(llm, prompts, per_row, on_finish, lora_request=lora_request)
-    return generate_requests_until(llm, prompts, per_row, on_finish, lora_request=lora_request)
+        return generate_direct_until(llm, prompts, per_row, schedule, lora_request=lora_request)
+    return generate_requests_until(llm, prompts, per_row, schedule, lora_request=lora_request)
 
 
-def generate_direct_until(llm: Any, prompts: list[Any], params: list[Any], on_finish: Callable[[int], bool],
+def generate_direct_until(llm: Any, prompts: list[Any], params: list[Any], schedule: RowSchedule,
                           lora_request: Any = None) -> Partial:
-    """``generate_direct`` stopped by ``on_finish`` (see ``generate_tokens_until``). The engine core's outputs
-    are deltas (the step's new tokens and their log-probs) whatever a request's output kind."""
+    """``generate_direct`` stopped and fed by ``schedule`` (see ``generate_tokens_until``). The engine core's
+    outputs are deltas (the step's new tokens and their log-probs) whatever a request's output kind."""
     import torch
 
     core = llm.llm_engine.engine_core
     tokens: list[list[int]] = [[] for _ in prompts]
     logps: list[list[float] | None] = [[] if p.logprobs is not None else None for p in params]
     ended = [False] * len(prompts)
-    index = _add_direct(llm, prompts, params, lora_request)
+    index: dict[str, int] = {}
     try:
-        stop, left = False, len(index)
+        index.update(_add_direct(llm, prompts, params, lora_request, schedule.begin()))
+        stop, left = schedule.done, len(index)
         with torch.inference_mode():
             while left and not stop:
                 for out in core.get_output().outputs:
@@ -269,7 +284,11 @@ def generate_direct_until(llm: Any, prompts: list[Any], params: list[Any], on_fi
                         logps[i].extend(float(v) for v in out.new_logprobs.logprobs[:, 0])
                     if out.finish_reason is not None:
                         ended[i], left = True, left - 1
-                        stop = on_finish(i) or stop
+                        start = schedule.finish(i)
+                        stop = stop or schedule.done
+                        if start and not stop:
+                            index.update(_add_direct(llm, prompts, params, lora_request, start))
+                            left += len(start)
     except BaseException:  # a failure midway: nothing keeps decoding for nobody
         core.abort_requests([rid for rid, i in index.items() if not ended[i]])
         raise
@@ -300,7 +319,7 @@ def unfinished_requests(llm: Any) -> int:
     return int(llm.llm_engine.get_num_unfinished_requests())
 
 
-def generate_requests_until(llm: Any, prompts: list[Any], params: list[Any], on_finish: Callable[[int], bool],
+def generate_requests_until(llm: Any, prompts: list[Any], params: list[Any], schedule: RowSchedule,
                             lora_request: Any = None) -> Partial:
     """``generate_tokens_until`` through ``LLMEngine.add_request``/``step``/``abort_request``: each request set
     to return only what each step adds (``RequestOutputKind.DELTA``), read as it comes."""
@@ -309,11 +328,16 @@ def generate_requests_until(llm: Any, prompts: list[Any], params: list[Any], on_
     tokens: list[list[int]] = [[] for _ in prompts]
     logps: list[list[float] | None] = [[] if p.logprobs is not None else None for p in params]
     ended = [False] * len(prompts)
-    ids = {f"hybridrl-until-{i}": i for i in range(len(prompts))}
+    ids: dict[str, int] = {}
+
+    def start(positions: list[int]) -> None:
+        for i in positions:
+            ids[f"hybridrl-until-{i}"] = i
+            add_request(llm, f"hybridrl-until-{i}", prompts[i], deltas(params[i]), lora_request=lora_request)
+
     try:
-        for request_id, i in ids.items():
-            add_request(llm, request_id, prompts[i], deltas(params[i]), lora_request=lora_request)
-        stop, left = False, len(ids)
+        start(schedule.begin())
+        stop, left = schedule.done, len(ids)
         while left and not stop:
             for out in step(llm):
                 i = ids.get(out.request_id)
@@ -325,7 +349,11 @@ def generate_requests_until(llm: Any, prompts: list[Any], params: list[Any], on_
                     logps[i].extend(sampled_logprobs(new, out.outputs[0].logprobs))
                 if out.finished:
                     ended[i], left = True, left - 1
-                    stop = on_finish(i) or stop
+                    admitted = schedule.finish(i)
+                    stop = stop or schedule.done
+                    if admitted and not stop:
+                        start(admitted)
+                        left += len(admitted)
     except BaseException:
         abort_requests(llm, [rid for rid, i in ids.items() if not ended[i]])
         raise

@@ -51,6 +51,7 @@ from hybridrl.engines.rollout_kit import (
     pack_responses,
     pack_routing,
     row_caps,
+    running_groups,
     special_ids,
     unpad_prompts,
 )
@@ -194,7 +195,8 @@ class VLLMRollout(RolloutEngine):
         kwargs = llm_kwargs(self.opts, model_path=ctx.model_path, dtype=ctx.dtype, device=self.device,
                             seed=engine_seed(ctx.seed, self.layout.replica), distributed=distributed,
                             logprobs_kwargs=compat.logprobs_kwargs(), memory=self.memory,
-                            return_routing=self.return_routing)
+                            return_routing=self.return_routing,
+                            sequences=self.demand.sequences if getattr(self, "demand", None) else None)
         if self.lora is not None:
             kwargs = {**vllm_lora.engine_kwargs(ctx.lora), **kwargs}
         start = time.perf_counter()
@@ -345,13 +347,13 @@ class VLLMRollout(RolloutEngine):
         return pack_responses(tokens, logps if params.logprobs else None, width, self.pad_id)
 
     @torch.inference_mode()
-    def generate_until(self, batch: Batch, params: SamplingParams, share: float) -> Batch:
-        """See ``RolloutEngine.generate_until``. Every row is queued at once (with ``generate``'s seeds and its
-        own cap) and the engine is stepped; as requests end, the groups whose rows have all ended are counted
-        (``GroupCompletion``), and after the step that completes enough of them the other requests are aborted,
-        keeping their tokens and log-probs so far. No request of the call stays in the engine; the prefix
-        cache stays valid (the aborted rows' blocks hold KV of these weights: a row resumed before the next
-        update reuses them)."""
+    def generate_until(self, batch: Batch, params: SamplingParams, share: float, running: float = 1.0) -> Batch:
+        """See ``RolloutEngine.generate_until``. The rows of the running groups are queued (with ``generate``'s
+        seeds and their own caps) and the engine is stepped; as requests end, the groups whose rows have all
+        ended are counted and each lets a waiting group's rows join the running batch (``GroupCompletion``);
+        after the step that completes enough groups the other requests are aborted, keeping their tokens and
+        log-probs so far. No request of the call stays in the engine; the prefix cache stays valid (the aborted
+        rows' blocks hold KV of these weights: a row resumed before the next update reuses them)."""
         if self.importing:
             raise RuntimeError("VLLMRollout.generate_until called during a weight import")
         if GROUP_INDEX not in batch:
@@ -363,29 +365,23 @@ class VLLMRollout(RolloutEngine):
         prompts = unpad_prompts(batch[PROMPT_IDS], batch[PROMPT_MASK])
         caps = row_caps(batch, width) or [width] * len(prompts)
         check_context(prompts, caps, self.context_length)
-        groups = GroupCompletion(batch[GROUP_INDEX].tolist(), groups_to_complete(batch[GROUP_INDEX], share))
+        schedule = GroupCompletion(batch[GROUP_INDEX].tolist(), groups_to_complete(batch[GROUP_INDEX], share),
+                                   running_groups(batch[GROUP_INDEX], running))
         for i, cap in enumerate(caps):
             if cap <= 0:
-                groups.finish(i)
+                schedule.finish(i)
         tokens: list[list[int]] = [[] for _ in prompts]
         logps: list[list[float]] = [[] for _ in prompts]
-        live = [i for i, cap in enumerate(caps) if cap > 0]
-        if live and not groups.done:
+        if any(cap > 0 for cap in caps) and not schedule.done:
             kwargs = per_request_kwargs(params, self.eos_ids, len(prompts), self.layout.replica, self.seed_mode,
-                                        self.flat_logprobs, caps=caps)
-
-            def on_finish(position: int) -> bool:
-                groups.finish(live[position])
-                return groups.done
-
+                                        self.flat_logprobs, caps=[max(1, cap) for cap in caps])  # 0: never queued
             results, _ = compat.generate_tokens_until(
-                self.llm, compat.tokens_prompts([prompts[i] for i in live]),
-                compat.make_sampling_params([kwargs[i] for i in live]), on_finish,
+                self.llm, compat.tokens_prompts(prompts), compat.make_sampling_params(kwargs), schedule,
                 lora_request=self.lora.request() if self.lora is not None else None)
-            for i, (ids, lps) in zip(live, results):
+            for i, (ids, lps) in enumerate(results):
                 tokens[i], logps[i] = ids, lps or []
         out = pack_responses(tokens, logps if params.logprobs else None, width, self.pad_id)
-        out.set(FINISHED, torch.tensor(groups.finished, dtype=torch.bool))
+        out.set(FINISHED, torch.tensor(schedule.finished, dtype=torch.bool))
         return out
 
     # --- single requests (multi-turn episodes) ---------------------------------------------------------------

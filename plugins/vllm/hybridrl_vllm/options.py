@@ -38,7 +38,7 @@ from hybridrl_vllm.sleep import LEVELS
 WEIGHT_LOADS = ("auto", "direct", "layerwise")
 #: how ``from_options`` reads each typed key (an unset or ``None`` key keeps the field's default).
 _CASTS = {**{k: v for k, v in ENGINE_OPTION_CASTS.items() if k != "gpu_memory_utilization"},
-          "kv_cache_gb": float, "fast_import": bool, "copy_graphs": bool}
+          "kv_cache_gb": float, "fast_import": bool, "copy_graphs": bool, "graph_sequences": int}
 #: left free at start beyond the share asked of vLLM (it allocates a little before checking).
 START_SLACK_BYTES = 2**30
 GIB = float(2**30)
@@ -60,6 +60,7 @@ class VLLMOptions:
     weight_load: str = "auto"
     fast_import: bool = True
     copy_graphs: bool = True
+    graph_sequences: int | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -82,6 +83,8 @@ class VLLMOptions:
     def validate(self) -> None:
         check_engine_options(self.tensor_parallel, 0.5 if self.gpu_memory_utilization == AUTO
                              else self.gpu_memory_utilization)
+        if self.graph_sequences is not None and self.graph_sequences <= 0:
+            raise ValueError(f"graph_sequences must be positive, got {self.graph_sequences}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         if self.sleep_level not in LEVELS:
@@ -168,11 +171,12 @@ def check_weight_load(choice: str, device: str, quantized: bool = False) -> None
 
 def llm_kwargs(opts: VLLMOptions, *, model_path: str, dtype: str, device: str, seed: int,
                distributed: bool, logprobs_kwargs: Mapping[str, Any], memory: StartMemory | None = None,
-               return_routing: bool = False) -> dict[str, Any]:
+               return_routing: bool = False, sequences: int | None = None) -> dict[str, Any]:
     """Arguments of ``vllm.LLM``. ``distributed``: the host process already has a default process group
     (then vLLM joins it as an external launcher, each tensor-parallel group of it one engine);
     ``logprobs_kwargs``: the version's way to ask for processed log-probs (``compat``); ``return_routing``: record
-    each fed token's experts (an MoE model; ``roles.rollout.return_routing``)."""
+    each fed token's experts (an MoE model; ``roles.rollout.return_routing``); ``sequences``: what one replica
+    holds at once in a step (``graph_kwargs``)."""
     cuda = device == "cuda"
     kwargs: dict[str, Any] = {
         "model": model_path,
@@ -202,8 +206,35 @@ def llm_kwargs(opts: VLLMOptions, *, model_path: str, dtype: str, device: str, s
         value = getattr(opts, key)
         if value is not None:
             kwargs[key] = value
+    if cuda and not kwargs["enforce_eager"]:
+        kwargs.update(graph_kwargs(opts, sequences))
     kwargs.update(opts.engine_kwargs)
     return kwargs
+
+
+#: the largest decode batch vLLM captures as a CUDA graph unless told (its default on Hopper GPUs).
+VLLM_GRAPH_SEQUENCES = 512
+#: the sequences vLLM schedules at once unless told (its default for the ``LLM`` class on 70+ GiB GPUs).
+VLLM_MAX_NUM_SEQS = 1024
+
+
+def graph_kwargs(opts: VLLMOptions, sequences: int | None) -> dict[str, Any]:
+    """CUDA graphs for every decode batch a step can hold. Past vLLM's largest captured batch (512 sequences)
+    a decode step runs without a graph, bound by kernel launches at small models, which over-provisioned
+    steps (``roles.rollout.oversample``) reach: the capture size follows ``graph_sequences``, else the step's
+    sequences per replica when they exceed the default (rounded up to 16; ``max_num_seqs`` raised with it
+    when unset). Nothing when the user passes ``compilation_config`` in ``engine_kwargs``."""
+    if "compilation_config" in opts.engine_kwargs:
+        return {}
+    want = opts.graph_sequences
+    if want is None:
+        if sequences is None or sequences <= VLLM_GRAPH_SEQUENCES:
+            return {}
+        want = -(-sequences // 16) * 16
+    out: dict[str, Any] = {"compilation_config": {"max_cudagraph_capture_size": int(want)}}
+    if opts.max_num_seqs is None and want > VLLM_MAX_NUM_SEQS:
+        out["max_num_seqs"] = int(want)
+    return out
 
 
 #: the pre-flight check of the rollout's settings (registered as the backend's ``check_options``).
@@ -220,6 +251,8 @@ OPTION_DESCRIPTIONS = {
     "max_model_len": "context length (default: the model's)",
     "max_num_seqs": "sequences decoded at once (default: vLLM's)",
     "max_num_batched_tokens": "tokens per engine step (default: vLLM's)",
+    "graph_sequences": "the largest decode batch captured as a CUDA graph (default: the step's sequences per "
+                       "replica where they exceed vLLM's 512)",
     "enforce_eager": "no CUDA graphs or torch.compile (default: on for CPU, off for GPU)",
     "enable_prefix_caching": "default: vLLM's (on); the prompts of a GRPO group share their prefix",
     "sleep_mode": "allocate so that sleep can release memory (default: on for GPU)",

