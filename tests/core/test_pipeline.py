@@ -87,3 +87,38 @@ def test_plan_prints_phases_per_device_and_takes_overrides_after_options(capsys)
     assert "trainer.pipelined" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", QUICKSTART, "--cluster", "1x2", "--bogus"])
+
+
+def resolved(path: str, overrides: list[str]):
+    from hybridrl.run.preflight import resolve_roles
+
+    cfg, notes, _ = resolve_roles(load_config(path, overrides), get_registry())
+    return cfg, notes
+
+
+def test_async_mode_pipelines_a_rollout_alone_on_its_pool():
+    cfg, notes = resolved(SPLIT, ["trainer.mode=async"])
+    assert cfg.trainer.pipelined and cfg.roles.rollout.oversample == 1.0
+    assert any("trainer.mode=async" in n and "trainer.pipelined" in n for n in notes)
+    assert problems_for(SPLIT, ["trainer.mode=async"]) == []
+
+
+def test_async_mode_keeps_groups_in_flight_on_a_colocated_map():
+    cfg, notes = resolved(QUICKSTART, ["trainer.mode=async"])
+    assert not cfg.trainer.pipelined  # the refusal of pipelined-with-colocated does not apply
+    assert cfg.roles.rollout.oversample == 1.25 and cfg.roles.rollout.partial is True
+    assert any("groups in flight" in n for n in notes)
+    assert problems_for(QUICKSTART, ["trainer.mode=async"]) == []
+    mine, _ = resolved(QUICKSTART, ["trainer.mode=async", "roles.rollout.oversample=2"])
+    assert mine.roles.rollout.oversample == 2.0
+    # the reference on the rollout's own pool: the rollout is not alone there, so groups in flight again
+    shared, _ = resolved(SPLIT, ["trainer.mode=async", "roles.ref.pool=gen"])
+    assert not shared.trainer.pipelined and shared.roles.rollout.oversample == 1.25
+
+
+def test_pipelined_is_async_mode_and_refuses_to_contradict_sync():
+    assert load_config(SPLIT, ["trainer.pipelined=true"]).trainer.mode == "async"
+    with pytest.raises(ValueError, match="trainer.pipelined=true .* trainer.mode=async"):
+        load_config(SPLIT, ["trainer.pipelined=true", "trainer.mode=sync"])
+    # the explicit flag keeps its checks: colocated, it is still refused with its key
+    assert [k for k, _ in problems_for(QUICKSTART, ["trainer.pipelined=true"])] == ["trainer.pipelined"]

@@ -452,8 +452,16 @@ class TrainerConfig(Strict):
         "auto", description="seconds the driver waits for a worker's answer (a stopped, deadlocked or hung worker is "
                             "named and the run stops); auto: 1800 until a step has finished (start-up, first step), "
                             "then 10 x the slowest step so far, at least 600 (docs/deadlines-and-cluster.md)")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: every step generates, then trains on its own samples; async: generation does not "
+                            "wait for the trainer, on any map: with the rollout alone on its pool it generates the "
+                            "next step while this one trains (trainer.pipelined), colocated a step's generation stops "
+                            "once its groups are complete and the rest resume under the next weights (groups in "
+                            "flight, roles.rollout.oversample 1.25 unless set); tokens at most trainer.max_staleness "
+                            "updates old (docs/long-tail.md)")
     pipelined: bool = Field(False, description="generate the next step's batch while this step trains (actor and "
-                                               "rollout on different pools)")
+                                               "rollout on different pools); trainer.mode=async chooses it where "
+                                               "the map allows")
     max_staleness: int = Field(1, ge=1, description="pipelined and partial rollouts: at most this many actor updates "
                                                     "between the weights that sampled a token and the weights it "
                                                     "trains against (an older partial sample starts again)")
@@ -471,6 +479,15 @@ class TrainerConfig(Strict):
     keep_best: str | None = Field(None, description="a validation metric (val/reward/mean ...): keep the checkpoint "
                                                     "that scored best on it in <out>/best")
     keep_best_mode: Literal["max", "min"] = "max"
+
+    @model_validator(mode="after")
+    def _mode_and_pipelined_agree(self) -> TrainerConfig:
+        if self.pipelined and self.mode == "sync" and "mode" in self.model_fields_set:
+            raise ValueError("trainer.pipelined=true generates ahead of the trainer, which is trainer.mode=async; "
+                             "set one of them, not pipelined=true with mode=sync")
+        if self.pipelined:
+            self.mode = "async"
+        return self
 
     @field_validator("step_timeout_s")
     @classmethod

@@ -273,15 +273,21 @@ def engine_warnings(backends: dict[str, BackendEntry]) -> list[str]:
     return out
 
 
+def configured_pools(cfg: RunConfig) -> dict[str, str | None]:
+    """Each role's pool as the config names it: its own ``pool``, else the actor's (roles placed with the
+    actor by default) or the first pool. Unknown names are left for ``plan_placement`` to refuse."""
+    default_pool = next(iter(cfg.pools), None)
+    actor_pool = cfg.roles.actor.pool or default_pool
+    return {role: rcfg.pool or (actor_pool if role_spec(role).default_pool == "actor" else default_pool)
+            for role, rcfg in cfg.role_configs().items()}
+
+
 def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, BackendEntry]) -> PlacementPlan:
     """Assign pools to devices and fuse colocated roles into processes. Raises ``ConfigError``."""
     problems: list[tuple[str, str]] = []
-    default_pool = next(iter(cfg.pools), None)
-    actor_pool = cfg.roles.actor.pool or default_pool
     role_pool: dict[str, str] = {}
-    for role, rcfg in cfg.role_configs().items():
-        pool = rcfg.pool or (actor_pool if role_spec(role).default_pool == "actor" else default_pool)
-        if pool not in cfg.pools:
+    for role, pool in configured_pools(cfg).items():
+        if pool is None or pool not in cfg.pools:
             problems.append((f"roles.{role}.pool", f"unknown pool '{pool}' (pools: {', '.join(cfg.pools) or 'none'})"))
             continue
         role_pool[role] = pool

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from hybridrl.config import ConfigError, CriticConfig, RunConfig
 from hybridrl.environments.checks import environment_problems, multi_turn
 from hybridrl.environments.checks import probe_problems as environment_probe_problems
-from hybridrl.placement.plan import ClusterSpec, PlacementPlan, plan_placement, resolve_backends
+from hybridrl.placement.plan import ClusterSpec, PlacementPlan, configured_pools, plan_placement, resolve_backends
 from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError
 from hybridrl.rewards.rules import RuleSpec
 from hybridrl.roles import trainable_roles
@@ -73,6 +73,7 @@ def resolve_roles(cfg: RunConfig, registry: Registry) -> tuple[RunConfig, list[s
     except RegistryError:
         return cfg, [], None
     notes: list[str] = []
+    cfg = resolve_async_mode(cfg, notes)
     algorithm = algo.config or cfg.algorithm
     if (cfg.trainer.pipelined or streams(cfg)) and "tis_cap" not in cfg.algorithm.model_fields_set:
         algorithm = algorithm.model_copy(update={"tis_cap": DEFAULT_TIS_CAP})
@@ -101,6 +102,40 @@ def resolve_roles(cfg: RunConfig, registry: Registry) -> tuple[RunConfig, list[s
         roles = roles.model_copy(update={"ref": None})
         notes.append("no KL to a reference (algorithm.kl unset or coef 0): no reference policy is started")
     return cfg.model_copy(update={"algorithm": algorithm, "roles": roles}), notes, algo
+
+
+#: ``roles.rollout.oversample`` of a colocated ``trainer.mode=async`` run that leaves it unset.
+ASYNC_COLOCATED_OVERSAMPLE = 1.25
+
+
+def resolve_async_mode(cfg: RunConfig, notes: list[str]) -> RunConfig:
+    """``trainer.mode=async`` on the map the config names: with the rollout alone on its pool, the pipelined loop
+    (the next step generates while this one trains); sharing a pool, groups in flight with partial rollouts
+    (a step's generation stops once its groups are complete, the rest resume under the next weights), with
+    ``roles.rollout.oversample`` 1.25 unless set. ``trainer.pipelined=true`` keeps its meaning (and its checks)."""
+    trainer, rollout = cfg.trainer, cfg.roles.rollout
+    if trainer.mode != "async" or trainer.pipelined:
+        return cfg
+    pools = configured_pools(cfg)
+    gen_pool = pools.get("rollout")
+    if gen_pool is not None and all(pool != gen_pool for role, pool in pools.items() if role != "rollout"):
+        notes.append(f"trainer.mode=async: the rollout's pool '{gen_pool}' generates the next step while this one "
+                     f"trains (trainer.pipelined; batches at most trainer.max_staleness={trainer.max_staleness} "
+                     "update(s) old)")
+        return cfg.model_copy(update={"trainer": trainer.model_copy(update={"pipelined": True})})
+    sharing = ", ".join(sorted(r for r, pool in pools.items() if r != "rollout" and pool == gen_pool))
+    oversample = rollout.oversample
+    if "oversample" not in rollout.model_fields_set and oversample <= 1:
+        oversample = ASYNC_COLOCATED_OVERSAMPLE
+    notes.append(f"trainer.mode=async with the rollout sharing pool '{gen_pool}' ({sharing}): groups in flight, "
+                 f"roles.rollout.oversample={oversample:g} with partial rollouts (a step's generation stops once "
+                 "its groups are complete; the rest resume under the next weights, tokens at most "
+                 f"trainer.max_staleness={trainer.max_staleness} update(s) old)")
+    update: dict[str, Any] = {"oversample": oversample}
+    if rollout.partial == "auto":
+        update["partial"] = True
+    roles = cfg.roles.model_copy(update={"rollout": rollout.model_copy(update=update)})
+    return cfg.model_copy(update={"roles": roles})
 
 
 def without_sync_check_if_unsupported(cfg: RunConfig, backends: dict[str, BackendEntry], notes: list[str]
