@@ -40,7 +40,7 @@ def test_the_built_in_backends_declare_what_they_do():
     assert registry.backend("train", "fsdp").supports >= {"checkpoint", "greedy_margins", "value_head", "reward_head"}
     assert not registry.backend("train", "megatron").can("reward_head")
     assert registry.backend("rollout", "hf").supports == {"sleep", "named_weights", "lora_adapters", "partial",
-                                                          "return_routing"}
+                                                          "refill", "return_routing"}
     assert registry.backend("train", "fsdp").can("routing_replay")
     assert not registry.backend("train", "megatron").can("routing_replay")
     assert registry.backend("train", "fsdp").can("lora") and not registry.backend("train", "megatron").can("lora")

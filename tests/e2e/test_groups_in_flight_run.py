@@ -52,9 +52,11 @@ RAGGED = ["roles.rollout.oversample=2", "roles.rollout.max_new_tokens=12", "role
           "roles.rollout.response_lengths={median: 4, sigma: 1}"]
 
 
-def in_flight_steps(trainer: Trainer, steps: int) -> list[dict[str, float]]:
-    """``steps`` steps, each checked: four complete groups of four trained, four left in flight, every trained
-    token sampled by the weights the update started from or the ones before (trainer.max_staleness=1)."""
+def in_flight_steps(trainer: Trainer, steps: int, refill: bool = False) -> list[dict[str, float]]:
+    """``steps`` steps, each checked: four complete groups of four trained, every trained token sampled by the
+    weights the update started from or the ones before (trainer.max_staleness=1), and what is left in flight:
+    the four other groups; with refill, the groups still decoding when the fourth completed (up to eight, the
+    target), while a waiting group that never started holds no token."""
     history = []
     for _ in range(steps):
         history.append(trainer.train_step())
@@ -63,16 +65,22 @@ def in_flight_steps(trainer: Trainer, steps: int) -> list[dict[str, float]]:
         versions = batch[TOKEN_VERSIONS][batch[RESPONSE_MASK].bool()]
         trained_against = trainer.actor_version - 1  # the version this step's update started from
         assert trained_against - 1 <= int(versions.min()) and int(versions.max()) <= trained_against
-        assert history[-1]["rollout/groups_carried"] == 4
+        carried = history[-1]["rollout/groups_carried"]
+        if refill:  # 8 decode at once: the 4th group to complete lets no waiting group start
+            assert carried <= 8 and any(not any(s.tokens for s in g.samples) for g in trainer.in_flight)
+        else:
+            assert carried == 4
         assert all(len(s.tokens) <= s.cap for g in trainer.in_flight for s in g.samples)
     return history
 
 
-def test_oversampled_steps_train_complete_groups_and_carry_the_rest(tmp_path, ray_local):
-    # long, ragged responses: forced lengths 1..12 tokens (ignore_eos), 8 groups in flight for 4 a step
-    trainer = started(tmp_path, RAGGED)
+@pytest.mark.parametrize("refill", [False, True])
+def test_oversampled_steps_train_complete_groups_and_carry_the_rest(tmp_path, ray_local, refill):
+    # long, ragged responses: forced lengths 1..12 tokens (ignore_eos), 8 groups in flight for 4 a step; with
+    # refill a group that completes lets a waiting one start, so 8 keep decoding until the step has its 4
+    trainer = started(tmp_path, [*RAGGED, f"roles.rollout.refill={str(refill).lower()}"])
     try:
-        history = in_flight_steps(trainer, 4)
+        history = in_flight_steps(trainer, 4, refill)
         assert max(m["async/version_lag_max"] for m in history) == 1  # some samples resumed under newer weights
         assert any(s.tokens and not s.finished for g in trainer.in_flight for s in g.samples)  # and some partial
     finally:
@@ -82,7 +90,8 @@ def test_oversampled_steps_train_complete_groups_and_carry_the_rest(tmp_path, ra
 def test_pipelined_split_pools_generate_the_next_groups_while_the_actor_trains(tmp_path, ray_local):
     # the rollout on a pool of its own generates step k+1's groups (stopping once 4 of 8 are complete) while
     # the actor trains step k
-    trainer = started(tmp_path, RAGGED, ROOT / "examples" / "quickstart-pipelined.yaml")
+    trainer = started(tmp_path, [*RAGGED, "roles.rollout.refill=false"],
+                      ROOT / "examples" / "quickstart-pipelined.yaml")
     try:
         history = in_flight_steps(trainer, 4)
         assert min(m["async/version_lag_max"] for m in history[1:]) >= 1  # generated during the previous step

@@ -27,11 +27,10 @@ from hybridrl.engines.batch import (
     ROLLOUT_LOG_PROBS,
     ROUTED_EXPERTS,
     Batch,
-    complete_groups,
     distinct_prompts,
     groups_to_complete,
 )
-from hybridrl.engines.rollout_kit import eos_and_pad
+from hybridrl.engines.rollout_kit import GroupCompletion, eos_and_pad, running_groups
 from hybridrl.lora import MergedAdapters, is_adapter_name
 from hybridrl.rollout.routing import RoutingCapture, router_modules
 from hybridrl.weights.experts import expert_views, to_checkpoint_layout
@@ -149,17 +148,21 @@ class HFRollout(RolloutEngine):
         return out
 
     @torch.inference_mode()
-    def generate_until(self, batch: Batch, params: SamplingParams, share: float) -> Batch:
+    def generate_until(self, batch: Batch, params: SamplingParams, share: float, running: float = 1.0) -> Batch:
         """See ``RolloutEngine.generate_until``: the decode loop checks after every token whether enough
-        groups have all their rows finished, and stops there."""
-        out, finished = self._decode(batch, params, groups_to_complete(batch[GROUP_INDEX], share))
+        groups have all their rows finished, and stops there. With ``running`` below 1 the rows of waiting
+        groups are prefilled with the others but held (fed padding the attention skips) until a running group
+        completes; an admitted row then samples from its prompt's logits and decodes at its own positions."""
+        index = batch[GROUP_INDEX]
+        schedule = GroupCompletion(index.tolist(), groups_to_complete(index, share), running_groups(index, running))
+        out, finished = self._decode(batch, params, schedule)
         out.set(FINISHED, finished.cpu())
         return out
 
-    def _decode(self, batch: Batch, params: SamplingParams, groups_needed: int | None
+    def _decode(self, batch: Batch, params: SamplingParams, schedule: GroupCompletion | None
                 ) -> tuple[Batch, torch.Tensor]:
-        """The sampling loop of ``generate`` (``groups_needed`` None: to the end) and ``generate_until``:
-        the responses and which rows finished."""
+        """The sampling loop of ``generate`` (``schedule`` None: every row to its end) and ``generate_until``
+        (``schedule`` says which rows decode and when to stop): the responses and which rows finished."""
         if self._sleeping:
             raise RuntimeError("HFRollout.generate called while asleep; call wake() first")
         from transformers import DynamicCache
@@ -178,11 +181,20 @@ class HFRollout(RolloutEngine):
                 else torch.full((n,), width, dtype=torch.long, device=dev))
         routed = self._routing_buffer(n, width, params)
         finished = caps <= 0
-        if n == 0 or width == 0 or bool(finished.all()):
+        held = torch.zeros(n, dtype=torch.bool, device=dev)  # rows of groups waiting for a running one to complete
+        if schedule is not None:
+            for row in finished.nonzero().flatten().tolist():
+                schedule.finish(row)
+            held[:] = True
+            held[schedule.begin()] = False
+            held &= ~finished
+            if routed is not None and bool(held.any()):
+                raise ValueError("return_routing with waiting groups (generate_until's running below 1) is not "
+                                 "supported")
+        if n == 0 or width == 0 or bool(finished.all()) or (schedule is not None and schedule.done):
             unrouted = (None if routed is None else
                         routed.new_full((n, prompt_ids.shape[1], *routed.shape[2:]), -1))
             return self._result(response_ids, response_mask, log_probs, routed, unrouted), finished
-        groups = batch[GROUP_INDEX].to(dev) if groups_needed is not None else None
 
         generator = None
         if params.seed is not None:
@@ -206,34 +218,49 @@ class HFRollout(RolloutEngine):
             taken = taken if first is None else taken[distinct_prompts(prompt_ids, attn)[0]]
             prompt_routed = torch.where(attn.bool()[:, :, None, None], taken, -1)
 
-        for t in range(width):
-            if t < params.min_new_tokens:
-                logits[:, eos] = float("-inf")
+        first_logits = logits.clone() if bool(held.any()) else None  # what an admitted row samples first
+        count = torch.zeros(n, dtype=torch.long, device=dev)  # tokens each row has so far
+        rows = torch.arange(n, device=dev)
+        t = 0
+        while True:
+            live = ~finished & ~held
+            logits[live & (count < params.min_new_tokens)] = logits[live & (count < params.min_new_tokens)] \
+                .index_fill(1, eos, float("-inf"))
             token, token_logp = self._sample(logits, params, generator)
 
-            live = ~finished
-            response_ids[:, t] = torch.where(live, token, self.pad_id)
-            response_mask[:, t] = live.long()
-            log_probs[:, t] = torch.where(live, token_logp, 0.0)
+            at = count.clamp(max=width - 1)[:, None]  # a row's next column (rows not live write what is there)
+            response_ids.scatter_(1, at, torch.where(live, token, response_ids.gather(1, at)[:, 0])[:, None])
+            response_mask.scatter_(1, at, torch.where(live, 1, response_mask.gather(1, at)[:, 0])[:, None])
+            log_probs.scatter_(1, at, torch.where(live, token_logp, log_probs.gather(1, at)[:, 0])[:, None])
+            count = count + live.long()
+            was_finished = finished
             if not params.ignore_eos:
                 finished = finished | (live & torch.isin(token, eos))
-            finished = finished | (caps <= t + 1)
-            if bool(finished.all()) or t == width - 1:
+            finished = finished | (live & (caps <= count))
+            admitted = torch.zeros(n, dtype=torch.bool, device=dev)
+            if schedule is not None:
+                for row in (finished & ~was_finished).nonzero().flatten().tolist():
+                    admitted[schedule.finish(row)] = True
+                if schedule.done:
+                    break
+            held &= ~admitted
+            if bool((finished | held).all()):
                 break
-            if groups is not None and complete_groups(groups, finished) >= groups_needed:
-                break
-            # Feed the new token (finished rows feed a pad whose output is never used).
-            attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=dev)], dim=1)
-            # a finished row's pad goes to its last position: past its cap it might run off the context
+            # Feed the new token (finished and held rows feed a pad the attention skips, output unused).
+            fed = live & ~finished
+            fed_ids = torch.where(fed, response_ids[rows, (count - 1).clamp(min=0)], self.pad_id)
+            attn = torch.cat([attn, fed.to(attn.dtype)[:, None]], dim=1)
+            # a finished or held row's pad goes to its last position: past its cap it might run off the context
             with self.routing.capturing() if routed is not None else nullcontext():
-                logits = self._forward(response_ids[:, t:t + 1], attn,
-                                       torch.where(finished[:, None], last_pos, next_pos), cache)
+                logits = self._forward(fed_ids[:, None], attn, torch.where(fed[:, None], next_pos, last_pos), cache)
             if routed is not None and self.routing is not None:
                 # token t's experts where it was fed at its own position: a row's last token (a stop token, fed
                 # at another position only to keep the batch going) is never followed, its routing unused
-                fed = (live & ~finished)[:, None, None]
-                routed[:, t] = torch.where(fed, self.routing.take().view(n, *routed.shape[2:]), -1)
-            next_pos = next_pos + 1
+                routed[:, t] = torch.where(fed[:, None, None], self.routing.take().view(n, *routed.shape[2:]), -1)
+            if first_logits is not None and bool(admitted.any()):
+                logits[admitted] = first_logits[admitted]
+            next_pos = next_pos + fed.long()[:, None]
+            t += 1
 
         return self._result(response_ids, response_mask, log_probs, routed, prompt_routed), finished
 

@@ -22,5 +22,5 @@ OPTIONS = (OptionDoc("attn_implementation", "str | None", None,
 def hybridrl_register_backends(registry: Registry) -> None:
     # Registered by import path: listing plugins never imports transformers' model code.
     registry.add_rollout("hf", "hybridrl.rollout.hf:HFRollout", process_family="any",
-                         supports={"sleep", "named_weights", "lora_adapters", "partial", "return_routing"},
+                         supports={"sleep", "named_weights", "lora_adapters", "partial", "refill", "return_routing"},
                          memory_model="hybridrl.rollout.memory:HF_MEMORY", options=OPTIONS)

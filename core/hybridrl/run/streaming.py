@@ -208,7 +208,9 @@ class GroupsInFlight:
             self.step.thrown_tokens += sum(len(s.tokens) for g in unfinished for s in g.samples)
             self.step.dropped_groups = len(unfinished)
             self.groups = [g for g in self.groups if g.complete]
-        self.step.carried_groups = sum(any(s.tokens for s in g.samples) for g in self.groups)
+        # with refill, the waiting groups that never started are not carried: they are next step's reserve
+        self.step.carried_groups = sum(not self.refill or g.complete or any(s.tokens for s in g.samples)
+                                       for g in self.groups)
 
     # --- the training batch ---------------------------------------------------------------------------
     def batch(self, groups: list[Group], with_messages: bool = False) -> Batch:
