@@ -6,12 +6,12 @@ every arm decodes the same lengths). ``--workload standard`` is the fixed 256-to
 ``hybridrl train`` with ``model.path`` and the workload's keys, plus the arm's own keys:
 
 * ``sync``: the README's defaults (every step waits for its longest response);
-* ``oversample``: ``roles.rollout.oversample=1.25`` (partial rollouts and refill on, by default);
-* ``oversample_no_refill``: the same without refill (the engine's batch empties as groups complete);
-* ``oversample_graphs_512``: the same with vLLM's own CUDA-graph capture (up to 512 sequences);
-* ``oversample_drop``: the same without partial rollouts (unfinished groups are dropped);
+* ``oversample``: ``roles.rollout.oversample=1.25`` (partial rollouts on, by default);
+* ``oversample_refill``: the same with refill (the engine keeps 1.25 x the step's groups decoding);
+* ``oversample_refill_graphs_512``: that with vLLM's own CUDA-graph capture (up to 512 sequences);
+* ``oversample_drop``: oversampling without partial rollouts (unfinished groups are dropped);
 * ``oversample_1.5``: ``roles.rollout.oversample=1.5``;
-* ``oversample_2_s2``: ``roles.rollout.oversample=2`` with ``trainer.max_staleness=2``.
+* ``oversample_2_s2_refill``: ``roles.rollout.oversample=2``, ``trainer.max_staleness=2``, refill.
 
 While an arm runs, ``nvidia-smi`` samples the GPU's utilisation every 200 ms (the busy fraction). Per arm the
 JSON holds trained samples and response tokens per second in steady state (the steps after ``--skip``), phase
@@ -47,11 +47,12 @@ from model_sizes import ensure_model, train_run  # noqa: E402
 ARMS: dict[str, list[str]] = {
     "sync": [],
     "oversample": ["roles.rollout.oversample=1.25"],
-    "oversample_no_refill": ["roles.rollout.oversample=1.25", "roles.rollout.refill=false"],
-    "oversample_graphs_512": ["roles.rollout.oversample=1.25", "roles.rollout.options.graph_sequences=512"],
+    "oversample_refill": ["roles.rollout.oversample=1.25", "roles.rollout.refill=true"],
+    "oversample_refill_graphs_512": ["roles.rollout.oversample=1.25", "roles.rollout.refill=true",
+                                     "roles.rollout.options.graph_sequences=512"],
     "oversample_drop": ["roles.rollout.oversample=1.25", "roles.rollout.partial=false"],
     "oversample_1.5": ["roles.rollout.oversample=1.5"],
-    "oversample_2_s2": ["roles.rollout.oversample=2", "trainer.max_staleness=2"],
+    "oversample_2_s2_refill": ["roles.rollout.oversample=2", "trainer.max_staleness=2", "roles.rollout.refill=true"],
 }
 
 

@@ -310,10 +310,11 @@ class RolloutConfig(RoleBase):
                             "old); false: its group is dropped (which favours short responses); auto: on when "
                             "oversample > 1 and the backend declares `partial`")
     refill: bool | Literal["auto"] = Field(
-        "auto", description="keep oversample x prompts_per_step groups decoding: each group that completes mid-step "
-                            "lets a new prompt's group start at once, so the engine's batch never empties into a tail "
-                            "of a few long rows; auto: on when oversample > 1 and the backend declares `refill` "
-                            "(vLLM)")
+        False, description="keep oversample x prompts_per_step groups decoding: each group that completes mid-step "
+                           "lets a new prompt's group start at once, so the engine's batch never empties into a tail "
+                           "of a few long rows (backends that declare `refill`: hf, vllm); auto: on when oversample > "
+                           "1 and the backend declares it. Off by default: measured no faster with vLLM at 0.5B "
+                           "(benchmarks/README.md)")
     response_lengths: ResponseLengthsConfig | None = Field(
         None, description="benchmarks: force each sample's response length, drawn from a lognormal {median, sigma, "
                           "seed} capped at max_new_tokens (with ignore_eos)")

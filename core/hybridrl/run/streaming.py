@@ -283,7 +283,7 @@ def streams(cfg: Any) -> bool:
     """Whether the run's steps go through the groups in flight (``oversample`` above 1, partial rollouts or
     refill asked for) rather than one batch generated to its end."""
     rollout = cfg.roles.rollout
-    return rollout.oversample > 1 or rollout.partial is True or getattr(rollout, "refill", "auto") is True
+    return rollout.oversample > 1 or rollout.partial is True or getattr(rollout, "refill", False) is True
 
 
 def partial_rollouts(cfg: Any, can_partial: bool) -> bool:
@@ -295,7 +295,7 @@ def partial_rollouts(cfg: Any, can_partial: bool) -> bool:
 def refills(cfg: Any, can_refill: bool) -> bool:
     """``roles.rollout.refill`` resolved: auto is on where groups are over-provisioned and the backend starts
     waiting groups while it decodes."""
-    refill = cfg.roles.rollout.refill
+    refill = getattr(cfg.roles.rollout, "refill", False)
     return bool(refill) if refill != "auto" else cfg.roles.rollout.oversample > 1 and can_refill
 
 
