@@ -179,8 +179,8 @@ def test_objective_without_old_log_probs_uses_the_current_ones_under_stop_gradie
 def test_old_log_prob_pass_is_skipped_only_where_it_equals_the_update(overrides, kl_in_reward, needed):
     from pathlib import Path
 
+    from hybridrl.algorithms.objective import old_log_probs_needed
     from hybridrl.config import load_config
-    from hybridrl.run.trainer import old_log_probs_needed
 
     root = Path(__file__).resolve().parents[2]
     cfg = load_config(root / "examples" / "quickstart.yaml", [f"{k}={v}" for k, v in overrides.items()])

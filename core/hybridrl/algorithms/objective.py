@@ -156,3 +156,19 @@ class ValueObjective:
         report = {"critic/vf_loss": masked_mean(token_loss, mask), "critic/vf_clipfrac": masked_mean(clipped, mask),
                   "critic/vpred_mean": masked_mean(values, mask)}
         return loss, {k: float(v.detach()) for k, v in report.items()}
+
+
+def old_log_probs_needed(cfg: Any, kl_in_reward: bool) -> bool:
+    """Whether the actor's log-probs before the update need a pass of their own. With one optimizer step per
+    batch they equal the update's own log-probs (same weights, same tokens), which the objective then uses
+    under a stop-gradient: the pass is skipped. KL folded into the reward reads them before the update."""
+    algo = cfg.algorithm
+    mini = cfg.roles.actor.mini_batch
+    one_step = algo.epochs == 1 and (mini is None or mini >= cfg.data.prompts_per_step * algo.n_samples)
+    return algo.old_log_probs == "recompute" or not one_step or kl_in_reward
+
+
+def kl_in_reward(cfg: Any) -> bool:
+    """Whether the run folds its KL to the reference into the reward (``algorithm.kl.as: reward``, coef above 0)."""
+    kl = cfg.algorithm.kl
+    return kl is not None and kl.coef > 0 and kl.apply_as == "reward"

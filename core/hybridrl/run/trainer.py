@@ -22,7 +22,12 @@ import torch
 
 from hybridrl.algorithms.advantages import AdvantageInputs
 from hybridrl.algorithms.kl_control import build_kl_controller
-from hybridrl.algorithms.objective import PolicyObjective, ValueObjective, resolve_algorithm
+from hybridrl.algorithms.objective import (
+    PolicyObjective,
+    ValueObjective,
+    old_log_probs_needed,
+    resolve_algorithm,
+)
 from hybridrl.algorithms.overlong import soft_overlong_penalty, truncated_rows
 from hybridrl.config.secrets import redacted
 from hybridrl.engines import SamplingParams
@@ -96,16 +101,6 @@ def value_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tenso
     explained = 1.0 - float((r - v).var() / var_r) if r.numel() > 1 and var_r > 1e-12 else 0.0  # constant returns: 0
     return {"critic/explained_var": explained, "critic/values_mean": float(v.mean()) if v.numel() else 0.0,
             "critic/returns_mean": float(r.mean()) if r.numel() else 0.0}
-
-
-def old_log_probs_needed(cfg: Any, kl_in_reward: bool) -> bool:
-    """Whether the actor's log-probs before the update need a pass of their own. With one optimizer step per
-    batch they equal the update's own log-probs (same weights, same tokens), which the objective then uses
-    under a stop-gradient: the pass is skipped. KL folded into the reward reads them before the update."""
-    algo = cfg.algorithm
-    mini = cfg.roles.actor.mini_batch
-    one_step = algo.epochs == 1 and (mini is None or mini >= cfg.data.prompts_per_step * algo.n_samples)
-    return algo.old_log_probs == "recompute" or not one_step or kl_in_reward
 
 
 @dataclass

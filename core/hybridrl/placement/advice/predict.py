@@ -1,7 +1,8 @@
 """A candidate map's predicted step: each phase's seconds from the cost model (``profile``), combined as the
 trainer runs them.
 
-* colocated: the phases take turns on every device: ``wake + gen + sleep + ref + old_log_prob + update + reshard``.
+* colocated: the phases take turns on every device: ``wake + gen + sleep + ref + old_log_prob + update + reshard``
+  (``old_log_prob`` only where the trainer runs it: more than one optimizer step a batch, or KL in the reward).
 * split (sync): the train pool waits for the whole batch and the rollout for the new weights, so the step is
   still the sum (without wake and sleep); the split's gain is more devices per phase and no time-sharing of memory.
 * pipelined (staleness 1): the rollout generates step k+1 while step k trains: ``max(gen, train) + reshard``.
@@ -18,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.algorithms.objective import kl_in_reward, old_log_probs_needed
 from hybridrl.config import RunConfig
 from hybridrl.placement.advice.candidates import Candidate
 from hybridrl.placement.advice.profile import DEFAULT_CONCURRENCY, CostProfile
@@ -81,7 +83,8 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
     phases = {"gen": profile.gen_seconds(math.ceil(sequences / replicas), length, concurrency, tp)}
     if "ref" in plan.role_pool and cfg.algorithm.kl is not None and cfg.algorithm.kl.coef > 0:
         phases["ref"] = tokens / (profile.ref_tps * len(plan.pools[plan.role_pool["ref"]]))
-    phases["old_log_prob"] = tokens / (profile.old_log_prob_tps * actor_devices)
+    if old_log_probs_needed(cfg, kl_in_reward(cfg)):  # else the update's own log-probs serve (one optimizer step)
+        phases["old_log_prob"] = tokens / (profile.old_log_prob_tps * actor_devices)
     phases["update_actor"] = tokens * epochs / (profile.train_tps * actor_devices)
     if "critic" in plan.role_pool:
         critic_devices = len(plan.pools[plan.role_pool["critic"]])
