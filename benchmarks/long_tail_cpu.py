@@ -8,7 +8,9 @@ Arms (each ``hybridrl train CONFIG`` with the arm's keys and ``trainer.seed``):
 * ``partial_s1`` / ``partial_s2``: ``roles.rollout.oversample=1.5`` (partial rollouts on), ``trainer.max_staleness``
   1 / 2: a step trains the first groups to complete and resumes the rest under the next weights;
 * ``pipelined_s1`` / ``pipelined_s2``: the rollout on a pool of its own generates the next batch while the actor
-  trains (``trainer.pipelined``), batches up to 1 / 2 updates old.
+  trains (``trainer.pipelined``), batches up to 1 / 2 updates old;
+* ``refill_s2``: ``partial_s2`` with refill (the engine keeps 1.5 x the step's groups decoding, starting a waiting
+  group as each one completes).
 
 Every step's reward goes to ``benchmarks/results/long_tail_cpu.json`` (with each run's first- and last-10 mean,
 its version lag and step time) and the curves to ``long_tail_cpu.png``. ``tests/e2e/test_long_tail_learns.py``
@@ -43,6 +45,7 @@ ARMS = {
     "partial_s2": [*PARTIAL, "trainer.max_staleness=2"],
     "pipelined_s1": [*PIPELINED, "trainer.max_staleness=1"],
     "pipelined_s2": [*PIPELINED, "trainer.max_staleness=2"],
+    "refill_s2": [*PARTIAL, "roles.rollout.refill=true", "trainer.max_staleness=2"],
 }
 WINDOW = 10  # steps averaged for a run's first and final reward
 
@@ -94,7 +97,7 @@ def plot(runs: list[dict[str, Any]], tasks: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.2), squeeze=False)
-    colours = dict(zip(ARMS, ("tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple")))
+    colours = dict(zip(ARMS, ("tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple", "tab:brown")))
     for ax, task in zip(axes[0], tasks):
         for r in (r for r in runs if r["task"] == task):
             sync = r["arm"] == "sync"
