@@ -225,6 +225,21 @@ def test_pre_flight_refusals_name_the_key():
         config("roles.rollout.oversample=0.5")
 
 
+def test_partial_rollouts_follow_the_groups_left_in_flight():
+    from hybridrl.run.streaming import partial_rollouts, refills, streams
+
+    assert not partial_rollouts(config(), True) and not streams(config())
+    assert partial_rollouts(config("roles.rollout.oversample=1.25"), True)
+    assert not partial_rollouts(config("roles.rollout.oversample=1.25"), False)  # the backend cannot stop early
+    # refill at oversample 1 still leaves running groups unfinished when a step has its own: they resume
+    refilled = config("roles.rollout.refill=true")
+    assert streams(refilled) and partial_rollouts(refilled, True) and refills(refilled, True)
+    assert not partial_rollouts(config("roles.rollout.refill=true", "roles.rollout.partial=false"), True)
+    assert not refills(config("roles.rollout.oversample=2"), True)  # off by default
+    assert refills(config("roles.rollout.oversample=2", "roles.rollout.refill=auto"), True)
+    assert not refills(config("roles.rollout.oversample=2", "roles.rollout.refill=auto"), False)
+
+
 def test_unused_namespace_is_not_a_config():
     # streams() reads only the rollout's keys: a plain namespace is enough for tools that build one
     from hybridrl.run.streaming import streams

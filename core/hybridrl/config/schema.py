@@ -308,7 +308,7 @@ class RolloutConfig(RoleBase):
         "auto", description="partial rollouts: a sample still generating when its step has its groups keeps its tokens "
                             "and resumes under the next step's weights (tokens at most trainer.max_staleness updates "
                             "old); false: its group is dropped (which favours short responses); auto: on when "
-                            "oversample > 1 and the backend declares `partial`")
+                            "oversample > 1 or refill is on, and the backend declares `partial`")
     refill: bool | Literal["auto"] = Field(
         False, description="keep oversample x prompts_per_step groups decoding: each group that completes mid-step "
                            "lets a new prompt's group start at once, so the engine's batch never empties into a tail "

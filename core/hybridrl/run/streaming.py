@@ -287,9 +287,12 @@ def streams(cfg: Any) -> bool:
 
 
 def partial_rollouts(cfg: Any, can_partial: bool) -> bool:
-    """``roles.rollout.partial`` resolved: auto is on where groups stay in flight and the backend stops early."""
-    partial = cfg.roles.rollout.partial
-    return bool(partial) if partial != "auto" else cfg.roles.rollout.oversample > 1 and can_partial
+    """``roles.rollout.partial`` resolved: auto is on where groups stay in flight (oversampled, or refilled: the
+    groups still decoding when a step has its own) and the backend stops early."""
+    rollout = cfg.roles.rollout
+    if rollout.partial != "auto":
+        return bool(rollout.partial)
+    return (rollout.oversample > 1 or getattr(rollout, "refill", False) is True) and can_partial
 
 
 def refills(cfg: Any, can_refill: bool) -> bool:
