@@ -8,7 +8,8 @@ Arms (each ``hybridrl train CONFIG`` with the arm's keys and ``trainer.seed``):
 * ``partial_s1`` / ``partial_s2``: ``roles.rollout.oversample=1.5`` (partial rollouts on), ``trainer.max_staleness``
   1 / 2: a step trains the first groups to complete and resumes the rest under the next weights;
 * ``pipelined_s1`` / ``pipelined_s2``: the rollout on a pool of its own generates the next batch while the actor
-  trains (``trainer.pipelined``), batches up to 1 / 2 updates old;
+  trains (``trainer.pipelined``), weights sent every 1 / 2 updates (``trainer.sync_every``), batches up to 1 / 2
+  updates old;
 * ``refill_s2``: ``partial_s2`` with refill (the engine keeps 1.5 x the step's groups decoding, starting a waiting
   group as each one completes).
 
@@ -44,7 +45,7 @@ ARMS = {
     "partial_s1": [*PARTIAL, "trainer.max_staleness=1"],
     "partial_s2": [*PARTIAL, "trainer.max_staleness=2"],
     "pipelined_s1": [*PIPELINED, "trainer.max_staleness=1"],
-    "pipelined_s2": [*PIPELINED, "trainer.max_staleness=2"],
+    "pipelined_s2": [*PIPELINED, "trainer.max_staleness=2", "trainer.sync_every=2"],
     "refill_s2": [*PARTIAL, "roles.rollout.refill=true", "trainer.max_staleness=2"],
 }
 WINDOW = 10  # steps averaged for a run's first and final reward

@@ -122,8 +122,8 @@ def test_colocated_over_four_nodes_gathers_across_them():
 
 
 def test_tensor_parallel_engines_keep_a_slice_and_pipelining_syncs_less_often():
-    cfg, plan = plan_of(EXAMPLES / "qwen72b-split.yaml", ["trainer.pipelined=true", "trainer.max_staleness=2"],
-                        cuda(4))
+    cfg, plan = plan_of(EXAMPLES / "qwen72b-split.yaml", ["trainer.pipelined=true", "trainer.max_staleness=2",
+                                                          "trainer.sync_every=2"], cuda(4))
     est = estimate_reshard(cfg, plan, model_shape(cfg, base_dirs=(ROOT,))[0])
     weight = 2 * PARAMS["72b"]
     assert est.kept_bytes == weight / 4

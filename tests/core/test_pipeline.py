@@ -19,14 +19,15 @@ SPLIT = str(ROOT / "examples" / "quickstart-split.yaml")
 CPU2 = ClusterSpec(1, 2, "cpu", declared=True)
 
 
-def simulate(max_staleness: int, steps: int) -> tuple[list[int], int]:
-    """The trainer's bookkeeping over ``steps`` pipelined steps: staleness per step and the number of syncs."""
+def simulate(max_staleness: int, steps: int, sync_every: int | None = None) -> tuple[list[int], int]:
+    """The trainer's bookkeeping over ``steps`` pipelined steps: staleness per step and the number of syncs
+    (weights sent every ``sync_every`` updates, default: as rarely as the bound allows)."""
     actor = rollout = syncs = 0
     job = GenerationJob(None, 0, rollout, None)  # type: ignore[arg-type]
     out = []
     for step in range(steps):
         out.append(staleness_of(job, actor, max_staleness))
-        if needs_sync(actor, rollout, max_staleness):
+        if needs_sync(actor, rollout, max_staleness, sync_every or max_staleness):
             rollout, syncs = actor, syncs + 1
         job = GenerationJob(None, step + 1, rollout, None)  # type: ignore[arg-type]
         actor += 1  # train_on updates the actor
@@ -37,6 +38,13 @@ def simulate(max_staleness: int, steps: int) -> tuple[list[int], int]:
                                                     (3, [0, 1, 2, 3, 1, 2], 1)])
 def test_staleness_stays_within_the_bound_and_syncs_only_when_needed(bound, expected, syncs):
     assert simulate(bound, 6) == (expected, syncs)
+
+
+def test_weights_go_out_every_sync_every_updates_within_the_bound():
+    assert simulate(2, 6, sync_every=1) == ([0, 1, 1, 1, 1, 1], 5)  # the default: every update
+    assert simulate(3, 6, sync_every=2) == ([0, 1, 2, 1, 2, 1], 2)
+    with pytest.raises(ValueError, match="trainer.sync_every=3 exceeds trainer.max_staleness=2"):
+        load_config(SPLIT, ["trainer.sync_every=3", "trainer.max_staleness=2"])
 
 
 def test_a_batch_past_the_bound_is_refused():
@@ -78,7 +86,7 @@ def test_split_pipelined_passes_and_defaults_tis_on():
 
 def test_plan_prints_phases_per_device_and_takes_overrides_after_options(capsys):
     assert main(["plan", SPLIT, "--cluster", "1x2", "--device", "cpu", "trainer.pipelined=true",
-                 "trainer.max_staleness=2"]) == 0
+                 "trainer.max_staleness=2", "trainer.sync_every=2"]) == 0
     out = capsys.readouterr().out
     assert "node0:0  actor[old_log_prob, update_actor, reshard-send], ref[ref]" in out
     assert "node0:1  rollout[gen, reshard-recv]" in out

@@ -35,11 +35,12 @@ def weights(trainer: Trainer, role: str) -> dict[str, torch.Tensor]:
     return trainer.groups[role].call_all("weights", role)[0]
 
 
-@pytest.mark.parametrize("bound, expected", [(1, [0, 1, 1, 1]), (2, [0, 1, 2, 1, 2])])
-def test_staleness_bound_and_rollout_weights(bound, expected, tmp_path, ray_local):
+@pytest.mark.parametrize("bound, every, expected", [(1, 1, [0, 1, 1, 1]), (2, 2, [0, 1, 2, 1, 2]),
+                                                    (2, 1, [0, 1, 1, 1])])
+def test_staleness_bound_and_rollout_weights(bound, every, expected, tmp_path, ray_local):
     steps = len(expected)
     cfg = load_config(PIPELINED, [*SMALL, f"trainer.steps={steps}", f"trainer.max_staleness={bound}",
-                                  f"trainer.out={tmp_path}"])
+                                  f"trainer.sync_every={every}", f"trainer.out={tmp_path}"])
     trainer = Trainer(prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster)))
     try:
         trainer.start()

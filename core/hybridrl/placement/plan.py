@@ -116,6 +116,7 @@ class PlacementPlan:
     groups: list[ProcessGroupPlan]
     role_pool: dict[str, str] = field(default_factory=dict)
     pipelined_staleness: int | None = None  # trainer.max_staleness when trainer.pipelined, else None
+    pipelined_sync_every: int | None = None  # trainer.sync_every when trainer.pipelined, else None
     memory_table: str | None = None  # the memory estimate (placement.memory.render_memory), printed with the map
     memory: Any = None  # that estimate (placement.memory.MemoryEstimate): an out-of-memory answer quotes it
     placements: dict[str, PoolPlacement] = field(default_factory=dict)  # pool -> how Ray places it
@@ -231,8 +232,9 @@ class PlacementPlan:
         width = max((len(d) for d, _ in phase_rows), default=0)
         lines += [f"  {device.ljust(width)}  {phases}" for device, phases in phase_rows]
         if self.pipelined_staleness is not None and "rollout" in self.role_pool:
+            every = self.pipelined_sync_every or 1
             lines.append(f"pipelined: pool '{self.role_pool['rollout']}' generates step k+1 while step k trains "
-                         f"(batches at most {self.pipelined_staleness} update(s) stale)")
+                         f"(weights sent every {every} update(s): batches at most {every} update(s) stale)")
         if self.links_table:
             lines.append(self.links_table)
         if self.memory_table:
@@ -336,6 +338,7 @@ def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, Bac
         raise ConfigError(problems)
     staleness = cfg.trainer.max_staleness if cfg.trainer.pipelined else None
     plan = PlacementPlan(cluster, pools, groups, role_pool, staleness)
+    plan.pipelined_sync_every = cfg.trainer.sync_every if cfg.trainer.pipelined else None
     plan.placements = {pool: pool_placement(plan, pool, cfg.roles.rollout.tensor_parallel) for pool in used}
     return plan
 

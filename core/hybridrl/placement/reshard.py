@@ -14,7 +14,7 @@ Follows what the bridges and the FSDP engine do (``hybridrl.weights.bridges``, `
 * **object_store**: the exporting rank puts a full fp32 copy into Ray's object store, every rollout rank
   reads it (host memory; over the network for ranks on other nodes).
 
-A pipelined run syncs every ``trainer.max_staleness`` steps at most, so the bytes per step are divided by it.
+A pipelined run syncs every ``trainer.sync_every`` steps, so the bytes per step are divided by it.
 This is an estimate of volume, not of time: how long it takes depends on the links (figures: the README).
 """
 
@@ -88,7 +88,7 @@ def estimate_reshard(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape) -> 
         remote_nodes = len(remote)
         for node in remote:
             into_node[node] = into_node.get(node, 0.0) + weight
-    staleness = plan.pipelined_staleness or 1
+    staleness = getattr(plan, "pipelined_sync_every", None) or 1
     return ReshardEstimate(transport, wire, weight, trainer.pool, rollout.pool, n, rollout.world_size, gather,
                            gather_remote, delivered, weight / tp, remote_nodes, sum(into_node.values()),
                            max(into_node.values(), default=0.0), 1.0 / staleness, str(sender))
@@ -105,7 +105,7 @@ def _size(value: float) -> str:
 def render_reshard(est: ReshardEstimate, shape: ModelShape) -> str:
     """What one sync moves, where, and how often; the lines ``hybridrl plan`` prints under the memory table."""
     syncs = ("1 sync per step" if est.syncs_per_step == 1 else
-             f"1 sync every {round(1 / est.syncs_per_step)} steps (pipelined, trainer.max_staleness)")
+             f"1 sync every {round(1 / est.syncs_per_step)} steps (pipelined, trainer.sync_every)")
     lines = [f"reshard actor -> rollout ({est.transport}; {shape.describe()} as {est.wire_dtype}: "
              f"{_size(est.weight_bytes)} a copy; {syncs}):"]
     if est.trainer_ranks > 1:

@@ -15,8 +15,8 @@ At step k the driver (1) waits for ``b_k``; (2) if the next batch would otherwis
 actor's current weights ``w_k`` into the now idle rollout (both sides are idle: the actor has finished step
 k-1 and the rollout ``b_k``); (3) submits the generation of ``b_k+1`` without waiting; (4) trains on ``b_k``,
 which produces ``w_k+1`` while ``b_k+1`` is generated. ``b_k+1`` then trains at step k+1 against
-``w_k+1``: staleness 1. With ``max_staleness = s`` the sync in (2) is skipped while the next batch stays
-within the bound, so the weights move every s steps and a batch is 0..s updates old. At most one generation
+``w_k+1``: staleness 1. With ``trainer.sync_every = s`` (at most ``max_staleness``) the sync in (2) happens
+every s updates, so a batch is up to s updates old; the default, 1, syncs every step. At most one generation
 is in flight, and the weights never change under a running generation (Ray runs a worker's calls in order,
 and the driver syncs only after collecting the previous batch).
 """
@@ -52,11 +52,12 @@ class StalenessError(HybridRLError, RuntimeError):
     """A batch would train against weights more than ``max_staleness`` updates newer than its own."""
 
 
-def needs_sync(actor_version: int, rollout_version: int, max_staleness: int) -> bool:
-    """Whether the rollout must take the actor's weights before generating the next batch: that batch trains
-    one step later, after at most one more update, so its staleness will be at most
-    ``actor_version + 1 - rollout_version``."""
-    return actor_version + 1 - rollout_version > max_staleness
+def needs_sync(actor_version: int, rollout_version: int, max_staleness: int, sync_every: int = 1) -> bool:
+    """Whether the rollout takes the actor's weights before generating the next batch: every ``sync_every``
+    updates (``trainer.sync_every``), and always where the bound requires it (that batch trains one step later,
+    after at most one more update, so its staleness will be ``actor_version + 1 - rollout_version``)."""
+    behind = actor_version - rollout_version
+    return behind >= sync_every or behind + 1 > max_staleness
 
 
 def staleness_of(job: GenerationJob, actor_version: int, max_staleness: int) -> int:

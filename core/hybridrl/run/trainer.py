@@ -323,7 +323,7 @@ class Trainer:
         staleness = staleness_of(job, self.actor_version, bound)
         stats = {"bytes": 0.0}
         if self.step + 1 < self.cfg.trainer.steps:
-            if needs_sync(self.actor_version, self.rollout_version, bound):
+            if needs_sync(self.actor_version, self.rollout_version, bound, self.cfg.trainer.sync_every):
                 with log.timer.phase("reshard"):
                     stats = self.sync_weights()
                 self.rollout_version = self.actor_version
