@@ -15,7 +15,6 @@ No inference-engine import: only torch, and transformers inside ``special_ids``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from hybridrl.engines.batch import (
     ROLLOUT_LOG_PROBS,
     ROUTED_EXPERTS,
     Batch,
+    groups_to_complete,
 )
 
 
@@ -196,10 +196,7 @@ def check_context(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequen
 def running_groups(group_index: torch.Tensor, running: float) -> int | None:
     """How many of the distinct groups in ``group_index`` a ``generate_until(running=...)`` call decodes at once:
     ``ceil(running * groups)``, at least one; None (every group at once) for ``running`` 1 or more."""
-    if running >= 1:
-        return None
-    groups = int(torch.unique(group_index).numel()) if len(group_index) else 0
-    return max(1, math.ceil(running * groups - 1e-9))
+    return None if running >= 1 else max(1, groups_to_complete(group_index, running))
 
 
 class GroupCompletion:

@@ -336,9 +336,10 @@ def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, Bac
             groups.append(ProcessGroupPlan(pool, family, roles, pools[pool], slot))
     if problems:
         raise ConfigError(problems)
-    staleness = cfg.trainer.max_staleness if cfg.trainer.pipelined else None
-    plan = PlacementPlan(cluster, pools, groups, role_pool, staleness)
-    plan.pipelined_sync_every = cfg.trainer.sync_every if cfg.trainer.pipelined else None
+    pipelined = cfg.trainer.pipelined
+    plan = PlacementPlan(cluster, pools, groups, role_pool,
+                         pipelined_staleness=cfg.trainer.max_staleness if pipelined else None,
+                         pipelined_sync_every=cfg.trainer.sync_every if pipelined else None)
     plan.placements = {pool: pool_placement(plan, pool, cfg.roles.rollout.tensor_parallel) for pool in used}
     return plan
 

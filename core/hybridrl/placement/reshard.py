@@ -88,10 +88,10 @@ def estimate_reshard(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape) -> 
         remote_nodes = len(remote)
         for node in remote:
             into_node[node] = into_node.get(node, 0.0) + weight
-    staleness = getattr(plan, "pipelined_sync_every", None) or 1
+    sync_every = plan.pipelined_sync_every or 1
     return ReshardEstimate(transport, wire, weight, trainer.pool, rollout.pool, n, rollout.world_size, gather,
                            gather_remote, delivered, weight / tp, remote_nodes, sum(into_node.values()),
-                           max(into_node.values(), default=0.0), 1.0 / staleness, str(sender))
+                           max(into_node.values(), default=0.0), 1.0 / sync_every, str(sender))
 
 
 def _size(value: float) -> str:

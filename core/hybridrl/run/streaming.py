@@ -15,7 +15,7 @@ log-prob (``rollout_log_probs``), which the truncated importance weight (``algor
 token is trained at most ``trainer.max_staleness`` actor updates after it was sampled: a sample holding an older
 token starts again (its tokens are counted as thrown away, never trained).
 
-With ``refill`` (an engine that declares it: vLLM) a round also holds a step's worth of fresh groups that wait:
+With ``refill`` (an engine that declares it: hf, vLLM) a round also holds a step's worth of fresh groups that wait:
 the engine keeps the target's groups decoding and starts a waiting group each time a running one completes, so
 its batch stays full instead of emptying into a tail of a few long rows.
 
@@ -320,7 +320,7 @@ def streaming_problems(cfg: Any, can_partial: bool, backend: str, multi_turn: bo
     if rollout.refill is True and not can_refill:
         problems.append(("roles.rollout.refill", f"the rollout backend '{backend}' cannot start waiting groups while "
                                                  "it decodes (it does not declare the `refill` capability); use a "
-                                                 "backend that does (vllm) or leave refill at auto"))
+                                                 "backend that does (hf, vllm) or leave refill off"))
     if multi_turn:
         problems.append((key, "multi-turn episodes (environment) are generated whole; leave oversample at 1 and "
                               "partial unset with an environment"))
