@@ -11,7 +11,9 @@ every arm decodes the same lengths). ``--workload standard`` is the fixed 256-to
 * ``oversample_refill_graphs_512``: that with vLLM's own CUDA-graph capture (up to 512 sequences);
 * ``oversample_drop``: oversampling without partial rollouts (unfinished groups are dropped);
 * ``oversample_1.5``: ``roles.rollout.oversample=1.5``;
-* ``oversample_2_s2_refill``: ``roles.rollout.oversample=2``, ``trainer.max_staleness=2``, refill.
+* ``oversample_2_s2_refill``: ``roles.rollout.oversample=2``, ``trainer.max_staleness=2``, refill;
+* ``fractional``: the rollout on a pool of its own that shares the trainer's GPU (``pools.gen.share``), both
+  resident at once, ``trainer.mode=async``: the next step generates while this one trains, weights by CUDA IPC.
 
 While an arm runs, ``nvidia-smi`` samples the GPU's utilisation every 200 ms (the busy fraction). Per arm the
 JSON holds trained samples and response tokens per second in steady state (the steps after ``--skip``), phase
@@ -53,7 +55,11 @@ ARMS: dict[str, list[str]] = {
     "oversample_drop": ["roles.rollout.oversample=1.25", "roles.rollout.partial=false"],
     "oversample_1.5": ["roles.rollout.oversample=1.5"],
     "oversample_2_s2_refill": ["roles.rollout.oversample=2", "trainer.max_staleness=2", "roles.rollout.refill=true"],
+    "fractional": ["pools.train.nodes=1", "pools.gen.share=train", "roles.actor.pool=train", "roles.rollout.pool=gen",
+                   "trainer.mode=async"],
 }
+#: how each arm schedules its steps (the result's ``mode``)
+MODES = {"sync": "sync", "fractional": "async_fractional"}
 
 
 class BusySampler:
@@ -132,7 +138,7 @@ def summary(args: argparse.Namespace, arm: str, overrides: list[str], rows: list
             wall: float, busy: BusySampler, log: str) -> dict[str, Any]:
     """The arm's figures over its steady steps (after ``--skip``)."""
     steady = rows[args.skip:] or rows
-    result: dict[str, Any] = {"arm": arm, "mode": "sync" if not ARMS[arm] else "groups_in_flight",
+    result: dict[str, Any] = {"arm": arm, "mode": MODES.get(arm, "groups_in_flight"),
                               "overrides": overrides, "defaults": not overrides,
                               "ok": code == 0 and len(rows) == args.steps, "steps": len(rows), "wall_s": wall}
     if steady:

@@ -35,13 +35,20 @@ def weights(trainer: Trainer, role: str) -> dict[str, torch.Tensor]:
     return trainer.groups[role].call_all("weights", role)[0]
 
 
-@pytest.mark.parametrize("bound, every, expected", [(1, 1, [0, 1, 1, 1]), (2, 2, [0, 1, 2, 1, 2]),
-                                                    (2, 1, [0, 1, 1, 1])])
-def test_staleness_bound_and_rollout_weights(bound, every, expected, tmp_path, ray_local):
+#: fractional devices: the rollout's pool shares the trainer's one device (both resident, running side by side)
+FRACTIONAL = ["pools.gen.share=train", "cluster.devices_per_node=1"]
+
+
+@pytest.mark.parametrize("bound, every, expected, extra", [(1, 1, [0, 1, 1, 1], []), (2, 2, [0, 1, 2, 1, 2], []),
+                                                           (2, 1, [0, 1, 1, 1], []),
+                                                           (1, 1, [0, 1, 1, 1], FRACTIONAL)],
+                         ids=["bound1", "bound2_every2", "bound2_every1", "fractional"])
+def test_staleness_bound_and_rollout_weights(bound, every, expected, extra, tmp_path, ray_local):
     steps = len(expected)
     cfg = load_config(PIPELINED, [*SMALL, f"trainer.steps={steps}", f"trainer.max_staleness={bound}",
-                                  f"trainer.sync_every={every}", f"trainer.out={tmp_path}"])
+                                  f"trainer.sync_every={every}", f"trainer.out={tmp_path}", *extra])
     trainer = Trainer(prepare_run(cfg, get_registry(), detect_cluster(cfg.cluster)))
+    assert trainer.setup.plan.fractional("actor", "rollout") == bool(extra)
     try:
         trainer.start()
         actor_at = {0: weights(trainer, "actor")}  # actor weights by version (updates applied)

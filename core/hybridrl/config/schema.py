@@ -205,6 +205,10 @@ class AlgorithmConfig(Strict):
 class PoolConfig(Strict):
     nodes: int = Field(1, gt=0)
     devices_per_node: int = Field(1, gt=0)
+    share: str | None = Field(
+        None, description="fractional devices: the pool whose devices this one runs on too (same nodes x "
+                          "devices_per_node). Both pools are resident at once, not time-shared: the memory plan "
+                          "splits each device between them, and weights cross by CUDA IPC (docs/long-tail.md)")
 
     @property
     def size(self) -> int:
@@ -319,8 +323,9 @@ class RolloutConfig(RoleBase):
         None, description="benchmarks: force each sample's response length, drawn from a lognormal {median, sigma, "
                           "seed} capped at max_new_tokens (with ignore_eos)")
     bucket_mb: float = Field(64.0, gt=0)
-    weight_transport: Literal["auto", "in_process", "broadcast", "object_store"] = Field(
-        "auto", description="how actor weights reach the rollout; auto follows the placement")
+    weight_transport: Literal["auto", "in_process", "broadcast", "object_store", "cuda_ipc"] = Field(
+        "auto", description="how actor weights reach the rollout; auto follows the placement (cuda_ipc between "
+                            "pools sharing GPUs)")
 
 
 class RewardModelConfig(Strict):
@@ -581,6 +586,25 @@ class RunConfig(Strict):
             raise keyed_error("roles.reward", "give roles.reward.fn (a rule reward), roles.reward.by_source, "
                               "roles.reward.url, roles.reward.model, or several (or an environment whose episodes "
                               "reward themselves, environment.name)")
+        return self
+
+    @model_validator(mode="after")
+    def _shared_pools(self) -> RunConfig:
+        for name, pool in self.pools.items():
+            if pool.share is None:
+                continue
+            host = self.pools.get(pool.share)
+            key = f"pools.{name}.share"
+            if pool.share == name:
+                raise keyed_error(key, "a pool cannot share its own devices")
+            if host is None:
+                raise keyed_error(key, f"unknown pool '{pool.share}' (pools: {', '.join(self.pools)})")
+            if host.share is not None:
+                raise keyed_error(key, f"pool '{pool.share}' itself shares pool '{host.share}': name that one")
+            if (host.nodes, host.devices_per_node) != (pool.nodes, pool.devices_per_node):
+                raise keyed_error(key, f"pool '{name}' is {pool.nodes}x{pool.devices_per_node} and pool "
+                                       f"'{pool.share}' {host.nodes}x{host.devices_per_node}: a pool sharing "
+                                       "devices has the same nodes and devices_per_node")
         return self
 
     def rollout_returns_routing(self) -> bool:

@@ -68,7 +68,7 @@ def host_needs(cfg: RunConfig, plan: PlacementPlan, est: MemoryEstimate, host_by
         per_node = max(Counter(d.node for d in devices).values(), default=1)
         need = HostNeed(pool.pool, per_node, host_bytes=host_bytes)
         colocated = len(pool.roles) > 1
-        for m in (r for r in est.roles if r.pool == pool.pool):
+        for m in (r for r in est.roles if r.pool in (pool.pool, *pool.shared_by)):
             for name, value in _role_parts(m, colocated, sleep_level).items():
                 need.parts[name] = need.parts.get(name, 0.0) + value * per_node
         # each of the pool's process groups runs one process on every device of the pool

@@ -65,6 +65,8 @@ class PoolMemory:
     device_bytes: float | None
     #: "role[backend]" of the pool's roles whose backend has no memory model: the phases leave them out
     unestimated: list[str] = field(default_factory=list)
+    #: pools running on this pool's devices at the same time (``pools.<name>.share``): their roles are in ``roles``
+    shared_by: list[str] = field(default_factory=list)
 
     @property
     def peak_phase(self) -> str:
@@ -188,8 +190,10 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
         if rollout_model is None:
             unestimated.append(("rollout", pool, plan.group_of("rollout").roles["rollout"]))
         else:
-            resident = sum(m.idle for m in roles if m.pool == pool)
-            free = None if device_bytes is None else device_bytes - pool_overhead[pool] - resident
+            same_devices = [q for q in plan.pools if plan.device_set(q) == plan.device_set(pool)]
+            resident = sum(m.idle for m in roles if m.pool in same_devices)
+            overhead = sum(pool_overhead[q] for q in same_devices)
+            free = None if device_bytes is None else device_bytes - overhead - resident
             ctx = role_context(cfg, plan, "rollout", shapes.get("rollout", shape), device_bytes)
             roles.append(rollout_model.role_memory(ctx, free))
             apply_lora_rollout(cfg, plan, roles[-1], shapes.get("rollout", shape), dtype_bytes, rollout_model)
@@ -197,12 +201,15 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
     pools: list[PoolMemory] = []
     warnings: list[str] = []
     for pool, devices in plan.pools.items():
-        members = [m for m in roles if m.pool == pool]
-        missing = [f"{r}[{b}]" for r, p, b in unestimated if p == pool]
+        if pool in plan.shares:
+            continue  # counted with the pool whose devices it shares: both resident at once
+        same_devices = [q for q in plan.pools if plan.device_set(q) == pool]
+        members = [m for m in roles if m.pool in same_devices]
+        missing = [f"{r}[{b}]" for r, p, b in unestimated if p in same_devices]
         if not members and not missing:
             continue
-        processes = sum(1 for g in plan.groups if g.pool == pool)
-        colocated = len(members) + len(missing) > 1
+        processes = plan.processes_per_device(pool)
+        overhead = sum(pool_overhead[q] for q in same_devices)
         phases: dict[str, float] = {}
         largest: dict[str, RoleMemory] = {}  # phase -> the role holding the most memory in it
         for phase in STEP_PHASES:
@@ -212,19 +219,24 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
             worker, mode = owner[0], owner[1].mode
             held: dict[str, float] = {}
             for m in members:
+                sharing_pool = [x for x in members if x.pool == m.pool]
                 if m.role == worker:
                     held[m.role] = m.forward if mode == "forward" and m.kind != "rollout" else m.active
-                elif m.kind == "rollout" and colocated:
+                elif m.kind == "rollout" and m.pool != pool:
+                    held[m.role] = m.active  # fractional: it generates while the trainers work
+                elif m.kind == "rollout" and len(sharing_pool) + len(missing) > 1:
                     held[m.role] = m.asleep  # KV cache released, weights to host (or kept: sleep_level kv_cache)
                 else:
                     held[m.role] = m.idle
-            phases[phase] = pool_overhead[pool] + sum(held.values())
+            phases[phase] = overhead + sum(held.values())
             largest[phase] = by_role[max(held, key=held.__getitem__)]
-        pm = PoolMemory(pool, len(devices), [m.role for m in members], processes, phases, device_bytes, missing)
+        pm = PoolMemory(pool, len(devices), [m.role for m in members], processes, phases, device_bytes, missing,
+                        shared_by=[q for q in same_devices if q != pool])
         pools.append(pm)
         if pm.fits is False:
             worst = largest[pm.peak_phase]
-            warnings.append(f"pool '{pool}' needs ~{pm.peak / GIB:.1f} GiB per device in phase {pm.peak_phase}, "
+            label = f"pools '{pool}' + '{', '.join(pm.shared_by)}' (fractional)" if pm.shared_by else f"pool '{pool}'"
+            warnings.append(f"{label} needs ~{pm.peak / GIB:.1f} GiB per device in phase {pm.peak_phase}, "
                             f"more than the {device_bytes / GIB:.0f} GiB device; "
                             f"{models[worst.role].advice(cfg, worst)}")
     for m in roles:
@@ -270,7 +282,8 @@ def render_memory(est: MemoryEstimate) -> str:
         verdict = "" if p.fits is None else ("  ok" if p.fits else "  DOES NOT FIT")
         if p.unestimated:
             verdict += f"  (without {', '.join(p.unestimated)}: not estimated)"
-        lines.append(f"pool {p.pool} ({p.devices} device(s), {' + '.join(p.roles)}): peak {_gib(p.peak)} {unit} in "
+        name = " + ".join([p.pool, *p.shared_by]) + (" (fractional)" if p.shared_by else "")
+        lines.append(f"pool {name} ({p.devices} device(s), {' + '.join(p.roles)}): peak {_gib(p.peak)} {unit} in "
                      f"{p.peak_phase} [{phases}]{verdict}")
     context = f"; +{CUDA_CONTEXT_GIB:g} GiB CUDA context per process" if est.device == "cuda" else ""
     lines.append("rule: colocated roles time-share a device: the rollout sleeps (KV cache released, weights to host, "

@@ -122,6 +122,26 @@ class PlacementPlan:
     placements: dict[str, PoolPlacement] = field(default_factory=dict)  # pool -> how Ray places it
     topology: Any = None  # the links between the devices (placement.topology.Topology), when read
     links_table: str | None = None  # those links inside each pool (placement.links.render_links), printed with the map
+    shares: dict[str, str] = field(default_factory=dict)  # pool -> the pool whose devices it runs on too
+
+    def device_set(self, pool: str) -> str:
+        """The pool that owns ``pool``'s devices: itself, or the one it shares (``pools.<name>.share``)."""
+        return self.shares.get(pool, pool)
+
+    def same_devices(self, role_a: str, role_b: str) -> bool:
+        """Whether the two roles run on the same devices: one pool (colocated, time-shared) or two pools of which
+        one shares the other's devices (fractional: both resident at once)."""
+        a, b = self.role_pool.get(role_a), self.role_pool.get(role_b)
+        return a is not None and b is not None and self.device_set(a) == self.device_set(b)
+
+    def fractional(self, role_a: str, role_b: str) -> bool:
+        """Same devices, different pools: both roles resident at once, running side by side."""
+        return self.same_devices(role_a, role_b) and not self.colocated(role_a, role_b)
+
+    def processes_per_device(self, pool: str) -> int:
+        """Processes on each device of ``pool``: its process groups and those of every pool on the same devices."""
+        members = {p for p in self.pools if self.device_set(p) == self.device_set(pool)}
+        return sum(1 for g in self.groups if g.pool in members)
 
     def nodes_of(self, role: str) -> list[int]:
         """The (logical) nodes a role's devices are on, in rank order, each once."""
@@ -212,10 +232,15 @@ class PlacementPlan:
             roles = [r for r, p in self.role_pool.items() if p == pool]
             modes.append(f"{pool}: {' + '.join(roles) or '(unused)'}{' (colocated)' if len(roles) > 1 else ''}")
         lines.append("pools: " + "; ".join(modes))
+        for pool, host in self.shares.items():
+            lines.append(f"fractional: pool '{pool}' runs on the devices of pool '{host}', both resident at once "
+                         f"({self.processes_per_device(pool)} processes per device)")
         if "actor" in self.role_pool and "rollout" in self.role_pool:
             how = "in-process" if self.same_process("actor", "rollout") else (
-                "colocated, separate processes" if self.colocated("actor", "rollout") else "split pools (broadcast)")
-            if not self.colocated("actor", "rollout") and set(self.nodes_of("rollout")) - {self.nodes_of("actor")[0]}:
+                "colocated, separate processes" if self.colocated("actor", "rollout") else
+                "fractional devices, separate processes" if self.fractional("actor", "rollout") else
+                "split pools (broadcast)")
+            if not self.same_devices("actor", "rollout") and set(self.nodes_of("rollout")) - {self.nodes_of("actor")[0]}:
                 how += ", between nodes"
             lines.append(f"reshard actor -> rollout: {how}")
         if self.placements:
@@ -299,7 +324,12 @@ def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, Bac
                                                       f"the cluster has {cluster.device}"))
 
     used = [p for p in cfg.pools if p in role_pool.values()]
-    need = sum(cfg.pools[p].size for p in used)
+    shares = {p: cfg.pools[p].share for p in used if cfg.pools[p].share is not None}
+    for pool, host in shares.items():
+        if host not in used:
+            problems.append((f"pools.{pool}.share", f"pool '{host}' has no role: place a role on it, or give pool "
+                                                    f"'{pool}' devices of its own"))
+    need = sum(cfg.pools[p].size for p in used if p not in shares)
     if need > cluster.total:
         detail = ", ".join(f"{p}={cfg.pools[p].nodes}x{cfg.pools[p].devices_per_node}" for p in used)
         problems.append(("pools", f"the pools ask for {need} devices ({detail}) but the cluster has {cluster.total} "
@@ -313,7 +343,8 @@ def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, Bac
     if problems:
         raise ConfigError(problems)
 
-    pools = _allocate(cfg, used, cluster)
+    pools = _allocate(cfg, [p for p in used if p not in shares], cluster)
+    pools = {p: list(pools[shares[p]]) if p in shares else pools[p] for p in used}
     groups: list[ProcessGroupPlan] = []
     for pool in used:
         families: dict[str, dict[str, str]] = {}
@@ -339,8 +370,9 @@ def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, Bac
     pipelined = cfg.trainer.pipelined
     plan = PlacementPlan(cluster, pools, groups, role_pool,
                          pipelined_staleness=cfg.trainer.max_staleness if pipelined else None,
-                         pipelined_sync_every=cfg.trainer.sync_every if pipelined else None)
-    plan.placements = {pool: pool_placement(plan, pool, cfg.roles.rollout.tensor_parallel) for pool in used}
+                         pipelined_sync_every=cfg.trainer.sync_every if pipelined else None, shares=shares)
+    plan.placements = {pool: pool_placement(plan, pool, cfg.roles.rollout.tensor_parallel) for pool in used
+                       if pool not in shares}  # a sharing pool's processes go into its host's placement groups
     return plan
 
 
@@ -356,7 +388,7 @@ def pool_placement(plan: PlacementPlan, pool: str, rollout_tp: int = 1) -> PoolP
     reasons = []
     if plan.cluster.device == "cuda" and per_node > 1:
         for group in plan.groups:
-            if group.pool != pool:
+            if plan.device_set(group.pool) != pool:
                 continue
             trainers = [f"{r}[{b}]" for r, b in group.roles.items() if role_spec(r).kind == "train"]
             if trainers:

@@ -68,7 +68,8 @@ def estimate_reshard(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape) -> 
     n, cuda = trainer.world_size, plan.cluster.device == "cuda"
     compute = cfg.model.dtype if cuda else "float32"  # the FSDP engine computes in fp32 on CPU
     gathered = compute if n > 1 else "float32"  # one rank exports its live fp32 shards
-    wire = {"in_process": gathered, "broadcast": compute, "object_store": "float32"}.get(transport, gathered)
+    wire = {"in_process": gathered, "broadcast": compute, "object_store": "float32",
+            "cuda_ipc": compute}.get(transport, gathered)
     weight = float(shape.param_count() * DTYPE_BYTES[wire])
     gather_dtype_bytes = float(shape.param_count() * DTYPE_BYTES[gathered])
     gather = gather_dtype_bytes * (n - 1) / n if n > 1 else 0.0
@@ -80,7 +81,7 @@ def estimate_reshard(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape) -> 
         into_node[d.node] = into_node.get(d.node, 0.0) + gather_dtype_bytes * (n - on_node[d.node]) / n
     gather_remote = sum(into_node.values()) / n if n > 1 else 0.0
     tp = max(1, cfg.roles.rollout.tensor_parallel)
-    if transport == "in_process":  # each rank hands its engine the whole tensors, the engine keeps its slice
+    if transport in ("in_process", "cuda_ipc"):  # each rank hands the engine(s) on its device the whole tensors
         delivered, remote_nodes = weight * trainer.world_size, 0
     else:  # one copy for every rollout rank; it enters each node other than the sender's at least once
         delivered = weight * rollout.world_size

@@ -54,13 +54,14 @@ class BridgeEntry:
     transport: str
     target: Any
     plugin: str
-    #: how far apart the two sides may run: "process" (one process), "node" (one machine: CUDA IPC, shared
-    #: memory) or "cluster" (anywhere); the pre-flight refuses a placement the bridge cannot span.
+    #: how far apart the two sides may run: "process" (one process), "device" (separate processes on the same
+    #: devices: CUDA IPC), "node" (one machine: shared memory) or "cluster" (anywhere); the pre-flight refuses a
+    #: placement the bridge cannot span.
     scope: str = "cluster"
 
 
 #: the scopes a bridge may declare, narrowest first.
-BRIDGE_SCOPES = ("process", "node", "cluster")
+BRIDGE_SCOPES = ("process", "device", "node", "cluster")
 
 
 @dataclass(frozen=True)

@@ -78,8 +78,7 @@ def start_worker_groups(cfg: RunConfig, plan: PlacementPlan, deadline: CallDeadl
 
     ensure_ray(cfg.cluster, env={"TOKENIZERS_PARALLELISM": "false"})
     device = plan.cluster.device
-    used_devices = sum(len(d) for d in plan.pools.values())
-    slots_per_pool = {pool: sum(1 for g in plan.groups if g.pool == pool) for pool in plan.pools}
+    used_devices = sum(len(d) for pool, d in plan.pools.items() if pool not in plan.shares)
     # CPU slots: share Ray's CPUs among the devices (fractions when a declared cluster oversubscribes cores).
     available = float(ray.available_resources().get("CPU", 1))
     per_device = max(used_devices, 1)
@@ -89,7 +88,7 @@ def start_worker_groups(cfg: RunConfig, plan: PlacementPlan, deadline: CallDeadl
     remote_worker = ray.remote(RoleWorker)
     role_groups: dict[str, WorkerGroup] = {}
     for gplan in plan.groups:
-        share = 1.0 / slots_per_pool[gplan.pool]
+        share = 1.0 / plan.processes_per_device(gplan.pool)
         workers = []
         for rank in range(gplan.world_size):
             pg, index = slots[gplan.pool][rank]
@@ -120,7 +119,7 @@ def reserve_pools(plan: PlacementPlan, device: str, cpus: float) -> tuple[dict[s
     from ray.util.placement_group import remove_placement_group
 
     placements = plan.placements or {pool: PoolPlacement(pool, "PACK", (tuple(range(len(devices))),), "")
-                                     for pool, devices in plan.pools.items()}
+                                     for pool, devices in plan.pools.items() if pool not in plan.shares}
     slots: dict[str, list[tuple[Any, int]]] = {pool: [] for pool in plan.pools}
     taken: dict[str, dict[int, tuple[Any, int]]] = {pool: {} for pool in plan.pools}
     created: list[Any] = []
@@ -137,7 +136,8 @@ def reserve_pools(plan: PlacementPlan, device: str, cpus: float) -> tuple[dict[s
             remove_placement_group(pg)
         raise
     for pool, devices in plan.pools.items():
-        slots[pool] = [taken[pool][position] for position in range(len(devices))]
+        owner = plan.device_set(pool)  # a pool sharing devices takes the same bundles as the pool it shares
+        slots[pool] = [taken[owner][position] for position in range(len(devices))]
     return slots, created
 
 

@@ -26,6 +26,7 @@ from hybridrl.runtime.device_map import WorkerLocation, this_worker_location
 from hybridrl.runtime.distributed import init_process_group, node_ip, reserve_port
 from hybridrl.weights.bridges import sync_buckets, sync_in_process
 from hybridrl.weights.channel import WeightChannel, bucket_specs
+from hybridrl.weights.cuda_ipc import IpcOffer, IpcReceiver, IpcSender
 
 
 class RoleWorker:
@@ -144,6 +145,34 @@ class RoleWorker:
         received = self.weight_channel.receive(specs, engine.import_weights)
         engine.finish_weight_import()
         return float(received)
+
+    # --- CUDA IPC bridge (separate processes on one device) -------------------------------------------------
+    def ipc_export_begin(self, trainer_role: str, bucket_bytes: int) -> None:
+        """Start an export (every trainer rank, in step: the gathers are collectives). Each rank's transient export
+        holds the full weights, as for the in-process bridge: it serves the rollout ranks on its own device."""
+        engine = self.engines[trainer_role]
+        self._ipc_export = iter(sync_buckets(engine, bucket_bytes))
+        self._ipc_wire = self._wire_dtype(engine)
+        if getattr(self, "ipc_sender", None) is None:
+            self.ipc_sender = IpcSender()
+
+    def ipc_export_next(self) -> IpcOffer | None:
+        """The next bucket packed into this rank's IPC buffer, or None once the export is over."""
+        bucket = next(self._ipc_export, None)
+        return None if bucket is None else self.ipc_sender.offer(bucket, self._ipc_wire)
+
+    def ipc_export_end(self) -> None:
+        export, self._ipc_export = self._ipc_export, None
+        close = getattr(export, "close", None)
+        if close is not None:  # runs the export's own end (an offloaded actor's weights go back to the host)
+            close()
+
+    def ipc_import(self, rollout_role: str, offer: IpcOffer) -> None:
+        """Import one offered bucket (views of the sender's buffer), finished before answering."""
+        if getattr(self, "ipc_receiver", None) is None:
+            self.ipc_receiver = IpcReceiver()
+        self.engines[rollout_role].import_weights(self.ipc_receiver.open(offer))
+        self.ipc_receiver.done()
 
     def weights(self, role: str) -> dict[str, torch.Tensor]:
         """Full weights of a role (tests and checks): export for trainers, named_weights for rollouts."""

@@ -131,11 +131,52 @@ class BroadcastBridge:
         return {"bytes": max(sent), "buckets": float(len(self.specs or []))}
 
 
-def transport_for(same_process: bool, colocated: bool = False, device: str = "cpu") -> str:
-    """In-process when the roles share a process; a collective broadcast between processes (on one GPU,
-    where NCCL cannot join two processes, Ray's object store until a CUDA-IPC bridge exists)."""
+class CudaIpcBridge:
+    """Roles in separate processes on the same devices (fractional pools): every trainer rank packs its transient
+    export, bucket by bucket, into a device buffer of its own, and the rollout ranks on its device import views of
+    that buffer through a CUDA IPC handle (``hybridrl.weights.cuda_ipc``): no copy through the host, no NCCL."""
+
+    def sync(self, trainer: WorkerGroup, trainer_role: str, rollout: WorkerGroup, rollout_role: str,
+             bucket_bytes: int) -> dict[str, float]:
+        from hybridrl.runtime.deadline import Waited, wait_all
+
+        sender_of = _sender_on_device(trainer, rollout)
+        nbytes, buckets = 0, 0
+        trainer.call_all("ipc_export_begin", trainer_role, bucket_bytes)
+        try:
+            while True:
+                offers = trainer.call_all("ipc_export_next")
+                if all(offer is None for offer in offers):
+                    break
+                imports = [w.ipc_import.remote(rollout_role, offers[sender_of[i]])
+                           for i, w in enumerate(rollout.workers)]
+                wait_all([Waited(rollout, imports, f"{rollout_role}.ipc_import")], trainer.deadline)
+                nbytes += max(offer.nbytes for offer in offers if offer is not None)
+                buckets += 1
+        finally:
+            trainer.call_all("ipc_export_end")
+        rollout.call_all("call", rollout_role, "finish_weight_import")
+        return {"bytes": float(nbytes), "buckets": float(buckets)}
+
+
+def _sender_on_device(trainer: WorkerGroup, rollout: WorkerGroup) -> list[int]:
+    """For each rollout rank, the trainer rank on its device (CUDA IPC maps memory within one device only)."""
+    rank_on = {device: rank for rank, device in enumerate(trainer.plan.devices)}
+    missing = [str(d) for d in rollout.plan.devices if d not in rank_on]
+    if missing:
+        raise RuntimeError(f"the cuda_ipc bridge needs a trainer rank on every rollout device; none on {missing}")
+    return [rank_on[d] for d in rollout.plan.devices]
+
+
+def transport_for(same_process: bool, colocated: bool = False, device: str = "cpu",
+                  same_devices: bool = False) -> str:
+    """In-process when the roles share a process; CUDA IPC between processes on the same GPUs (fractional
+    pools: NCCL refuses two ranks on one device); Ray's object store for colocated roles in separate processes
+    on GPUs; otherwise a collective broadcast (gloo on CPU, between any processes)."""
     if same_process:
         return "in_process"
+    if device == "cuda" and same_devices and not colocated:
+        return "cuda_ipc"
     if colocated and device == "cuda":
         return "object_store"
     return "broadcast"
@@ -146,7 +187,7 @@ def resolve_transport(setting: str, plan: PlacementPlan) -> str:
     if setting != "auto":
         return setting
     return transport_for(plan.same_process("actor", "rollout"), plan.colocated("actor", "rollout"),
-                         plan.cluster.device)
+                         plan.cluster.device, plan.same_devices("actor", "rollout"))
 
 
 def bridge_placement_problems(cfg: Any, plan: PlacementPlan, registry: Any) -> list[tuple[str, str]]:
@@ -171,7 +212,11 @@ def bridge_placement_problems(cfg: Any, plan: PlacementPlan, registry: Any) -> l
     if entry.scope == "process" and not plan.same_process("actor", "rollout"):
         return [(key, f"the '{transport}' bridge needs the actor and the rollout in one process; they run in "
                       f"separate processes ({apart}): set it to auto or broadcast")]
-    if entry.scope == "node" and not plan.colocated("actor", "rollout"):
+    if entry.scope == "device" and not plan.same_devices("actor", "rollout"):
+        return [(key, f"the '{transport}' bridge maps memory within one device; the actor and the rollout are on "
+                      f"different devices ({apart}): use broadcast, or give the rollout's pool "
+                      f"pools.<name>.share: {plan.role_pool['actor']}")]
+    if entry.scope == "node" and not plan.same_devices("actor", "rollout"):
         return [(key, f"the '{transport}' bridge ({entry.plugin}) reaches only within a machine; the actor and the "
                       f"rollout are on separate pools ({apart}), which Ray may place on other machines: colocate "
                       "them on one pool, or use broadcast")]
@@ -183,3 +228,4 @@ def hybridrl_register_backends(registry: Any) -> None:
     registry.add_bridge("*", "*", "in_process", InProcessBridge, scope="process")
     registry.add_bridge("*", "*", "object_store", ObjectStoreBridge)
     registry.add_bridge("*", "*", "broadcast", BroadcastBridge)
+    registry.add_bridge("*", "*", "cuda_ipc", CudaIpcBridge, scope="device")

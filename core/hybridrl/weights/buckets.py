@@ -47,10 +47,12 @@ def describe_bucket(bucket: list[tuple[str, torch.Tensor]], wire_dtype: torch.dt
     return BucketSpec(tuple(specs), offset)
 
 
-def pack_bucket(bucket: list[tuple[str, torch.Tensor]], spec: BucketSpec, device: str | torch.device) -> torch.Tensor:
+def pack_bucket(bucket: list[tuple[str, torch.Tensor]], spec: BucketSpec, device: str | torch.device,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """One uint8 buffer holding every tensor of the bucket at its spec offset (cast to the spec's dtype where it
-    differs: the copy into the buffer does the cast, no extra tensor is made)."""
-    buffer = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
+    differs: the copy into the buffer does the cast, no extra tensor is made). ``out``: a uint8 buffer of at
+    least ``spec.nbytes`` to pack into (its first ``spec.nbytes`` are returned) instead of a new one."""
+    buffer = torch.empty(spec.nbytes, dtype=torch.uint8, device=device) if out is None else out[: spec.nbytes]
     for (name, tensor), ts in zip(bucket, spec.tensors):
         if name != ts.name:
             raise ValueError(f"bucket order changed: got '{name}', expected '{ts.name}'")
