@@ -13,7 +13,9 @@ every arm decodes the same lengths). ``--workload standard`` is the fixed 256-to
 * ``oversample_1.5``: ``roles.rollout.oversample=1.5``;
 * ``oversample_2_s2_refill``: ``roles.rollout.oversample=2``, ``trainer.max_staleness=2``, refill;
 * ``fractional``: the rollout on a pool of its own that shares the trainer's GPU (``pools.gen.share``), both
-  resident at once, ``trainer.mode=async``: the next step generates while this one trains, weights by CUDA IPC.
+  resident at once, ``trainer.mode=async``: the next step generates while this one trains, weights by CUDA IPC;
+* ``fractional_x2``: that with 2 rollout replicas side by side on the GPU (``pools.gen.per_device``), each with
+  half of the requests.
 
 While an arm runs, ``nvidia-smi`` samples the GPU's utilisation every 200 ms (the busy fraction). Per arm the
 JSON holds trained samples and response tokens per second in steady state (the steps after ``--skip``), phase
@@ -46,6 +48,9 @@ sys.path.insert(0, str(HERE))
 from grpo_step import write_prompts  # noqa: E402  (benchmarks/ is not a package)
 from model_sizes import ensure_model, train_run  # noqa: E402
 
+#: the rollout on a pool of its own on the trainer's GPU, steps overlapped (docs/long-tail.md)
+FRACTIONAL = ["pools.train.nodes=1", "pools.gen.share=train", "roles.actor.pool=train", "roles.rollout.pool=gen",
+              "trainer.mode=async"]
 ARMS: dict[str, list[str]] = {
     "sync": [],
     "oversample": ["roles.rollout.oversample=1.25"],
@@ -55,11 +60,11 @@ ARMS: dict[str, list[str]] = {
     "oversample_drop": ["roles.rollout.oversample=1.25", "roles.rollout.partial=false"],
     "oversample_1.5": ["roles.rollout.oversample=1.5"],
     "oversample_2_s2_refill": ["roles.rollout.oversample=2", "trainer.max_staleness=2", "roles.rollout.refill=true"],
-    "fractional": ["pools.train.nodes=1", "pools.gen.share=train", "roles.actor.pool=train", "roles.rollout.pool=gen",
-                   "trainer.mode=async"],
+    "fractional": [*FRACTIONAL],
+    "fractional_x2": [*FRACTIONAL, "pools.gen.per_device=2"],
 }
 #: how each arm schedules its steps (the result's ``mode``)
-MODES = {"sync": "sync", "fractional": "async_fractional"}
+MODES = {"sync": "sync", "fractional": "async_fractional", "fractional_x2": "async_fractional"}
 
 
 class BusySampler:
@@ -136,11 +141,15 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: Path, data: Path, tim
 
 def summary(args: argparse.Namespace, arm: str, overrides: list[str], rows: list[dict[str, Any]], code: int,
             wall: float, busy: BusySampler, log: str) -> dict[str, Any]:
-    """The arm's figures over its steady steps (after ``--skip``)."""
+    """The arm's figures over its steady steps (after ``--skip``; a pipelined arm's last step also left out: it
+    trains with no generation running beside it, which no step of a longer run does)."""
     steady = rows[args.skip:] or rows
+    if MODES.get(arm, "").startswith("async") and len(steady) > 1:
+        steady = steady[:-1]
     result: dict[str, Any] = {"arm": arm, "mode": MODES.get(arm, "groups_in_flight"),
                               "overrides": overrides, "defaults": not overrides,
-                              "ok": code == 0 and len(rows) == args.steps, "steps": len(rows), "wall_s": wall}
+                              "ok": code == 0 and len(rows) == args.steps, "steps": len(rows), "wall_s": wall,
+                              "steady_steps": len(steady)}
     if steady:
         def median(key: str) -> float | None:
             values = [r[key] for r in steady if key in r]

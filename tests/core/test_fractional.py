@@ -72,7 +72,8 @@ def test_the_memory_plan_holds_the_rollout_resident_through_the_trainers_phases(
     assert pool.phases["update_actor"] >= actor.active + rollout.active
     colocated = estimate_memory(cfg.model_copy(update={"pools": {"train": cfg.pools["train"]}}),
                                 plan_for(["pools={train: {nodes: 1, devices_per_node: 2}}", "roles.actor.pool=train",
-                                          "roles.ref.pool=train", "roles.rollout.pool=train"], ClusterSpec(1, 2, "cuda", declared=True))[1],
+                                          "roles.ref.pool=train", "roles.rollout.pool=train"],
+                                         ClusterSpec(1, 2, "cuda", declared=True))[1],
                                 shape, 80 * 2**30)
     assert pool.phases["update_actor"] > colocated.pools[0].phases["update_actor"]  # asleep there
 
@@ -147,3 +148,57 @@ def test_cuda_ipc_hands_a_bucket_to_another_process_and_reuses_its_buffer():
         queue_in.put(None)
         child.join(timeout=60)
     assert child.exitcode == 0
+
+
+REPLICAS = ["pools={train: {nodes: 1, devices_per_node: 2}, "
+            "gen: {nodes: 1, devices_per_node: 2, share: train, per_device: 2}}",
+            "roles.actor.pool=train", "roles.ref.pool=train", "roles.rollout.pool=gen"]
+
+
+def test_per_device_puts_several_rollout_ranks_on_each_device():
+    cfg, plan = plan_for(REPLICAS, ClusterSpec(1, 2, "cuda", declared=True))
+    assert [str(d) for d in plan.pools["gen"]] == ["node0:0", "node0:0", "node0:1", "node0:1"]
+    assert plan.group_of("rollout").world_size == 4 and plan.per_device("gen") == 2
+    assert plan.unique_devices("gen") == plan.pools["train"]
+    assert plan.processes_per_device("train") == 3  # the trainers' process and two replicas
+    assert "pool 'gen': 2 ranks per device" in plan.render()
+    assert "rollout[hf] ranks 0-3/4" in plan.render()
+    from hybridrl.placement.memory import step_workload
+    assert step_workload(cfg)["replicas_per_device"] == 2
+
+
+def test_per_device_multiplies_the_rollouts_memory_on_its_device():
+    shape = shape_from_hf_config(read_hf_config(QWEN_05B))
+    one_cfg, one = plan_for(FRACTIONAL, ClusterSpec(1, 2, "cuda", declared=True))
+    two_cfg, two = plan_for(REPLICAS, ClusterSpec(1, 2, "cuda", declared=True))
+    rollout = {name: next(m for m in estimate_memory(c, p, shape, 80 * 2**30).roles if m.role == "rollout")
+               for name, (c, p) in {"one": (one_cfg, one), "two": (two_cfg, two)}.items()}
+    assert rollout["two"].weights == rollout["one"].weights  # per replica: a whole copy of the weights
+    assert rollout["two"].kv_cache < rollout["one"].kv_cache  # and half the step's sequences
+    [pool] = estimate_memory(two_cfg, two, shape, 80 * 2**30).pools
+    actor = next(m for m in estimate_memory(two_cfg, two, shape, 80 * 2**30).roles if m.role == "actor")
+    assert pool.phases["update_actor"] >= actor.active + 2 * rollout["two"].active
+
+
+@pytest.mark.parametrize("extra, text", [
+    (["roles.rollout.pool=train", "pools.train.per_device=2"], "also holds actor, ref"),
+    (["roles.rollout.tensor_parallel=2", "roles.rollout.backend=vllm"], "tensor_parallel must be 1"),
+])
+def test_per_device_is_refused_where_it_cannot_hold(extra, text):
+    with pytest.raises(ConfigError, match=r"pools\.(train|gen)\.per_device") as err:
+        plan_for([*REPLICAS, *extra], ClusterSpec(1, 2, "cuda", declared=True))
+    assert text in str(err.value)
+
+
+def test_pools_that_do_not_fit_one_device_together_are_refused_with_the_numbers():
+    from hybridrl.placement.memory import fractional_problems
+
+    shape = shape_from_hf_config(read_hf_config(QWEN_05B))
+    long_steps = ["data.prompts_per_step=64", "algorithm.n_samples=8", "roles.rollout.max_new_tokens=4096",
+                  "roles.actor.micro_batch=1", "roles.actor.options.gradient_checkpointing=true",
+                  "model.dtype=bfloat16"]
+    cfg, plan = plan_for([*FRACTIONAL, *long_steps], ClusterSpec(1, 2, "cuda", declared=True))
+    assert fractional_problems(estimate_memory(cfg, plan, shape, 80 * 2**30)) == []
+    [(key, text)] = fractional_problems(estimate_memory(cfg, plan, shape, 16 * 2**30))
+    assert key == "pools.gen.share"
+    assert "pools 'train' + 'gen' need" in text and "more than the 16 GiB device" in text and "resident" in text

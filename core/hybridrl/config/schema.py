@@ -209,6 +209,10 @@ class PoolConfig(Strict):
         None, description="fractional devices: the pool whose devices this one runs on too (same nodes x "
                           "devices_per_node). Both pools are resident at once, not time-shared: the memory plan "
                           "splits each device between them, and weights cross by CUDA IPC (docs/long-tail.md)")
+    per_device: int = Field(
+        1, ge=1, description="processes of this pool on each of its devices: independent rollout replicas side by "
+                             "side on one GPU, each with its share of the requests and of the memory (an engine "
+                             "whose host work bounds decoding runs it on more CPU cores); a rollout-only pool")
 
     @property
     def size(self) -> int:

@@ -179,7 +179,7 @@ def step_perf_metrics(model_path: str, plan: Any, dtype: str, epochs: int, batch
         shape = _shape_of(model_path)
         lengths = (batch[PROMPT_MASK].sum(-1) + response_attention_mask(batch).sum(-1)).tolist()
         devices = {role: plan.group_of(role).world_size for role in plan.role_pool}
-        devices["all"] = sum(len(d) for pool, d in plan.pools.items() if pool not in plan.shares)
+        devices["all"] = len({d for ds in plan.pools.values() for d in ds})  # shared devices counted once
         seconds = {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")}
         peak = peak_flops(detect_device_name(plan.cluster.device), dtype)
         saved = {role: batch_prompt_savings(shape, batch, lm_head=role != "critic") for role in shared_prompt_roles}

@@ -39,7 +39,7 @@ from hybridrl.model.shape import (  # noqa: F401  (re-exported: their home befor
     tiny_shape,
 )
 from hybridrl.placement.lora_memory import apply_lora, apply_lora_rollout
-from hybridrl.placement.plan import PlacementPlan
+from hybridrl.placement.plan import PlacementPlan, configured_pools
 from hybridrl.roles import STEP_PHASES, phase_owner, role_spec
 from hybridrl.rollout.kv_budget import KVDemand
 
@@ -116,8 +116,12 @@ def step_workload(cfg: RunConfig) -> dict[str, int]:
     """What one step asks of the rollout: sequences in the whole step (the groups in flight with
     ``roles.rollout.oversample``), tokens of the longest one."""
     groups = math.ceil(cfg.roles.rollout.oversample * cfg.data.prompts_per_step - 1e-9)
-    return {"sequences": groups * cfg.algorithm.n_samples,
-            "tokens_per_sequence": cfg.data.max_prompt_len + cfg.roles.rollout.max_new_tokens}
+    out = {"sequences": groups * cfg.algorithm.n_samples,
+           "tokens_per_sequence": cfg.data.max_prompt_len + cfg.roles.rollout.max_new_tokens}
+    pool = cfg.pools.get(configured_pools(cfg).get("rollout") or "")
+    if pool is not None and pool.per_device > 1:  # replicas side by side: each sizes its cache from its part
+        out["replicas_per_device"] = pool.per_device
+    return out
 
 
 def backend_hooks(cfg: RunConfig, plan: PlacementPlan, registry: Any, hook: str) -> dict[str, Any]:
@@ -181,8 +185,8 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
     rollout_model = models.get("rollout")
     pool_overhead: dict[str, float] = {}
     for pool in plan.pools:
-        processes = sum(1 for g in plan.groups if g.pool == pool)
-        extra = sum(rollout_model.extra_context_bytes for g in plan.groups if g.pool == pool
+        processes = sum(plan.per_device(pool) for g in plan.groups if g.pool == pool)
+        extra = sum(rollout_model.extra_context_bytes * plan.per_device(pool) for g in plan.groups if g.pool == pool
                     for r in g.roles if r == "rollout" and rollout_model is not None) if device == "cuda" else 0.0
         pool_overhead[pool] = processes * context + extra
     if "rollout" in plan.role_pool:
@@ -194,13 +198,15 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
             resident = sum(m.idle for m in roles if m.pool in same_devices)
             overhead = sum(pool_overhead[q] for q in same_devices)
             free = None if device_bytes is None else device_bytes - overhead - resident
+            if free is not None:  # replicas side by side (pools.<name>.per_device) each take their part
+                free /= plan.per_device(pool)
             ctx = role_context(cfg, plan, "rollout", shapes.get("rollout", shape), device_bytes)
             roles.append(rollout_model.role_memory(ctx, free))
             apply_lora_rollout(cfg, plan, roles[-1], shapes.get("rollout", shape), dtype_bytes, rollout_model)
     by_role = {m.role: m for m in roles}
     pools: list[PoolMemory] = []
     warnings: list[str] = []
-    for pool, devices in plan.pools.items():
+    for pool in plan.pools:
         if pool in plan.shares:
             continue  # counted with the pool whose devices it shares: both resident at once
         same_devices = [q for q in plan.pools if plan.device_set(q) == pool]
@@ -219,6 +225,7 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
             worker, mode = owner[0], owner[1].mode
             held: dict[str, float] = {}
             for m in members:
+                copies = plan.per_device(m.pool)  # one process of the role per rank, several on a device
                 sharing_pool = [x for x in members if x.pool == m.pool]
                 if m.role == worker:
                     held[m.role] = m.forward if mode == "forward" and m.kind != "rollout" else m.active
@@ -228,10 +235,11 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
                     held[m.role] = m.asleep  # KV cache released, weights to host (or kept: sleep_level kv_cache)
                 else:
                     held[m.role] = m.idle
+                held[m.role] *= copies
             phases[phase] = overhead + sum(held.values())
             largest[phase] = by_role[max(held, key=held.__getitem__)]
-        pm = PoolMemory(pool, len(devices), [m.role for m in members], processes, phases, device_bytes, missing,
-                        shared_by=[q for q in same_devices if q != pool])
+        pm = PoolMemory(pool, len(plan.unique_devices(pool)), [m.role for m in members], processes, phases,
+                        device_bytes, missing, shared_by=[q for q in same_devices if q != pool])
         pools.append(pm)
         if pm.fits is False:
             worst = largest[pm.peak_phase]
@@ -247,6 +255,22 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
             warnings.append("roles.rollout: " + next(n for n in m.notes if n.startswith("KV floor")))
     return MemoryEstimate(shape, source, cfg.model.dtype, device, device_bytes, roles, pools, warnings,
                           unestimated=unestimated)
+
+
+def fractional_problems(est: MemoryEstimate) -> list[tuple[str, str]]:
+    """Pools sharing devices (``pools.<name>.share``) that do not fit them together: a refusal, not a warning, since
+    nothing sleeps to make room (the trainers' phases run beside the resident rollout)."""
+    out = []
+    for p in est.pools:
+        if p.shared_by and p.fits is False and est.device_bytes is not None:
+            rollout = next((m for m in est.roles if m.kind == "rollout" and m.pool in p.shared_by), None)
+            beside = f" with the rollout's {rollout.active / GIB:.1f} GiB resident" if rollout is not None else ""
+            out.append((f"pools.{p.shared_by[0]}.share",
+                        f"pools '{p.pool}' + '{', '.join(p.shared_by)}' need {p.peak / GIB:.1f} GiB per device in "
+                        f"phase {p.peak_phase}{beside}, more than the {est.device_bytes / GIB:.0f} GiB device: lower "
+                        "the step's sequences or response length (the KV cache), pools.<name>.per_device, or the "
+                        "trainers' micro-batch, or put the rollout on the trainers' pool (time-shared)"))
+    return out
 
 
 # --- rendering ---------------------------------------------------------------------------------------

@@ -138,10 +138,19 @@ class PlacementPlan:
         """Same devices, different pools: both roles resident at once, running side by side."""
         return self.same_devices(role_a, role_b) and not self.colocated(role_a, role_b)
 
+    def per_device(self, pool: str) -> int:
+        """Ranks of ``pool`` on each of its devices (``pools.<name>.per_device``)."""
+        devices = self.pools[pool]
+        return max(1, len(devices) // max(1, len(set(devices))))
+
+    def unique_devices(self, pool: str) -> list[Device]:
+        """The pool's devices, each once, in rank order."""
+        return list(dict.fromkeys(self.pools[pool]))
+
     def processes_per_device(self, pool: str) -> int:
         """Processes on each device of ``pool``: its process groups and those of every pool on the same devices."""
         members = {p for p in self.pools if self.device_set(p) == self.device_set(pool)}
-        return sum(1 for g in self.groups if g.pool in members)
+        return sum(self.per_device(g.pool) for g in self.groups if g.pool in members)
 
     def nodes_of(self, role: str) -> list[int]:
         """The (logical) nodes a role's devices are on, in rank order, each once."""
@@ -190,7 +199,7 @@ class PlacementPlan:
     def device_runs(self, pool: str) -> list[tuple[str, int, int]]:
         """The pool's devices as runs for printing: ``(label, first rank, last rank)``, consecutive nodes that
         hold the same device indices joined (``node0-3:0-7`` is 32 devices, ranks 0-31)."""
-        devices = self.pools[pool]
+        devices, copies = self.unique_devices(pool), self.per_device(pool)
         by_node: dict[int, list[int]] = {}
         for d in devices:
             by_node.setdefault(d.node, []).append(d.index)
@@ -206,7 +215,7 @@ class PlacementPlan:
             contiguous = indices == list(range(indices[0], indices[0] + len(indices)))
             idx = (f"{indices[0]}" if len(indices) == 1 else
                    f"{indices[0]}-{indices[-1]}" if contiguous else ",".join(map(str, indices)))
-            count = len(nodes) * len(indices)
+            count = len(nodes) * len(indices) * copies
             out.append((f"node{span}:{idx}", rank, rank + count - 1))
             rank += count
         return out
@@ -235,12 +244,17 @@ class PlacementPlan:
         for pool, host in self.shares.items():
             lines.append(f"fractional: pool '{pool}' runs on the devices of pool '{host}', both resident at once "
                          f"({self.processes_per_device(pool)} processes per device)")
+        for pool in self.pools:
+            if self.per_device(pool) > 1:
+                lines.append(f"pool '{pool}': {self.per_device(pool)} ranks per device (independent replicas side "
+                             "by side)")
         if "actor" in self.role_pool and "rollout" in self.role_pool:
             how = "in-process" if self.same_process("actor", "rollout") else (
                 "colocated, separate processes" if self.colocated("actor", "rollout") else
                 "fractional devices, separate processes" if self.fractional("actor", "rollout") else
                 "split pools (broadcast)")
-            if not self.same_devices("actor", "rollout") and set(self.nodes_of("rollout")) - {self.nodes_of("actor")[0]}:
+            apart = not self.same_devices("actor", "rollout")
+            if apart and set(self.nodes_of("rollout")) - {self.nodes_of("actor")[0]}:
                 how += ", between nodes"
             lines.append(f"reshard actor -> rollout: {how}")
         if self.placements:
@@ -345,6 +359,19 @@ def plan_placement(cfg: RunConfig, cluster: ClusterSpec, backends: dict[str, Bac
 
     pools = _allocate(cfg, [p for p in used if p not in shares], cluster)
     pools = {p: list(pools[shares[p]]) if p in shares else pools[p] for p in used}
+    for p in used:  # several ranks per device: rank r on the pool's device r // per_device
+        copies = cfg.pools[p].per_device
+        if copies > 1:
+            pools[p] = [d for d in pools[p] for _ in range(copies)]
+            others = sorted(r for r, q in role_pool.items() if q == p and r != "rollout")
+            if others:
+                problems.append((f"pools.{p}.per_device", f"{copies} processes per device suit independent rollout "
+                                                          f"replicas; pool '{p}' also holds {', '.join(others)}: "
+                                                          "give the rollout a pool of its own (share to stay on "
+                                                          "the same devices)"))
+            if cfg.roles.rollout.tensor_parallel > 1:
+                problems.append((f"pools.{p}.per_device", "replicas side by side on one device are one device "
+                                                          "each: roles.rollout.tensor_parallel must be 1"))
     groups: list[ProcessGroupPlan] = []
     for pool in used:
         families: dict[str, dict[str, str]] = {}
@@ -380,7 +407,7 @@ def pool_placement(plan: PlacementPlan, pool: str, rollout_tp: int = 1) -> PoolP
     """``STRICT_PACK`` per node where the pool's processes talk over NVLink inside a node (on GPUs: a train
     backend's collectives over more than one device of the node, a tensor-parallel rollout), else one ``SPREAD``
     group: CPU slots talk over TCP wherever they are, independent replicas do not talk at all."""
-    devices = plan.pools[pool]
+    devices = plan.unique_devices(pool)
     positions: dict[int, list[int]] = {}
     for i, d in enumerate(devices):
         positions.setdefault(d.node, []).append(i)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from hybridrl.config import ConfigError, CriticConfig, RunConfig
 from hybridrl.environments.checks import environment_problems, multi_turn
 from hybridrl.environments.checks import probe_problems as environment_probe_problems
+from hybridrl.placement.memory import fractional_problems
 from hybridrl.placement.plan import ClusterSpec, PlacementPlan, configured_pools, plan_placement, resolve_backends
 from hybridrl.plugins.registry import BackendEntry, Registry, RegistryError
 from hybridrl.rewards.rules import RuleSpec
@@ -411,6 +412,8 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
     auto = resolve_run_auto(run_cfg, plan, registry, backends) if plan is not None else None
     if auto is not None:
         problems += auto.problems
+        if auto.estimate is not None:
+            problems += fractional_problems(auto.estimate)
     if problems:
         raise ConfigError(problems)
     assert plan is not None and prompts is not None and auto is not None and algo is not None

@@ -78,7 +78,7 @@ def start_worker_groups(cfg: RunConfig, plan: PlacementPlan, deadline: CallDeadl
 
     ensure_ray(cfg.cluster, env={"TOKENIZERS_PARALLELISM": "false"})
     device = plan.cluster.device
-    used_devices = sum(len(d) for pool, d in plan.pools.items() if pool not in plan.shares)
+    used_devices = sum(len(plan.unique_devices(pool)) for pool in plan.pools if pool not in plan.shares)
     # CPU slots: share Ray's CPUs among the devices (fractions when a declared cluster oversubscribes cores).
     available = float(ray.available_resources().get("CPU", 1))
     per_device = max(used_devices, 1)
@@ -118,8 +118,8 @@ def reserve_pools(plan: PlacementPlan, device: str, cpus: float) -> tuple[dict[s
     removed here when one cannot be reserved)."""
     from ray.util.placement_group import remove_placement_group
 
-    placements = plan.placements or {pool: PoolPlacement(pool, "PACK", (tuple(range(len(devices))),), "")
-                                     for pool, devices in plan.pools.items() if pool not in plan.shares}
+    placements = plan.placements or {pool: PoolPlacement(pool, "PACK", (tuple(range(len(plan.unique_devices(pool)))),),
+                                                         "") for pool in plan.pools if pool not in plan.shares}
     slots: dict[str, list[tuple[Any, int]]] = {pool: [] for pool in plan.pools}
     taken: dict[str, dict[int, tuple[Any, int]]] = {pool: {} for pool in plan.pools}
     created: list[Any] = []
@@ -137,7 +137,8 @@ def reserve_pools(plan: PlacementPlan, device: str, cpus: float) -> tuple[dict[s
         raise
     for pool, devices in plan.pools.items():
         owner = plan.device_set(pool)  # a pool sharing devices takes the same bundles as the pool it shares
-        slots[pool] = [taken[owner][position] for position in range(len(devices))]
+        position = {device: i for i, device in enumerate(plan.unique_devices(owner))}  # one bundle per device
+        slots[pool] = [taken[owner][position[device]] for device in devices]
     return slots, created
 
 

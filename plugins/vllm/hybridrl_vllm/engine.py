@@ -240,6 +240,8 @@ class VLLMRollout(RolloutEngine):
 
         release_cached_device_memory(collect=True)
         free, total = torch.cuda.mem_get_info()
+        # replicas side by side on this device start together: each sizes from its part of what is free
+        free //= max(1, int((ctx.options.get("workload") or {}).get("replicas_per_device", 1)))
         shape = shape_from_hf_config(read_hf_config(ctx.model_path))
         dtype_bytes = DTYPE_BYTES.get(ctx.dtype, 2)
         tp = self.opts.tensor_parallel
