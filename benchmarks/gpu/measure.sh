@@ -52,7 +52,7 @@ case $step in
   reshard-profile) python3 benchmarks/reshard_profile.py --out "$OUT/reshard_profile${TAG:-}.json" "$@" ;;
   gpu-tests) python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/vllm/test_copy_plan.py tests/fsdp/test_fsdp_cuda.py tests/fsdp/test_fsdp_lora.py \
           tests/fsdp/test_packing_benchmark.py tests/fsdp/test_offload.py tests/fsdp/test_layer_kernels.py \
-          tests/e2e/test_out_of_memory.py tests/core/test_memory_meter.py "$@" 2>&1 | tee "$OUT/gpu_tests.log" ;;
+          tests/e2e/test_out_of_memory.py tests/core/test_memory_meter.py tests/core/test_fractional.py "$@" 2>&1 | tee "$OUT/gpu_tests.log" ;;
   sglang-tests)  # one pytest per file: a run cut short by the device's time still reports the first file's failures
           for f in tests/sglang/test_sglang_engine.py tests/sglang/test_sglang_kit.py; do
             python3 -m pytest -q -s -p no:cacheprovider -rfE "$f" "$@"

@@ -47,8 +47,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = parse_cluster(args.cluster, args.device) if args.cluster else detect_cluster(cfg.cluster)
     if args.advise:
         return _advise(args, cfg, registry, cluster)
-    if args.profile or args.write or args.profile_steps is not None:
-        flag = "--profile" if args.profile else "--write" if args.write else "--profile-steps"
+    if args.profile or args.write or args.json or args.profile_steps is not None:
+        flag = ("--profile" if args.profile else "--write" if args.write else "--json" if args.json
+                else "--profile-steps")
         raise ConfigError([(flag, "only with --advise")])
     backends, plan, problems = check_config(cfg, registry, cluster, check_engines=False)
     if problems:
@@ -137,7 +138,7 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
     """``plan --advise``: the candidate maps ranked by the cost model (``hybridrl.placement.advice``)."""
     from pathlib import Path
 
-    from hybridrl.placement.advice.advise import advise, plan_candidate, render, write_config
+    from hybridrl.placement.advice.advise import advise, plan_candidate, ranked_json, render, write_config
     from hybridrl.placement.advice.profile import default_profile, fit_profile
     from hybridrl.placement.memory import (
         GIB,
@@ -176,6 +177,15 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
     ranked = advise(args.config, args.overrides, cluster, profile, planner, rollout_tp=rollout_tp,
                     registry=registry)
     print(render(ranked, profile, cluster))
+    if args.json:
+        import json
+
+        table = ranked_json(ranked, profile, cluster)
+        table.update(config=args.config, overrides=list(args.overrides),
+                     device_memory_gib=None if declared is None and cluster.device != "cuda"
+                     else device_memory_bytes(cluster.device, declared) / GIB)
+        Path(args.json).write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {args.json}")
     if args.write:
         best = next((r for r in ranked if r.prediction is not None), None)
         if best is None:
@@ -401,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "from that run (its folder is printed, for --profile)")
     plan.add_argument("--write", metavar="FILE", help="with --advise: write the best map's config (your YAML plus "
                                                       "its overrides) to FILE")
+    plan.add_argument("--json", metavar="FILE", help="with --advise: write the ranked table as JSON to FILE")
     plan.add_argument("--bandwidth", action="append", metavar="KIND=GB/s",
                       help="with --advise: a link's bandwidth (nvlink, pcie, net, ...), repeatable")
     plan.set_defaults(func=cmd_plan)

@@ -136,9 +136,10 @@ def test_the_recorded_ppo_profile_predicts_its_own_step():
     assert 0 < profile.values_tps < float("inf") and 0 < profile.critic_train_tps < float("inf")
     rows = [json.loads(line) for line in (RECORDED_PPO / "metrics.jsonl").read_text().splitlines()][1:]
     measured = sum(r["timing/step"] for r in rows) / len(rows)
-    (ranked,) = [r for r in _ppo_ranked(profile, 1, 1) if r.prediction is not None]
+    kept = [r for r in _ppo_ranked(profile, 1, 1) if r.prediction is not None]
+    assert [r.candidate.name for r in kept] == ["colocated 1x1", "fractional 1x1"]  # time-sliced: slower
+    ranked = kept[0]
     p = ranked.prediction
-    assert ranked.candidate.name == "colocated 1x1"
     assert p.step == pytest.approx(measured, rel=0.2)
     for phase in ("values", "update_critic"):
         seen = sum(r[f"timing/{phase}"] for r in rows) / len(rows)
@@ -172,7 +173,7 @@ def _best_split_gen_devices(profile: CostProfile) -> int:
 
     planner = plan_candidate(cluster, registry, None, model_shape(cfg)[0])
     ranked = advise(QUICKSTART, vllm, cluster, profile, planner)
-    best = next(r for r in ranked if r.prediction is not None and r.candidate.kind != "colocated")
+    best = next(r for r in ranked if r.prediction is not None and r.candidate.kind in ("split", "pipelined"))
     return best.candidate.devices("gen")
 
 
@@ -263,6 +264,23 @@ def test_profile_and_write_need_advise(capsys):
     assert "--profile-steps: only with --advise" in capsys.readouterr().err
 
 
+def test_the_ranked_table_is_written_as_json(tmp_path, capsys):
+    out = tmp_path / "advice.json"
+    assert main(["plan", str(QUICKSTART), "--device", "cpu", "--cluster", "1x1", "--json", str(out)]) == 2
+    assert "--json: only with --advise" in capsys.readouterr().err
+    assert main(["plan", str(QUICKSTART), "--advise", "--cluster", "1x2", "--skip-engine-check",
+                 "--json", str(out)]) == 0
+    table = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    kept = [r for r in table["rows"] if r["rank"] is not None]
+    assert table["cluster"].startswith("1 node(s) x 2") and table["device_memory_gib"] == 80.0
+    assert [r["rank"] for r in kept] == list(range(1, len(kept) + 1)) and kept[0]["why_it_loses"] == "best"
+    assert f"best: {kept[0]['map']}: " in printed
+    steps = [r["predicted_step_s"] for r in kept]
+    assert steps == sorted(steps) or kept[0]["samples_per_s"] >= max(r["samples_per_s"] for r in kept)
+    assert {"colocated", "fractional", "split", "pipelined"} <= {r["kind"] for r in table["rows"]}
+
+
 def test_profile_steps_trains_the_config_first_and_fits_that_run(capsys):
     assert main(["plan", str(QUICKSTART), "--advise", "--device", "cpu", "--cluster", "1x2",
                  "--profile-steps", "3"]) == 0
@@ -298,6 +316,14 @@ def test_the_step_adds_serial_phases_and_overlaps_pipelined_ones():
     assert pipelined.step == pytest.approx(max(p["gen"], train) + p["reshard"] + p["fixed"])
     assert pipelined.step < split.step
     assert split.samples_per_s == pytest.approx(16 * 16 / split.step)  # quickstart: 16 prompts x 16 samples
+    # fractional: the trainers' and the rollout's processes on the same devices time-slice them
+    from hybridrl.placement.advice.predict import TIME_SLICED
+
+    fractional = ranked["fractional 1x2"]
+    f = fractional.phases
+    assert "wake" not in f and fractional.bound == "time-sliced"
+    assert fractional.step == pytest.approx((f["gen"] + f.get("ref", 0.0) + f["update_actor"]) * TIME_SLICED
+                                            + f["reshard"] + f["fixed"])
 
 
 @pytest.mark.parametrize("backend, offers_tp", [("hf", False), ("vllm", True)])

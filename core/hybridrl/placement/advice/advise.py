@@ -119,7 +119,7 @@ def advise(config: str | Path, overrides: Sequence[str], cluster: ClusterSpec, p
 
 
 #: the order of the kinds of map among those equally fast: on-policy before pipelined, fewer pools first
-KIND_ORDER = {"colocated": 0, "split": 1, "pipelined": 2}
+KIND_ORDER = {"colocated": 0, "split": 1, "pipelined": 2, "fractional": 3}
 #: maps within this share of the best's samples/s tie with it
 TIE = 0.01
 
@@ -137,7 +137,9 @@ def why_it_loses(r: Ranked, best: Ranked) -> str:
     reasons = []
     if best.prediction and p.samples_per_s >= (1 - TIE) * best.prediction.samples_per_s:
         reasons.append("ties the best (a simpler map ranks first)")
-    if r.candidate.kind != "colocated":
+    if p.bound == "time-sliced":
+        reasons.append("rollout and trainers time-slice the GPU")
+    elif r.candidate.kind != "colocated":
         if p.bound == "gen":
             reasons.append("gen-bound")
         elif p.bound == "train":
@@ -187,9 +189,29 @@ def render(ranked: list[Ranked], profile: CostProfile, cluster: ClusterSpec) -> 
         lines.append("no candidate map fits: see the reasons above")
     else:
         lines.append(f"best: {best.candidate.name}: {' '.join(best.candidate.overrides)}")
-        if best.candidate.kind == "pipelined":
+        if best.candidate.kind in ("pipelined", "fractional"):
             lines.append("note: pipelined trains on batches at most 1 update stale (trainer.max_staleness=1)")
     return "\n".join(lines)
+
+
+def ranked_json(ranked: list[Ranked], profile: CostProfile, cluster: ClusterSpec) -> dict[str, Any]:
+    """The ranked table as data (``plan --advise --json``): every map, kept ones with their prediction, dropped ones
+    with the reason; predictions, not measurements."""
+    rows = []
+    for i, r in enumerate(ranked, 1):
+        p = r.prediction
+        row: dict[str, Any] = {"map": r.candidate.name, "kind": r.candidate.kind,
+                               "overrides": list(r.candidate.overrides),
+                               "peak_gib": {k: round(v, 2) for k, v in r.planned.peak_gib.items()}}
+        if p is None:
+            row.update(rank=None, dropped=r.why)
+        else:
+            row.update(rank=i, predicted_step_s=round(p.step, 3), samples_per_s=round(p.samples_per_s, 3),
+                       bound=p.bound, busy={k: round(v, 3) for k, v in p.busy.items()},
+                       phases_s={k: round(v, 3) for k, v in p.phases.items()},
+                       why_it_loses="best" if i == 1 else r.why)
+        rows.append(row)
+    return {"cluster": cluster.describe(), "costs": profile.source, "profiled": profile.profiled, "rows": rows}
 
 
 def write_config(config: str | Path, overrides: Sequence[str], candidate: Candidate, out: str | Path) -> Path:

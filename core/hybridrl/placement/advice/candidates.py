@@ -1,10 +1,11 @@
 """The candidate device maps of a cluster, each a list of dotted overrides of the user's config.
 
-Over ``nodes x devices``: everything colocated on every device; the actor (and reference, critic) split from the
-rollout at a few gen:train ratios (inside each node, or by whole nodes); with a reference, the same splits with
-the reference on a pool of its own, and with a critic, with the critic on a pool of its own; each split map also
-pipelined (``trainer.pipelined``, staleness 1); and each map with the rollout's tensor parallelism 1, 2, 4 ... up
-to the rollout's devices on a node (1 only for a backend that runs one engine per rank).
+Over ``nodes x devices``: everything colocated on every device; the same devices shared by a train pool and a
+rollout pool, both resident, pipelined (fractional, ``pools.gen.share``); the actor (and reference, critic) split
+from the rollout at a few gen:train ratios (inside each node, or by whole nodes); with a reference, the same splits
+with the reference on a pool of its own, and with a critic, with the critic on a pool of its own; each split map
+also pipelined (``trainer.pipelined``, staleness 1); and each map with the rollout's tensor parallelism 1, 2, 4 ...
+up to the rollout's devices on a node (1 only for a backend that runs one engine per rank).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class Candidate:
     overrides that make the user's config use it."""
 
     name: str
-    kind: str  # "colocated", "split" or "pipelined"
+    kind: str  # "colocated", "fractional", "split" or "pipelined"
     pools: tuple[tuple[str, int, int], ...]
     tp: int
     overrides: tuple[str, ...]
@@ -39,11 +40,12 @@ def _tps(devices_per_node: int, shards: bool = True) -> list[int]:
 
 
 def _overrides(cfg: RunConfig, pools: list[tuple[str, int, int]], placement: dict[str, str], tp: int,
-               pipelined: bool) -> tuple[str, ...]:
+               pipelined: bool, shares: dict[str, str] | None = None) -> tuple[str, ...]:
     names = [p for p, _, _ in pools]
     out = [f"pools.{p}=null" for p in cfg.pools if p not in names]
     for pool, nodes, per_node in pools:
         out += [f"pools.{pool}.nodes={nodes}", f"pools.{pool}.devices_per_node={per_node}"]
+    out += [f"pools.{pool}.share={host}" for pool, host in (shares or {}).items()]
     out += [f"roles.{role}.pool={pool}" for role, pool in placement.items()]
     out.append(f"roles.rollout.tensor_parallel={tp}")
     out.append(f"trainer.pipelined={'true' if pipelined else 'false'}")
@@ -62,6 +64,12 @@ def candidate_maps(cfg: RunConfig, nodes: int, per_node: int, rollout_tp: bool =
     for tp in _tps(per_node, rollout_tp):
         out.append(Candidate(f"colocated {nodes}x{per_node}" + (f" tp{tp}" if tp > 1 else ""), "colocated",
                              tuple(colocated), tp, _overrides(cfg, colocated, {r: MAIN for r in roles}, tp, False)))
+    fractional = [(TRAIN, nodes, per_node), (GEN, nodes, per_node)]  # the rollout beside the trainers, pipelined
+    for tp in _tps(per_node, rollout_tp):
+        out.append(Candidate(f"fractional {nodes}x{per_node}" + (f" tp{tp}" if tp > 1 else ""), "fractional",
+                             tuple(fractional), tp,
+                             _overrides(cfg, fractional, {r: (GEN if r == "rollout" else TRAIN) for r in roles}, tp,
+                                        True, {GEN: TRAIN})))
     splits: list[tuple[tuple[int, int], tuple[int, int]]] = []  # ((train nodes, per node), (gen nodes, per node))
     for k in sorted({int(per_node * s) for s in GEN_SHARES} - {0, per_node}):
         splits.append(((nodes, per_node - k), (nodes, k)))

@@ -6,6 +6,9 @@ trainer runs them.
 * split (sync): the train pool waits for the whole batch and the rollout for the new weights, so the step is
   still the sum (without wake and sleep); the split's gain is more devices per phase and no time-sharing of memory.
 * pipelined (staleness 1): the rollout generates step k+1 while step k trains: ``max(gen, train) + reshard``.
+* fractional (the rollout's pool on the trainers' devices, pipelined): both run at once on one GPU, which without
+  MPS time-slices between the processes, so the two sides barely overlap: ``(gen + train) x TIME_SLICED``, the
+  ratio measured against the synchronous step (``benchmarks/results/long_tail_0.5b_fractional_80gib.json``).
 
 With a critic its ``values`` and ``update_critic`` join the train phases, on the critic's pool: time-shared with
 the actor's phases when it shares their pool, and still in turn with them on a pool of its own (the trainer waits
@@ -24,6 +27,8 @@ from hybridrl.config import RunConfig
 from hybridrl.placement.advice.candidates import Candidate
 from hybridrl.placement.advice.profile import DEFAULT_CONCURRENCY, CostProfile
 
+#: a fractional step over the synchronous one's gen + train seconds, both measured on one GPU (see the docstring)
+TIME_SLICED = 1.14
 #: the phases on the train side of a step (after the batch is generated, before the reshard)
 TRAIN_PHASES = ("ref", "old_log_prob", "values", "update_critic", "update_actor")
 
@@ -101,6 +106,9 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
     if candidate.kind == "pipelined":
         step = max(gen, train) + phases["reshard"] + profile.fixed
         bound = "gen" if gen >= train else "train"
+    elif candidate.kind == "fractional":
+        step = (gen + train) * TIME_SLICED + phases["reshard"] + profile.fixed
+        bound = "time-sliced"
     else:
         step = gen + train + phases["reshard"] + profile.fixed
         bound = "serial" if candidate.kind == "colocated" else ("gen" if gen >= train else "train")
