@@ -202,3 +202,11 @@ def test_pools_that_do_not_fit_one_device_together_are_refused_with_the_numbers(
     [(key, text)] = fractional_problems(estimate_memory(cfg, plan, shape, 16 * 2**30))
     assert key == "pools.gen.share"
     assert "pools 'train' + 'gen' need" in text and "more than the 16 GiB device" in text and "resident" in text
+
+
+def test_each_replica_on_a_device_sizes_its_cache_from_its_share_of_the_free_memory():
+    from hybridrl.rollout.kv_budget import free_share
+
+    assert free_share(10 * 2**30, {}) == 10 * 2**30
+    assert free_share(10 * 2**30, {"workload": {"sequences": 512, "tokens_per_sequence": 64}}) == 10 * 2**30
+    assert free_share(10 * 2**30, {"workload": {"replicas_per_device": 4}}) == 10 * 2**30 // 4

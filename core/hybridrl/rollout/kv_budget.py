@@ -79,6 +79,14 @@ def demand_from_options(options: dict[str, Any], replicas: int, bytes_per_token:
                     context_tokens=context_tokens)
 
 
+def free_share(free_bytes: int, options: dict[str, Any]) -> int:
+    """This replica's part of the memory free at its start: replicas side by side on one device
+    (``pools.<name>.per_device``, passed as the workload's ``replicas_per_device``) start together, each reading
+    the same free memory, so each sizes from its share."""
+    replicas = int((options.get("workload") or {}).get("replicas_per_device", 1))
+    return int(free_bytes) // max(1, replicas)
+
+
 @dataclass
 class KVSizing:
     """How the cache was sized: every term of the rule, for the log, the plan and the benchmark."""

@@ -118,11 +118,12 @@ class SGLangRollout(RolloutEngine):
         built (``hybridrl.rollout.kv_budget``, ``options.auto_fraction``); a number is checked against it."""
         from hybridrl.engines.train_kit import release_cached_device_memory
         from hybridrl.placement.memory import DTYPE_BYTES, read_hf_config, shape_from_hf_config
-        from hybridrl.rollout.kv_budget import AUTO, demand_from_options
+        from hybridrl.rollout.kv_budget import AUTO, demand_from_options, free_share
         from hybridrl_sglang.memory import SGLANG_MEMORY
 
         release_cached_device_memory(collect=True)
         free, total = compat.device_memory()
+        free = free_share(free, ctx.options)
         shape = shape_from_hf_config(read_hf_config(ctx.model_path))
         dtype_bytes = DTYPE_BYTES.get(ctx.dtype, 2)
         tp = self.opts.tensor_parallel

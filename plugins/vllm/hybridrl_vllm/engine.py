@@ -235,13 +235,12 @@ class VLLMRollout(RolloutEngine):
         state (``gpu_memory_utilization: auto``, ``hybridrl.rollout.kv_budget``)."""
         from hybridrl.engines.train_kit import release_cached_device_memory
         from hybridrl.placement.memory import DTYPE_BYTES, read_hf_config, shape_from_hf_config
-        from hybridrl.rollout.kv_budget import demand_from_options
+        from hybridrl.rollout.kv_budget import demand_from_options, free_share
         from hybridrl_vllm.memory import VLLM_MEMORY
 
         release_cached_device_memory(collect=True)
         free, total = torch.cuda.mem_get_info()
-        # replicas side by side on this device start together: each sizes from its part of what is free
-        free //= max(1, int((ctx.options.get("workload") or {}).get("replicas_per_device", 1)))
+        free = free_share(free, ctx.options)
         shape = shape_from_hf_config(read_hf_config(ctx.model_path))
         dtype_bytes = DTYPE_BYTES.get(ctx.dtype, 2)
         tp = self.opts.tensor_parallel
