@@ -211,8 +211,8 @@ class PoolConfig(Strict):
                           "splits each device between them, and weights cross by CUDA IPC (docs/long-tail.md)")
     per_device: int = Field(
         1, ge=1, description="processes of this pool on each of its devices: independent rollout replicas side by "
-                             "side on one GPU, each with its share of the requests and of the memory (an engine "
-                             "whose host work bounds decoding runs it on more CPU cores); a rollout-only pool")
+                             "side on one GPU, each with its share of the requests and of the memory; a "
+                             "rollout-only pool (measured: docs/long-tail.md)")
 
     @property
     def size(self) -> int:

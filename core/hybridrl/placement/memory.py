@@ -194,7 +194,7 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
         if rollout_model is None:
             unestimated.append(("rollout", pool, plan.group_of("rollout").roles["rollout"]))
         else:
-            same_devices = [q for q in plan.pools if plan.device_set(q) == plan.device_set(pool)]
+            same_devices = plan.pools_on_devices_of(pool)
             resident = sum(m.idle for m in roles if m.pool in same_devices)
             overhead = sum(pool_overhead[q] for q in same_devices)
             free = None if device_bytes is None else device_bytes - overhead - resident
@@ -209,13 +209,16 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
     for pool in plan.pools:
         if pool in plan.shares:
             continue  # counted with the pool whose devices it shares: both resident at once
-        same_devices = [q for q in plan.pools if plan.device_set(q) == pool]
+        same_devices = plan.pools_on_devices_of(pool)
         members = [m for m in roles if m.pool in same_devices]
         missing = [f"{r}[{b}]" for r, p, b in unestimated if p in same_devices]
         if not members and not missing:
             continue
         processes = plan.processes_per_device(pool)
         overhead = sum(pool_overhead[q] for q in same_devices)
+        # pools whose roles time-share them (more than one role, modelled or not): a rollout there sleeps
+        crowded = {q for q in same_devices
+                   if sum(m.pool == q for m in members) + sum(p == q for _, p, _ in unestimated) > 1}
         phases: dict[str, float] = {}
         largest: dict[str, RoleMemory] = {}  # phase -> the role holding the most memory in it
         for phase in STEP_PHASES:
@@ -226,12 +229,11 @@ def estimate_memory(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape, devi
             held: dict[str, float] = {}
             for m in members:
                 copies = plan.per_device(m.pool)  # one process of the role per rank, several on a device
-                sharing_pool = [x for x in members if x.pool == m.pool]
                 if m.role == worker:
                     held[m.role] = m.forward if mode == "forward" and m.kind != "rollout" else m.active
                 elif m.kind == "rollout" and m.pool != pool:
                     held[m.role] = m.active  # fractional: it generates while the trainers work
-                elif m.kind == "rollout" and len(sharing_pool) + len(missing) > 1:
+                elif m.kind == "rollout" and m.pool in crowded:
                     held[m.role] = m.asleep  # KV cache released, weights to host (or kept: sleep_level kv_cache)
                 else:
                     held[m.role] = m.idle

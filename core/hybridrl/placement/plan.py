@@ -147,9 +147,13 @@ class PlacementPlan:
         """The pool's devices, each once, in rank order."""
         return list(dict.fromkeys(self.pools[pool]))
 
+    def pools_on_devices_of(self, pool: str) -> list[str]:
+        """``pool`` and every pool on the same devices (the one it shares, those sharing it), in config order."""
+        return [p for p in self.pools if self.device_set(p) == self.device_set(pool)]
+
     def processes_per_device(self, pool: str) -> int:
         """Processes on each device of ``pool``: its process groups and those of every pool on the same devices."""
-        members = {p for p in self.pools if self.device_set(p) == self.device_set(pool)}
+        members = set(self.pools_on_devices_of(pool))
         return sum(self.per_device(g.pool) for g in self.groups if g.pool in members)
 
     def nodes_of(self, role: str) -> list[int]:

@@ -44,6 +44,7 @@ class RoleWorker:
         self.profiler = CallProfiler(rank)  # trainer.profile_step: kernel profiles of named calls
         self.gc_pauses = GcPauseMeter()  # gc/<role>.<method>_s: the collector's pauses inside each call
         self.busy: BusySampler | None = None  # NVML utilisation of a CUDA device, from the first engine built
+        self.ipc_sender, self.ipc_receiver = IpcSender(), IpcReceiver()  # the CUDA IPC bridge's two sides
 
     # --- set-up ---------------------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -153,8 +154,6 @@ class RoleWorker:
         engine = self.engines[trainer_role]
         self._ipc_export = iter(sync_buckets(engine, bucket_bytes))
         self._ipc_wire = self._wire_dtype(engine)
-        if getattr(self, "ipc_sender", None) is None:
-            self.ipc_sender = IpcSender()
 
     def ipc_export_next(self) -> IpcOffer | None:
         """The next bucket packed into this rank's IPC buffer, or None once the export is over."""
@@ -169,8 +168,6 @@ class RoleWorker:
 
     def ipc_import(self, rollout_role: str, offer: IpcOffer) -> None:
         """Import one offered bucket (views of the sender's buffer), finished before answering."""
-        if getattr(self, "ipc_receiver", None) is None:
-            self.ipc_receiver = IpcReceiver()
         self.engines[rollout_role].import_weights(self.ipc_receiver.open(offer))
         self.ipc_receiver.done()
 

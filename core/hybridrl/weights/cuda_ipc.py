@@ -1,11 +1,10 @@
 """Weights between two processes on the same GPU, through CUDA IPC (engine-free).
 
-Pools that share devices (``pools.<name>.share``: the trainer and the rollout resident at once) or colocated
-roles in separate processes cannot use NCCL (it refuses two ranks on one device) and should not go through
-host memory. The sender keeps one device buffer, packs each bucket into it (``pack_bucket``, in the wire dtype)
-and offers it: the buffer's IPC handle, opened once by each receiver and kept, plus the bucket's layout. The
-receiver imports views of the mapped buffer; it synchronises before answering, so the sender may pack the next
-bucket into the same memory.
+Pools that share devices (``pools.<name>.share``: the trainer and the rollout resident at once) cannot use NCCL
+(it refuses two ranks on one device) and should not go through host memory. The sender keeps one device buffer,
+packs each bucket into it (``pack_bucket``, in the wire dtype) and offers it: the buffer's IPC handle, opened once
+by each receiver and kept, plus the bucket's layout. The receiver imports views of the mapped buffer; it
+synchronises before answering, so the sender may pack the next bucket into the same memory.
 """
 
 from __future__ import annotations
@@ -57,9 +56,6 @@ class IpcSender:
         assert self._handle is not None
         return IpcOffer(os.getpid(), self.generation, self._handle, spec)
 
-    def close(self) -> None:
-        self.buffer, self._handle = None, None
-
 
 class IpcReceiver:
     """The receiving side: the sender's buffer, mapped once per generation."""
@@ -83,6 +79,3 @@ class IpcReceiver:
     def done() -> None:
         """The import's copies are on this process's streams: finish them before the sender reuses the buffer."""
         torch.cuda.synchronize()
-
-    def close(self) -> None:
-        self._key, self._buffer = None, None
