@@ -53,6 +53,19 @@ def test_redacted_hides_headers_and_credential_keys_only() -> None:
     assert data["roles"]["rollout"]["options"]["hf_token"] == TOKEN  # a copy: the run keeps the real value
 
 
+def test_a_run_folders_config_of_an_moe_model_loads_again(tmp_path: Path) -> None:
+    """``experts_per_token: 2`` ends in "token" but is a number, not a credential: redacting it made the run's
+    ``config.json`` unloadable (``hybridrl plan RUN/config.json``, a profile's config)."""
+    from hybridrl.config import load_config
+
+    cfg = load_config(ROOT / "examples" / "quickstart-moe.yaml", [])
+    out = redacted(cfg.model_dump(mode="json"))
+    assert out["model"]["tiny"]["experts_per_token"] == 2
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(out))
+    assert load_config(path, []).model.tiny.experts_per_token == 2
+
+
 def test_env_references_are_read_at_load_and_a_missing_one_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYBRIDRL_TEST_TOKEN", TOKEN)
     cfg = load_config(QUICKSTART, ["roles.reward.url=http://127.0.0.1:9/score",

@@ -3,10 +3,11 @@ reach a file or a log in clear.
 
 A config is written to ``<out>/config.json``, printed, and handed to trackers (W&B, MLflow), so a bearer token in
 ``roles.reward.http.headers`` would travel with every copy of the run. ``redacted`` is what every one of those
-copies is made from: HTTP header values, and the value of any key named like a credential (token, password,
-secret, api_key, authorization: ``is_secret_key``), are replaced by ``REDACTED``. A ``${VAR}`` reference is
-kept as written: it names the variable, not its value. ``resolve_env`` replaces the references by the
-variables' values when the config is loaded, so the run itself uses the real value.
+copies is made from: HTTP header values, and the text of any key named like a credential (token, password,
+secret, api_key, authorization: ``is_secret_key``), are replaced by ``REDACTED``. Only text is a credential: a
+number under such a name (``experts_per_token: 2``) is a setting, and a redacted one would not load again. A
+``${VAR}`` reference is kept as written: it names the variable, not its value. ``resolve_env`` replaces the
+references by the variables' values when the config is loaded, so the run itself uses the real value.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def redacted(data: Any, _secret: bool = False) -> Any:
         return {k: redacted(v, _secret or is_secret_key(str(k)) or str(k) in SECRET_MAPS) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
         return [redacted(v, _secret) for v in data]
-    if _secret and data is not None and not (isinstance(data, str) and _only_env_refs(data)):
+    if _secret and isinstance(data, str) and not _only_env_refs(data):
         return REDACTED
     if isinstance(data, str) and "://" in data:
         return URL_PASSWORD.sub(rf"\1{REDACTED}@", data)
