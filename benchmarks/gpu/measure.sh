@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One measurement on the GPU host, after the engine's wheels were unpacked into SITE (see benchmarks/gpu/README.md).
-#   bash benchmarks/gpu/measure.sh SITE STEP [ARGS...]     STEP: env | install | long-tail | gen-profile | megatron | grpo | model-sizes | moe | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests
+#   bash benchmarks/gpu/measure.sh SITE STEP [ARGS...]     STEP: env | install | long-tail | gen-profile | megatron | grpo | model-sizes | moe | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests | timeline
 # Figures and logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 site=$1 step=$2; shift 2
@@ -12,6 +12,14 @@ if ! python3 -c "import hybridrl_fsdp" 2>/dev/null; then  # editable installs of
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . -e plugins/fsdp -e plugins/vllm \
     -e plugins/megatron -e plugins/sglang > "$OUT/pip-editable.log" 2>&1 || { echo "editable install failed"; tail "$OUT/pip-editable.log"; }
 fi
+# report_run RUN NAME: the run's report (device timeline, busy fraction: hybridrl report), its plan with the
+# GPU's links (hybridrl plan), and the files they read, into $OUT/NAME
+report_run() {
+  mkdir -p "$OUT/$2"
+  python3 -m hybridrl.cli report "$1" --out "$OUT/$2/report" 2>&1 | tail -3
+  python3 -m hybridrl.cli plan "$1/config.json" > "$OUT/$2/plan.txt" 2>&1
+  for f in metrics.jsonl spans.jsonl config.json device_map.json; do cp "$1/$f" "$OUT/$2/" 2>/dev/null; done
+}
 case $step in
   env) nvidia-smi -L; python3 -c "import torch, ray, tensordict; print(torch.__version__, torch.cuda.device_count(), ray.__version__)";
        python3 -m hybridrl.cli plugins ;;
@@ -54,10 +62,17 @@ case $step in
           tests/fsdp/test_packing_benchmark.py tests/fsdp/test_offload.py tests/fsdp/test_layer_kernels.py \
           tests/e2e/test_out_of_memory.py tests/core/test_memory_meter.py tests/core/test_fractional.py "$@" 2>&1 | tee "$OUT/gpu_tests.log" ;;
   sglang-tests)  # one pytest per file: a run cut short by the device's time still reports the first file's failures
-          for f in tests/sglang/test_sglang_engine.py tests/sglang/test_sglang_kit.py; do
+          for f in ${FILES:-tests/sglang/test_sglang_engine.py tests/sglang/test_sglang_kit.py tests/sglang/test_sglang_train.py}; do
             python3 -m pytest -q -s -p no:cacheprovider -rfE "$f" "$@"
           done 2>&1 | tee "$OUT/sglang_tests.log" ;;
-  long-tail)  # reasoning-length GRPO steps, one arm per scheduling mode (benchmarks/long_tail.py)
-        python3 benchmarks/long_tail.py --out-dir "$OUT" --log-dir "$OUT" "$@" ;;
+  timeline)  # one GRPO run with the README defaults (model_sizes.py): its device timeline and busy fraction
+        # (hybridrl report), and its plan with the GPU's links (hybridrl plan)
+        rm -rf /tmp/timeline
+        python3 benchmarks/model_sizes.py --workdir /tmp/timeline --out-dir "$OUT" --log-dir "$OUT" "$@"
+        for run in /tmp/timeline/run-*; do report_run "$run" "$(basename "$run")"; done ;;
+  long-tail)  # reasoning-length GRPO steps, one arm per scheduling mode (benchmarks/long_tail.py); REPORT=1 also
+        # draws each arm's timeline (report_run)
+        python3 benchmarks/long_tail.py --out-dir "$OUT" --log-dir "$OUT" "$@"
+        [ -n "${REPORT:-}" ] && for run in /tmp/long-tail/run-*; do report_run "$run" "$(basename "$run")"; done ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac

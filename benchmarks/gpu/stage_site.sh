@@ -10,7 +10,7 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
       --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any)
 python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/wheels" -r "$list"
-python3 -m pip install -q --no-index --no-deps --no-compile "${plat[@]}" --target "$work/site" "$work"/wheels/*.whl "$@"
+python3 -m pip install -q --no-index --no-deps --no-compile --ignore-requires-python "${plat[@]}" --target "$work/site" "$work"/wheels/*.whl "$@"
 # Never loaded on an H200 running bf16 models: FlashAttention-2 (vLLM takes FA3 on Hopper), the Blackwell-only
 # fmha kernels, the vendored DeepGEMM (fp8), and Ray's Java jars.
 rm -rf "$work/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$work/site/vllm/third_party/fmha_sm100" \

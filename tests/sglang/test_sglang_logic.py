@@ -44,7 +44,7 @@ from hybridrl_sglang import buckets as bk
 from hybridrl_sglang import compat
 from hybridrl_sglang.distributed import SGLangBroadcastBridge, flat_nbytes, pack_flat, receive_layout
 from hybridrl_sglang.options import SGLangOptions, engine_kwargs, split_known
-from hybridrl_sglang.packing import parse_output, renormalise
+from hybridrl_sglang.packing import parse_output, renormalise, routed_experts
 from hybridrl_sglang.parallel import engine_devices
 from hybridrl_sglang.sampling import (
     BAN,
@@ -183,6 +183,29 @@ def test_unpad_prompts_and_refusals():
         check_context([[1], [1] * 5], 4, 8)
     check_context([[1] * 4], 4, 8)
     check_context([[1] * 40], 4, None)
+
+
+def test_routing_is_recorded_from_the_start_only_when_the_run_asks():
+    assert "enable_return_routed_experts" not in engine_kwargs(SGLangOptions(), model_path="m", dtype="bfloat16",
+                                                               seed=0)
+    kwargs = engine_kwargs(SGLangOptions.from_options({"return_routing": True}), model_path="m", dtype="bfloat16",
+                           seed=0)
+    assert kwargs["enable_return_routed_experts"] is True
+
+
+def test_routed_experts_decode_sglangs_base64_int32_per_fed_token():
+    import base64
+
+    want = torch.arange(5 * 2 * 3, dtype=torch.int32).reshape(5, 2, 3)
+    out = {"meta_info": {"routed_experts": base64.b64encode(want.numpy().tobytes()).decode()}}
+    got = routed_experts(out, 0, layers=2, top_k=3, fed=5)
+    assert torch.equal(got, want)
+    # a list answer (no detokenizer) reads the same
+    assert torch.equal(routed_experts({"meta_info": {"routed_experts": want.tolist()}}, 0, 2, 3, 5), want)
+    with pytest.raises(ValueError, match="row 4: 30 routed expert ids, not 6 fed tokens"):
+        routed_experts(out, 4, layers=2, top_k=3, fed=6)
+    with pytest.raises(ValueError, match="row 1: SGLang returned no routed_experts"):
+        routed_experts({"meta_info": {}}, 1, 2, 3, 5)
 
 
 def test_parse_output_checks_token_ids():

@@ -12,8 +12,9 @@ import torch
 from hybridrl.config import TinyModelConfig
 from hybridrl.rollout.routing import router_modules, top_k_indices
 
-#: the kit's MoE model: a tiny Qwen3-MoE (8 experts, top-2) with peaked routers.
-KIT_MOE = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+#: the kit's MoE model: a tiny Qwen3-MoE (8 experts, top-2) with peaked routers; head size 64 (hidden / heads), as
+#: the kit's dense models, suits every engine's attention kernels on a GPU.
+KIT_MOE = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
                           num_experts=8, experts_per_token=2, init_std=0.2)
 
 

@@ -108,12 +108,15 @@ def ipc_collect() -> None:
 
 
 def generate(engine: Any, input_ids: list[list[int]], sampling_params: list[dict[str, Any]],
-             top_logprobs: int = 0, logprobs: bool = True) -> list[dict[str, Any]]:
+             top_logprobs: int = 0, logprobs: bool = True, routing: bool = False) -> list[dict[str, Any]]:
     """One batched request, results in the order of ``input_ids``, with the sampled tokens' log-probs unless
-    ``logprobs`` is off (computing them costs the sampler a full log-softmax per token)."""
+    ``logprobs`` is off (computing them costs the sampler a full log-softmax per token); ``routing``: each fed
+    token's experts too (``meta_info["routed_experts"]``, an engine started to record them)."""
     kwargs: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": logprobs}
     if top_logprobs > 0:
         kwargs["top_logprobs_num"] = int(top_logprobs)
+    if routing:
+        kwargs["return_routed_experts"] = True
     out = engine.generate(**kwargs)
     return [out] if isinstance(out, dict) else list(out)
 

@@ -29,12 +29,13 @@ from hybridrl.engines import (
     SamplingParams,
     WeightBucket,
 )
-from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, Batch
+from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch
 from hybridrl.engines.rollout_kit import (
     ReplicaLayout,
     check_context,
     engine_seed,
     pack_responses,
+    pack_routing,
     row_caps,
     special_ids,
     unpad_prompts,
@@ -42,7 +43,7 @@ from hybridrl.engines.rollout_kit import (
 from hybridrl_sglang import compat
 from hybridrl_sglang.buckets import flatten
 from hybridrl_sglang.options import PoolMemory, SGLangOptions, auto_fraction, check_fraction, engine_kwargs
-from hybridrl_sglang.packing import Completion, ended, parse_output, renormalise
+from hybridrl_sglang.packing import Completion, ended, parse_output, renormalise, routed_experts
 from hybridrl_sglang.parallel import engine_devices
 from hybridrl_sglang.requests import generate_one_request
 from hybridrl_sglang.sampling import per_request, phase_budgets, phases, top_logprobs_wanted
@@ -82,6 +83,10 @@ class SGLangRollout(RolloutEngine):
         hf_config = AutoConfig.from_pretrained(ctx.model_path)
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.vocab_size = getattr(text_config, "vocab_size", None)
+        #: an MoE model's (layers, experts per token), for the routing SGLang records when the run asks for it
+        #: (the core resolves ``roles.rollout.return_routing`` into the options; the engine starts recording)
+        self.routing_shape = (int(getattr(text_config, "num_hidden_layers", 0) or 0),
+                              int(getattr(text_config, "num_experts_per_tok", 0) or 0))
         self.eos_ids, self.pad_id = special_ids(ctx.model_path, hf_config)
         self.device = compat.current_device()
         self.engine_dtype = ctx.torch_dtype
@@ -185,8 +190,10 @@ class SGLangRollout(RolloutEngine):
         caps = row_caps(batch, width)
         check_context(prompts, width if caps is None else caps, self.context_length)
         top_n = top_logprobs_wanted(params, self.opts.logprob_top_n, self.vocab_size) if want else 0
+        routing = self._check_routing(params)
         tokens: list[list[int]] = [[] for _ in prompts]
         logps: list[list[float]] = [[] for _ in prompts]
+        routes: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int32) for _ in prompts]
         self.inexact_logprobs = 0
         for phase in phases(params):
             budgets = phase_budgets(phase, caps, [len(t) for t in tokens]) if caps is not None else None
@@ -197,15 +204,34 @@ class SGLangRollout(RolloutEngine):
             sampling = per_request(params, phase, self.eos_ids, len(prompts), self.layout.replica, self.opts.seed_mode,
                                    budgets)
             outputs = compat.generate(self.engine, [prompts[i] + tokens[i] for i in rows],
-                                      [sampling[i] for i in rows], top_n, logprobs=want)
+                                      [sampling[i] for i in rows], top_n, logprobs=want, routing=routing)
             if len(outputs) != len(rows):
                 raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(rows)} prompts")
             for i, out in zip(rows, outputs):
                 done = parse_output(out, i, logprobs=want)
+                fed = len(prompts[i]) + len(tokens[i]) + len(done.token_ids) - 1
                 tokens[i].extend(done.token_ids)
                 if want:
                     logps[i].extend(self._sampling_logprobs(done, params))
-        return pack_responses(tokens, logps if want else None, width, self.pad_id)
+                if routing:  # a later phase re-feeds the earlier tokens: its answer covers the whole row
+                    routes[i] = routed_experts(out, i, *self.routing_shape, fed=fed)
+        packed = pack_responses(tokens, logps if want else None, width, self.pad_id)
+        if routing:
+            lengths = packed[RESPONSE_MASK].sum(dim=1).tolist()
+            for key, value in pack_routing(routes, batch[PROMPT_MASK], lengths, width).items():
+                packed.set(key, value)
+        return packed
+
+    def _check_routing(self, params: SamplingParams) -> bool:
+        """Whether this call returns ``routed_experts``: asked, and the engine records them from its start."""
+        if not params.return_routing:
+            return False
+        if not self.opts.return_routing:
+            raise ValueError("return_routing: this SGLang engine was started without recording routing (its "
+                             "options' return_routing was not true)")
+        if not all(self.routing_shape):
+            raise ValueError("return_routing: the model has no MoE router (a dense model routes nothing)")
+        return True
 
     # --- single requests (multi-turn episodes) ---------------------------------------------------------------
     def generate_episodes(self, batch: Batch, params: SamplingParams, environment: Any) -> Batch:

@@ -30,6 +30,8 @@ only change a config needs; keys of other backends (``sleep_level``, ``weight_lo
 ``weight_sync``            split pools only: ``channel`` (default: the core's broadcast into the
                            worker, then CUDA IPC) or ``distributed`` (SGLang's schedulers join the
                            group: ``update_weights_from_distributed``, see ``hybridrl_sglang.distributed``)
+``return_routing``         set by the core (``roles.rollout.return_routing``): record each fed token's
+                           experts from the start (``enable_return_routed_experts``; an MoE model)
 ``engine_kwargs``          any other ``sglang.Engine`` keyword arguments (they win); a float32 model gets
                            ``attention_backend="triton"`` unless set here
 =========================  ==========================================================================
@@ -64,7 +66,7 @@ SEED_MODES = ("engine", "request")
 WEIGHT_SYNCS = ("channel", "distributed")
 #: how ``from_options`` reads each typed key (an unset or ``None`` key keeps the field's default).
 _CASTS = {**{k: v for k, v in ENGINE_OPTION_CASTS.items() if k != "gpu_memory_utilization"},
-          "prefill_cuda_graph": bool, "weights_cpu_backup": bool, "logprob_top_n": int}
+          "prefill_cuda_graph": bool, "weights_cpu_backup": bool, "logprob_top_n": int, "return_routing": bool}
 GIB = float(2**30)
 #: device memory the scheduler process takes before it measures what is free (its CUDA context, NCCL).
 SCHEDULER_START_BYTES = int(1.0 * GIB)
@@ -89,6 +91,7 @@ class SGLangOptions:
     seed_mode: str = "engine"
     logprob_top_n: int = 64
     weight_sync: str = "channel"
+    return_routing: bool = False
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -177,6 +180,8 @@ def engine_kwargs(opts: SGLangOptions, *, model_path: str, dtype: str, seed: int
         kwargs["disable_radix_cache"] = True
     if opts.seed_mode == "request":
         kwargs["enable_deterministic_inference"] = True
+    if opts.return_routing:
+        kwargs["enable_return_routed_experts"] = True
     if dtype in ("float32", "float"):
         kwargs["attention_backend"] = "triton"  # the default kernels (FlashAttention-3, FlashInfer) want 16-bit
     for ours, theirs in (("max_model_len", "context_length"), ("max_num_seqs", "max_running_requests"),
@@ -222,6 +227,8 @@ OPTION_DESCRIPTIONS = {
     "logprob_top_n": "top log-probs fetched per token to renormalise a top-p nucleus",
     "weight_sync": "split pools: channel (the core's broadcast, then CUDA IPC) or distributed (SGLang's schedulers "
                    "join the group)",
+    "return_routing": "record each fed token's experts (an MoE model; set by the core from "
+                      "roles.rollout.return_routing)",
     "engine_kwargs": "any other sglang.Engine keyword arguments (they win)",
 }
 OPTIONS = dataclass_options(SGLangOptions, OPTION_DESCRIPTIONS,

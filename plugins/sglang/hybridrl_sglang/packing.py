@@ -8,14 +8,21 @@ SGLang's sampled-token log-probs are ``log softmax(logits / T)`` *before* top-k/
 wants them under the distribution the token was drawn from, so with top-k/top-p they are renormalised over the
 kept support, computed from the top log-probs SGLang returns (``renormalise``). Unpadding, the context check and
 packing are the core's (``hybridrl.engines.rollout_kit``).
+
+An MoE engine started with ``enable_return_routed_experts`` answers a request that sets ``return_routed_experts``
+with ``meta_info["routed_experts"]``: base64 of int32 ``(tokens fed, layers, top_k)``, the prompt's tokens and
+each output token but the last (``routed_experts``), the layout ``rollout_kit.pack_routing`` takes.
 """
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 
 @dataclass
@@ -98,3 +105,20 @@ def renormalise(logprob: float, top: Sequence[tuple[float, int]], top_k: int, to
 def ended(tokens: Sequence[int], eos_ids: Sequence[int]) -> bool:
     """Whether a phase's output stopped at an EOS (then later phases add nothing to the row)."""
     return bool(tokens) and int(tokens[-1]) in {int(e) for e in eos_ids}
+
+
+def routed_experts(out: Mapping[str, Any], row: int, layers: int, top_k: int, fed: int) -> torch.Tensor:
+    """One request's experts per fed token, ``(fed, layers, top_k)`` int32, from ``meta_info["routed_experts"]``.
+    ``fed``: the tokens the request fed (its input and every output token but the last); an answer of another
+    size, or none, fails loudly rather than shifting the routing against the tokens."""
+    raw = (out.get("meta_info") or {}).get("routed_experts")
+    if raw is None:
+        raise ValueError(f"row {row}: SGLang returned no routed_experts (the engine must start with "
+                         "enable_return_routed_experts and the request ask for return_routed_experts)")
+    data = bytearray(base64.b64decode(raw)) if isinstance(raw, str) else None
+    flat = (torch.frombuffer(data, dtype=torch.int32) if data else torch.zeros(0, dtype=torch.int32)) \
+        if data is not None else torch.as_tensor(raw, dtype=torch.int32).flatten()
+    if flat.numel() != fed * layers * top_k:
+        raise ValueError(f"row {row}: {flat.numel()} routed expert ids, not {fed} fed tokens x {layers} layers x "
+                         f"top {top_k}")
+    return flat.reshape(fed, layers, top_k)

@@ -8,7 +8,7 @@ from hybridrl import hookimpl
 def hybridrl_register_backends(registry):
     registry.add_rollout("sglang", "hybridrl_sglang.engine:SGLangRollout", requires=["sglang>=0.5.16"],
                          devices=("cuda",), install_hint="pip install 'hybridrl-sglang[engine]' (needs a CUDA GPU)",
-                         supports={"sleep", "requests", "tensor_parallel"},
+                         supports={"sleep", "requests", "tensor_parallel", "return_routing"},
                          check_options="hybridrl_sglang.options:option_problems",
                          options="hybridrl_sglang.options:OPTIONS",
                          memory_model="hybridrl_sglang.memory:SGLANG_MEMORY",
