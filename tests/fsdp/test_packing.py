@@ -4,6 +4,7 @@ the loss and every parameter's gradient; values and reward scores; gradient chec
 
 from __future__ import annotations
 
+import importlib.machinery
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,24 @@ def test_multi_turn_rows_attend_to_their_observations_packed_as_padded(process_g
     assert abs(loss_a - loss_b) < ATOL
     for name, grad in grads_a.items():
         torch.testing.assert_close(grads_b[name], grad, atol=ATOL, rtol=ATOL)
+
+
+def test_a_flash_attn_package_without_the_varlen_kernel_is_not_flash_attn(monkeypatch):
+    """flash-attn 4 (SGLang's) owns the ``flash_attn`` name with only ``flash_attn.cute``: the trainer must not
+    pick a kernel it cannot import (it did, and died in its first packed forward on the GPU)."""
+    import sys
+    import types
+
+    from hybridrl_fsdp import varlen_attention
+
+    namespace = types.ModuleType("flash_attn")
+    namespace.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
+    monkeypatch.setitem(sys.modules, "flash_attn", namespace)
+    varlen_attention._flash_attn_installed.cache_clear()
+    try:
+        assert not varlen_attention._flash_attn_installed()
+        namespace.flash_attn_varlen_func = lambda *a, **k: None  # type: ignore[attr-defined]
+        varlen_attention._flash_attn_installed.cache_clear()
+        assert varlen_attention._flash_attn_installed()
+    finally:
+        varlen_attention._flash_attn_installed.cache_clear()

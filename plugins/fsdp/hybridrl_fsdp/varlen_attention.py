@@ -152,7 +152,15 @@ def choose_kernel(kernel: str, q: torch.Tensor) -> str:
 
 @cache
 def _flash_attn_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """Whether flash-attn 2's varlen kernel can be imported: another package may own the ``flash_attn`` name
+    without it (flash-attn 4, which SGLang brings, installs only ``flash_attn.cute``)."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @cache
