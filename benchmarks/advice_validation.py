@@ -171,7 +171,7 @@ def as_given(own: Any, profile: Any) -> Any:
     label = ":".join(f"{'+'.join(roles)} {n}" for roles, n in layout)
     candidate = Candidate(f"as given ({kind} {label})", kind, tuple((pool, 1, len(d)) for pool, d in
                                                                     own.plan.pools.items()), tp, ())
-    return Ranked(candidate, own, predict(candidate, own.cfg, own.plan, profile, own.reshard))
+    return Ranked(candidate, own, predict(candidate, own.cfg, own.plan, profile, own.reshard, own.shape))
 
 
 def signature(cfg: Any, plan: Any) -> tuple[Any, ...]:

@@ -149,6 +149,7 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
     )
 
     bandwidth = parse_bandwidths(args.bandwidth or [])
+    latency = parse_latencies(args.latency or [])
     here = Path(args.config).resolve().parent
     bases = (here, here.parent)
     try:
@@ -160,10 +161,11 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
     if args.profile_steps is not None:
         args.profile = profile_run(args.config, args.overrides, args.profile_steps)
     if args.profile:
-        profile = fit_profile(args.profile, bandwidth)
+        profile = fit_profile(args.profile, bandwidth, latency)
     else:
         profile = default_profile(cluster.device, shape.active_param_count() if shape else None)
         profile.bandwidth.update(bandwidth)
+        profile.latency.update(latency)
     declared = args.device_memory if args.device_memory is not None else cfg.cluster.device_memory_gb
     host_gib = args.host_memory if args.host_memory is not None else cfg.cluster.host_memory_gb
     planner = plan_candidate(cluster, registry, device_memory_bytes(cluster.device, declared), shape,
@@ -197,19 +199,31 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
 def parse_bandwidths(items: list[str]) -> dict[str, float]:
     """``--bandwidth nvlink=300`` (GB/s) -> ``{"nvlink": 300e9}``; an unknown link kind or a bad number: one
     sentence naming it."""
+    return _parse_links("--bandwidth", "GB/s", items, 1e9, positive=True)
+
+
+def parse_latencies(items: list[str]) -> dict[str, float]:
+    """``--latency tcp=1.3`` (ms per collective) -> ``{"tcp": 0.0013}``, checked as ``--bandwidth`` is."""
+    return _parse_links("--latency", "ms", items, 1e-3, positive=False)
+
+
+def _parse_links(flag: str, unit: str, items: list[str], scale: float, positive: bool) -> dict[str, float]:
+    """``KIND=number`` items of a link kind of ``LINK_BANDWIDTH`` -> ``{kind: number x scale}``; one sentence naming
+    a bad one (an unknown kind, not a number, not positive or negative)."""
     from hybridrl.placement.advice.profile import LINK_BANDWIDTH
 
     out = {}
     for item in items:
         kind, _, value = item.partition("=")
         try:
-            gbs = float(value)
+            number = float(value)
         except ValueError:
-            gbs = -1.0
-        if kind not in LINK_BANDWIDTH or gbs <= 0:
-            raise ConfigError([("--bandwidth", f"expected KIND=GB/s with KIND one of {', '.join(LINK_BANDWIDTH)} "
-                                               f"and a positive number, got '{item}'")])
-        out[kind] = gbs * 1e9
+            number = -1.0
+        if kind not in LINK_BANDWIDTH or number < 0 or (positive and number == 0):
+            sign = "positive" if positive else "non-negative"
+            raise ConfigError([(flag, f"expected KIND={unit} with KIND one of {', '.join(LINK_BANDWIDTH)} "
+                                      f"and a {sign} number, got '{item}'")])
+        out[kind] = number * scale
     return out
 
 
@@ -414,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", metavar="FILE", help="with --advise: write the ranked table as JSON to FILE")
     plan.add_argument("--bandwidth", action="append", metavar="KIND=GB/s",
                       help="with --advise: a link's bandwidth (nvlink, pcie, net, ...), repeatable")
+    plan.add_argument("--latency", action="append", metavar="KIND=ms",
+                      help="with --advise: a link's latency per collective (tcp, nvlink, ...), repeatable")
     plan.set_defaults(func=cmd_plan)
     report = sub.add_parser("report", help="plots and a Markdown summary of a run, in RUN/report/")
     report.add_argument("run", help="the run folder (trainer.out) holding metrics.jsonl and config.json")

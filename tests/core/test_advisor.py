@@ -119,6 +119,12 @@ def test_a_critic_warm_up_without_actor_updates_is_explained(tmp_path):
         fit_profile(tmp_path / "run")
 
 
+def free_collectives(profile: CostProfile) -> CostProfile:
+    """``profile`` with collectives that cost nothing (no latency, endless bandwidth): linear data parallelism."""
+    return replace(profile, latency={k: 0.0 for k in profile.latency},
+                   bandwidth={k: float("inf") for k in profile.bandwidth})
+
+
 def _ppo_ranked(profile: CostProfile, nodes: int, devices: int) -> list:
     from hybridrl.placement.memory import model_shape
     from hybridrl.plugins.discovery import get_registry
@@ -148,12 +154,15 @@ def test_the_recorded_ppo_profile_predicts_its_own_step():
 
 
 def test_a_critic_gets_a_pool_of_its_own_and_is_time_shared_when_colocated(capsys):
-    profile = fit_profile(RECORDED_PPO)
+    profile = free_collectives(fit_profile(RECORDED_PPO))
     ranked = {r.candidate.name: r for r in _ppo_ranked(profile, 1, 4)}
     colocated, own = ranked["colocated 1x4"].prediction, ranked["split train 1x2:critic 1x1:gen 1x1"].prediction
     assert colocated and own
     one = next(r.prediction for r in _ppo_ranked(profile, 1, 1) if r.prediction)
     assert colocated.critic == pytest.approx(one.critic / 4)  # on all 4 devices, in turn with the other phases
+    paid = next(r.prediction for r in _ppo_ranked(fit_profile(RECORDED_PPO), 1, 4)
+                if r.candidate.name == "colocated 1x4")
+    assert paid is not None and paid.critic > colocated.critic  # 4 ranks' gloo collectives cost time
     assert own.critic == pytest.approx(one.critic)  # on its 1 device; the trainer still waits for it
     assert set(own.busy) == {"train", "critic", "gen"}
     assert own.busy["critic"] == pytest.approx(own.critic / own.step)
@@ -232,6 +241,7 @@ def test_write_keeps_the_users_keys_and_adds_the_winners_overrides(tmp_path, cap
     (["--cluster", "2by8"], "expected NODESxDEVICES like 2x8, got '2by8'"),
     (["--cluster", "1x2", "--profile", "no/such/run"], "no such run folder"),
     (["--cluster", "1x2", "--bandwidth", "warp=9"], "expected KIND=GB/s"),
+    (["--cluster", "1x2", "--latency", "tcp=-1"], "expected KIND=ms"),
     (["--cluster", "1x2", "--profile-steps", "1"], "--profile-steps: needs at least 2 steps"),
     (["--cluster", "1x2", "--profile-steps", "3", "--profile", "x"], "either --profile RUN or --profile-steps N"),
 ])
@@ -290,6 +300,9 @@ def test_profile_steps_trains_the_config_first_and_fits_that_run(capsys):
         assert (folder / "spans.jsonl").is_file() and len((folder / "metrics.jsonl").read_text().splitlines()) == 3
         assert f"costs: profile {folder} (2 step(s))" in out  # the first step left out as warm-up
         assert "best: " in out
+        profile = fit_profile(folder)  # the run's device map says what its CPU slot computed with
+        assert profile.slot_threads is not None and profile.node_cores is not None
+        assert 1 <= profile.slot_threads <= profile.node_cores
     finally:
         import shutil
 
@@ -334,3 +347,127 @@ def test_rollout_tensor_parallelism_is_offered_only_to_a_backend_that_shards(bac
     assert status == 0
     assert (" tp2" in out) is offers_tp, out
     assert "tensor_parallel" not in "\n".join(line for line in out.splitlines() if line.startswith("-  "))
+
+
+# --- collectives and shared cores: pools of several ranks -------------------------------------------------------
+def _quickstart_maps(profile: CostProfile, nodes: int = 1, devices: int = 2, overrides: tuple[str, ...] = ()
+                     ) -> dict:
+    """The quick start's ranked maps on ``nodes x devices`` CPU slots, by name (``Ranked``)."""
+    from hybridrl.placement.memory import model_shape
+    from hybridrl.plugins.discovery import get_registry
+
+    cluster = ClusterSpec(nodes, devices, "cpu", declared=True)
+    shape = model_shape(load_config(QUICKSTART, list(overrides)))[0]
+    planner = plan_candidate(cluster, get_registry(()), None, shape)
+    return {r.candidate.name: r for r in advise(QUICKSTART, list(overrides), cluster, profile, planner)}
+
+
+def test_two_cpu_slots_sharing_the_profiles_cores_predict_slower_than_linear_scaling():
+    base = fit_profile(RECORDED)
+    shared = replace(base, slot_threads=2, node_cores=2)  # the profiled slot already had both of the node's cores
+    linear = _quickstart_maps(free_collectives(base))["colocated 1x2"].prediction
+    capped = _quickstart_maps(free_collectives(shared))["colocated 1x2"].prediction
+    paid = _quickstart_maps(shared)["colocated 1x2"].prediction
+    one = _quickstart_maps(shared)["split train 1x1:gen 1x1"].prediction  # one rank per pool: the profile's rates
+    assert linear and capped and paid and one
+    assert linear.phases["ref"] == pytest.approx(one.phases["ref"] / 2)  # the old model: half on two ranks
+    assert capped.phases["ref"] == pytest.approx(one.phases["ref"])  # two slots share the cores: no gain
+    for phase in ("ref", "update_actor", "reshard"):  # and the gloo collectives come on top
+        assert paid.phases[phase] > capped.phases[phase]
+    assert paid.step > capped.step > linear.step
+
+
+def test_cpu_slots_scale_up_to_the_cores_the_profiles_slot_left_free():
+    one_thread = replace(fit_profile(RECORDED), slot_threads=1, node_cores=16)
+    assert one_thread.data_parallel_speedup([4], "cpu") == 4  # 4 slots, 16 cores, the profile used 1
+    assert one_thread.data_parallel_speedup([32], "cpu") == 16  # at most the node's cores
+    assert one_thread.data_parallel_speedup([32, 32], "cpu") == 32  # per node
+    whole = replace(one_thread, slot_threads=16)
+    assert whole.data_parallel_speedup([4], "cpu") == 1 and whole.data_parallel_speedup([4], "cuda") == 4
+    assert replace(whole, slot_threads=None).data_parallel_speedup([4], "cpu") == 4  # not recorded: linear
+
+
+def test_one_rank_pools_pay_no_collectives():
+    base = fit_profile(RECORDED)
+    slow = replace(base, latency={k: 1.0 for k in base.latency}, slot_threads=2, node_cores=2)
+    for nodes, devices, name in ((1, 2, "split train 1x1:gen 1x1"), (1, 2, "pipelined train 1x1:gen 1x1"),
+                                 (1, 1, "colocated 1x1")):
+        before = _quickstart_maps(base, nodes, devices)[name].prediction
+        after = _quickstart_maps(slow, nodes, devices)[name].prediction
+        assert before and after and after.phases == before.phases and after.step == before.step
+
+
+def test_more_layers_pay_more_collective_latency():
+    from hybridrl.placement.advice.predict import fsdp_collectives
+
+    assert fsdp_collectives(4, 1, backward=False) == 4 + 1 + 1  # a gather per layer and the root, a count check
+    assert fsdp_collectives(4, 1, backward=True) == 3 * 5 + 3  # gather, re-gather, reduce-scatter; 3 all-reduces
+    assert fsdp_collectives(4, 2, backward=True, optimizer_steps=2) == 2 * 3 * 5 + 2 * 3
+    assert fsdp_collectives(8, 1, backward=True) > fsdp_collectives(4, 1, backward=True)
+    latency = 1.0  # a second a collective, the bytes free: the phases' difference is the count's
+    profile = replace(free_collectives(fit_profile(RECORDED)), latency={"tcp": latency, "self": 0.0})
+    four = _quickstart_maps(profile)["colocated 1x2"].prediction
+    eight = _quickstart_maps(profile, overrides=("model.tiny.num_layers=8",))["colocated 1x2"].prediction
+    assert four and eight
+    assert eight.phases["ref"] - four.phases["ref"] == pytest.approx(4 * latency)
+    assert eight.phases["update_actor"] - four.phases["update_actor"] == pytest.approx(3 * 4 * latency)
+    assert eight.phases["reshard"] - four.phases["reshard"] == pytest.approx(4 * 12 * latency)  # 12 tensors a layer
+
+
+def test_the_reshard_gathers_each_parameter_tensor_of_a_sharded_trainer():
+    from hybridrl.model.tiny import tiny_hf_config
+    from hybridrl.placement.memory import model_shape
+
+    cfg = load_config(QUICKSTART)
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(cfg.model.tiny))
+    assert model_shape(cfg)[0].tensor_count() == len(list(model.named_parameters())) == 50
+    maps = _quickstart_maps(fit_profile(RECORDED))
+    assert maps["colocated 1x2"].planned.reshard.gather_collectives == 50
+    assert maps["split train 1x1:gen 1x1"].planned.reshard.gather_collectives == 0  # one rank exports its own
+
+
+def test_the_latency_table_is_used_by_link_kind(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from hybridrl.placement.advice.predict import pool_link
+    from hybridrl.placement.advice.profile import LINK_BANDWIDTH, LINK_LATENCY
+    from hybridrl.placement.plan import Device
+
+    assert set(LINK_LATENCY) == set(LINK_BANDWIDTH) and LINK_LATENCY["tcp"] > LINK_LATENCY["nvlink"] > 0
+
+    def plan(device: str, nodes: int) -> SimpleNamespace:
+        return SimpleNamespace(cluster=SimpleNamespace(device=device),
+                               pools={"main": [Device(n, i) for n in range(nodes) for i in range(2)]})
+
+    assert [pool_link(plan(d, n), "main") for d, n in (("cpu", 1), ("cuda", 1), ("cuda", 2))] == \
+        ["tcp", "nvlink", "net"]
+    base = fit_profile(RECORDED)
+    gpu_links = replace(base, latency={**base.latency, "nvlink": 9.0, "net": 9.0, "pcie": 9.0})
+    tcp_slower = replace(base, latency={**base.latency, "tcp": base.latency["tcp"] + 0.01})
+    step = {name: _quickstart_maps(p)["colocated 1x2"].prediction.step
+            for name, p in (("base", base), ("gpu", gpu_links), ("tcp", tcp_slower))}
+    assert step["gpu"] == step["base"]  # CPU slots talk over tcp only
+    collectives = 6 + 18 + 50  # ref, update, the reshard's gathers
+    assert step["tcp"] - step["base"] == pytest.approx(collectives * 0.01)
+    steps = {}
+    for ms in ("0", "20"):
+        out = tmp_path / f"latency{ms}.json"
+        assert main(["plan", str(QUICKSTART), "--advise", "--device", "cpu", "--cluster", "1x2", "--profile",
+                     str(RECORDED), "--latency", f"tcp={ms}", "--json", str(out)]) == 0
+        steps[ms] = next(r["predicted_step_s"] for r in json.loads(out.read_text())["rows"]
+                         if r["map"] == "colocated 1x2")
+    capsys.readouterr()
+    assert steps["20"] - steps["0"] == pytest.approx(collectives * 0.020, abs=2e-3)
+
+
+def test_the_fit_reads_the_slots_threads_and_cores_from_the_device_map(tmp_path):
+    steps = [(10.0, 5.0), (20.0, 5.0)]
+    _write_run(tmp_path / "old", steps, 0.1, 0.01, 100.0, 100.0)
+    assert (fit_profile(tmp_path / "old").slot_threads, fit_profile(tmp_path / "old").node_cores) == (None, None)
+    _write_run(tmp_path / "run", steps, 0.1, 0.01, 100.0, 100.0)
+    rows = [{"pool": "main", "rank": r, "threads": 4, "cores": 8} for r in range(2)]
+    (tmp_path / "run" / "device_map.json").write_text(json.dumps(rows))
+    profile = fit_profile(tmp_path / "run")
+    assert (profile.slot_threads, profile.node_cores) == (4, 8)
+    assert profile.data_parallel_speedup([4], "cpu") == 2  # 8 cores hold two slots of 4 threads

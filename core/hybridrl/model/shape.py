@@ -108,6 +108,23 @@ class ModelShape:
     def param_count(self) -> int:
         return self.num_layers * self.layer_params + self.root_params
 
+    @property
+    def layer_tensors(self) -> int:
+        """Parameter tensors of one decoder layer (a Hugging Face layer's ``named_parameters``): q, k, v, o and
+        their biases, the MLP's three projections (an MoE layer: the router, the experts' fused ``gate_up_proj``
+        and ``down_proj``, a shared expert's three and its gate), the norms."""
+        attn = 4 + (3 if self.qkv_bias else 0) + (1 if self.o_bias else 0) + (2 if self.qk_norm else 0)
+        if not self.is_moe:
+            mlp = 3 * (2 if self.mlp_bias else 1)
+        else:
+            mlp = 1 + 2 + (4 if self.shared_expert_intermediate_size else 0)
+        return attn + mlp + 2
+
+    def tensor_count(self) -> int:
+        """Parameter tensors of the model: the layers', the embeddings, the final norm and an untied head (a weight
+        export gathers each of them on its own)."""
+        return self.num_layers * self.layer_tensors + 2 + (0 if self.tie_word_embeddings else 1)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.kv_dim * dtype_bytes
 

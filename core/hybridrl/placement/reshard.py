@@ -2,10 +2,11 @@
 
 Follows what the bridges and the FSDP engine do (``hybridrl.weights.bridges``, ``TrainEngine.export_weights*``):
 
-* **gather**: with more than one trainer rank, the export all-gathers the FSDP shards: every trainer device
-  receives the ``(n-1)/n`` of the weights it does not hold (over NVLink inside a node, over the network from
-  the shards held on other nodes). The gathered copy travels in the compute dtype on GPUs and in the fp32
-  master dtype on CPU; one rank exports its live fp32 shards as they are.
+* **gather**: with more than one trainer rank, the export all-gathers the FSDP shards, one parameter tensor at a
+  time (``gather_collectives``): every trainer device receives the ``(n-1)/n`` of the weights it does not hold
+  (over NVLink inside a node, over the network from the shards held on other nodes). The gathered copy travels
+  in the compute dtype on GPUs and in the fp32 master dtype on CPU; one rank exports its live fp32 shards as they
+  are.
 * **in_process** (actor and rollout in one process): every device copies one whole copy into its rollout
   engine; nothing crosses a process, let alone a node.
 * **broadcast** (split pools): the trainer's exporting rank (rank 0) broadcasts one copy, in the compute dtype
@@ -48,6 +49,7 @@ class ReshardEstimate:
     busiest_node_bytes: float  # entering the node that receives the most from the others (its links bound the time)
     syncs_per_step: float
     sender: str = ""  # the exporting device ("node0:0")
+    gather_collectives: int = 0  # all-gathers of one export: one per parameter tensor with several trainer ranks
 
     @property
     def per_step(self) -> float:
@@ -92,7 +94,8 @@ def estimate_reshard(cfg: RunConfig, plan: PlacementPlan, shape: ModelShape) -> 
     sync_every = plan.pipelined_sync_every or 1
     return ReshardEstimate(transport, wire, weight, trainer.pool, rollout.pool, n, rollout.world_size, gather,
                            gather_remote, delivered, weight / tp, remote_nodes, sum(into_node.values()),
-                           max(into_node.values(), default=0.0), 1.0 / sync_every, str(sender))
+                           max(into_node.values(), default=0.0), 1.0 / sync_every, str(sender),
+                           shape.tensor_count() if n > 1 else 0)
 
 
 def _size(value: float) -> str:

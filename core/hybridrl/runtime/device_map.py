@@ -24,12 +24,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WorkerLocation:
     """Where one worker process runs: its node (Ray's id and the node's address), the accelerator ids Ray gave
-    it (GPU indices on that node; empty on CPU) and its process id."""
+    it (GPU indices on that node; empty on CPU), its process id, the torch threads it computes with and its
+    node's CPU cores (CPU slots of a node share them: the device-map advisor's data-parallel scaling)."""
 
     node_id: str
     node_ip: str
     gpu_ids: tuple[str, ...]
     pid: int
+    threads: int = 0  # torch intra-op threads (0: not recorded)
+    cores: int = 0  # the node's CPU count (0: not recorded)
 
     def device(self) -> str:
         return f"GPU {','.join(self.gpu_ids)}" if self.gpu_ids else "CPU"
@@ -43,10 +46,12 @@ def this_worker_location() -> WorkerLocation:
     import os
 
     import ray
+    import torch
 
     context = ray.get_runtime_context()
     gpus = tuple(str(g) for g in context.get_accelerator_ids().get("GPU", []))
-    return WorkerLocation(context.get_node_id(), ray.util.get_node_ip_address(), gpus, os.getpid())
+    return WorkerLocation(context.get_node_id(), ray.util.get_node_ip_address(), gpus, os.getpid(),
+                          torch.get_num_threads(), os.cpu_count() or 0)
 
 
 def map_rows(groups: Iterable[WorkerGroup], topology: Any = None) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ class Planned:
     peak_gib: dict[str, float] = field(default_factory=dict)  # pool -> peak per device
     reshard: Any = None  # ReshardEstimate
     dropped: str | None = None
+    shape: Any = None  # the model's ModelShape: the collectives of multi-rank train pools
 
 
 @dataclass
@@ -82,7 +83,7 @@ def plan_candidate(cluster: ClusterSpec, registry: Any, device_bytes: float | No
         if any(w.startswith("roles.rollout") for w in est.warnings):
             return Planned(auto.cfg, plan, peaks, dropped="memory: " + next(
                 w for w in est.warnings if w.startswith("roles.rollout")))
-        return Planned(auto.cfg, plan, peaks, estimate_reshard(auto.cfg, plan, shape))
+        return Planned(auto.cfg, plan, peaks, estimate_reshard(auto.cfg, plan, shape), shape=shape)
 
     return planner
 
@@ -111,7 +112,7 @@ def advise(config: str | Path, overrides: Sequence[str], cluster: ClusterSpec, p
             dropped.append(Ranked(candidate, planned, why=planned.dropped or "not planned"))
             continue
         kept.append(Ranked(candidate, planned, predict(candidate, planned.cfg, planned.plan, profile,
-                                                       planned.reshard)))
+                                                       planned.reshard, planned.shape)))
     kept.sort(key=rank_key)
     for r in kept[1:]:
         r.why = why_it_loses(r, kept[0])

@@ -10,15 +10,19 @@ trainer runs them.
   MPS time-slices between the processes, so the two sides barely overlap: ``(gen + train) x TIME_SLICED``, the
   ratio measured against the synchronous step (``benchmarks/results/long_tail_0.5b_fractional_80gib.json``).
 
-With a critic its ``values`` and ``update_critic`` join the train phases, on the critic's pool: time-shared with
-the actor's phases when it shares their pool, and still in turn with them on a pool of its own (the trainer waits
-for each call; a critic pool buys memory, not overlap). Plus the driver's fixed work every step. A pool's busy
-fraction is its phases' seconds over the step.
+A train phase is its tokens over the profiled rate x the pool's data-parallel devices (CPU slots capped by their
+node's cores), plus, on an FSDP pool of several ranks, its collectives over the pool's link (``fsdp_seconds``: the
+alpha-beta model of ``profile.LINK_LATENCY`` and ``LINK_BANDWIDTH``); a sharded trainer's reshard adds one gather
+per parameter tensor. With a critic its ``values`` and ``update_critic`` join the train phases, on the critic's
+pool: time-shared with the actor's phases when it shares their pool, and still in turn with them on a pool of its
+own (the trainer waits for each call; a critic pool buys memory, not overlap). Plus the driver's fixed work every
+step. A pool's busy fraction is its phases' seconds over the step.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,11 +30,20 @@ from hybridrl.algorithms.objective import kl_in_reward, old_log_probs_needed
 from hybridrl.config import RunConfig
 from hybridrl.placement.advice.candidates import Candidate
 from hybridrl.placement.advice.profile import DEFAULT_CONCURRENCY, CostProfile
+from hybridrl.placement.memory import DTYPE_BYTES
 
 #: a fractional step over the synchronous one's gen + train seconds, both measured on one GPU (see the docstring)
 TIME_SLICED = 1.14
 #: the phases on the train side of a step (after the batch is generated, before the reshard)
 TRAIN_PHASES = ("ref", "old_log_prob", "values", "update_critic", "update_actor")
+#: the train backend whose collectives ``fsdp_collectives`` counts (``hybridrl_fsdp``)
+FSDP = "fsdp"
+#: the scalar all-reduces of an FSDP engine call besides its gathers (``hybridrl_fsdp.engine``): a forward's check
+#: that the ranks agree on their micro-batches; each optimizer step's loss scale, gradient norm and loss
+FORWARD_ALL_REDUCES = 1
+UPDATE_ALL_REDUCES = 3
+#: bytes of a gradient element in the reduce-scatter (FSDP reduces in fp32 on GPUs and CPU slots alike)
+GRAD_BYTES = 4
 
 
 @dataclass
@@ -48,6 +61,75 @@ class Prediction:
         if "values" not in self.phases and "update_critic" not in self.phases:
             return None
         return self.phases.get("values", 0.0) + self.phases.get("update_critic", 0.0)
+
+
+def fsdp_collectives(layers: int, micro_batches: int, backward: bool, optimizer_steps: int = 1) -> int:
+    """The collectives each rank of an FSDP engine runs in one call. The model is sharded as one unit per decoder
+    layer plus the root (embeddings, final norm, head: ``hybridrl_fsdp.engine._shard_model``); a micro-batch's
+    forward all-gathers every unit, its backward all-gathers each again and reduce-scatters its gradients; then
+    the scalar all-reduces of the forward, or of each optimizer step."""
+    units = layers + 1
+    gathers = micro_batches * units * (3 if backward else 1)
+    return gathers + (optimizer_steps * UPDATE_ALL_REDUCES if backward else FORWARD_ALL_REDUCES)
+
+
+def fsdp_bytes(params: int, dtype_bytes: int, ranks: int, micro_batches: int, backward: bool) -> float:
+    """Bytes each rank receives in one FSDP call: the ``(n-1)/n`` of the weights it does not hold per gather (in
+    the compute dtype), and of the fp32 gradients per reduce-scatter."""
+    share = (ranks - 1) / ranks
+    gathered = params * dtype_bytes * share * (2 if backward else 1)
+    return micro_batches * (gathered + (params * GRAD_BYTES * share if backward else 0.0))
+
+
+def pool_link(plan: Any, pool: str) -> str:
+    """The link a pool's collectives cross: gloo between CPU slots, the network between nodes, else NVLink."""
+    if plan.cluster.device != "cuda":
+        return "tcp"
+    return "net" if len({d.node for d in plan.pools[pool]}) > 1 else "nvlink"
+
+
+def data_parallel_devices(profile: CostProfile, plan: Any, role: str) -> float:
+    """The devices a data-parallel phase of ``role`` divides its tokens by: its pool's ranks, CPU slots capped by
+    the cores of their node (``CostProfile.data_parallel_speedup``)."""
+    nodes = Counter(d.node for d in plan.pools[plan.role_pool[role]])
+    return profile.data_parallel_speedup(list(nodes.values()), plan.cluster.device)
+
+
+def _micro_batches(cfg: RunConfig, role: str, sequences: float, tokens: float) -> int:
+    """Micro-batches of one rank's ``sequences`` (``tokens``): by the role's token budget, else its rows (unset
+    keys are the actor's)."""
+    own, actor = getattr(cfg.roles, role), cfg.roles.actor
+    budget = getattr(own, "max_tokens_per_micro_batch", None) or actor.max_tokens_per_micro_batch
+    if budget:
+        return max(1, math.ceil(tokens / budget))
+    return max(1, math.ceil(sequences / (getattr(own, "micro_batch", None) or actor.micro_batch)))
+
+
+def fsdp_seconds(profile: CostProfile, cfg: RunConfig, plan: Any, shape: Any, role: str, sequences: int,
+                 tokens: float, backward: bool, compute: float = 0.0) -> float:
+    """What the ranks' collectives add to one FSDP phase of ``role`` (a forward, or with ``backward`` an update)
+    on a pool of several ranks: ``fsdp_collectives`` x the link's latency + the gathered weights and the
+    reduce-scattered gradients over its bandwidth. On GPUs FSDP moves the bytes on a stream of its own while
+    the previous unit computes, so there they add only what exceeds the phase's ``compute`` seconds; gloo on
+    CPU slots shares the cores with the compute. A one-rank pool (the engine shards nothing), another train
+    backend or an unknown model shape adds nothing."""
+    group = plan.group_of(role)
+    n = group.world_size
+    if n <= 1 or shape is None or group.roles.get(role) != FSDP:
+        return 0.0
+    steps = 1
+    if backward:
+        mini = getattr(cfg.roles, role).mini_batch or cfg.roles.actor.mini_batch or sequences
+        steps = cfg.algorithm.epochs * max(1, math.ceil(sequences / mini))
+    micro = steps * _micro_batches(cfg, role, sequences / steps / n, tokens / steps / n)
+    dtype = cfg.model.dtype if plan.cluster.device == "cuda" else "float32"  # CPU slots compute in fp32
+    count = fsdp_collectives(shape.num_layers, micro, backward, steps)
+    link = pool_link(plan, plan.role_pool[role])
+    moved = profile.collective_seconds(0, fsdp_bytes(shape.param_count(), DTYPE_BYTES[dtype], n, micro, backward),
+                                       link)
+    if plan.cluster.device == "cuda":
+        moved = max(0.0, moved - compute)
+    return profile.collective_seconds(count, 0.0, link) + moved
 
 
 def _link(plan: Any, reshard: Any) -> tuple[str, str]:
@@ -69,32 +151,38 @@ def reshard_seconds(profile: CostProfile, plan: Any, reshard: Any) -> float:
     gather_remote = reshard.gather_remote_bytes / bw["net"]
     seconds = (reshard.gather_bytes - reshard.gather_remote_bytes) / bw[intra] + gather_remote + \
         reshard.weight_bytes / bw[across]
+    gather_link = "net" if reshard.gather_remote_bytes else intra  # a gather waits for its slowest link
+    seconds += profile.collective_seconds(reshard.gather_collectives, 0.0, gather_link)
     return (profile.reshard_fixed + seconds) * reshard.syncs_per_step
 
 
-def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfile, reshard: Any = None
-            ) -> Prediction:
-    """The step of ``cfg`` (the candidate's config) placed by ``plan`` (its ``PlacementPlan``)."""
+def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfile, reshard: Any = None,
+            shape: Any = None) -> Prediction:
+    """The step of ``cfg`` (the candidate's config) placed by ``plan`` (its ``PlacementPlan``); ``shape`` (the
+    model's ``ModelShape``) counts the collectives of train pools of several ranks (None: none counted)."""
     sequences = cfg.data.prompts_per_step * cfg.algorithm.n_samples
     length = profile.response_length if profile.response_length is not None else cfg.roles.rollout.max_new_tokens
     prompt = profile.prompt_length if profile.prompt_length is not None else cfg.data.max_prompt_len / 2
     tokens = sequences * (prompt + length)
     epochs = cfg.algorithm.epochs
     gen_devices = len(plan.pools[plan.role_pool["rollout"]])
-    actor_devices = len(plan.pools[plan.role_pool["actor"]])
     tp = max(1, cfg.roles.rollout.tensor_parallel)
     replicas = max(1, gen_devices // tp)
     concurrency = int((cfg.roles.rollout.options or {}).get("max_num_seqs") or DEFAULT_CONCURRENCY)
     phases = {"gen": profile.gen_seconds(math.ceil(sequences / replicas), length, concurrency, tp)}
+
+    def train_phase(role: str, tps: float, backward: bool) -> float:
+        work = tokens * (epochs if backward else 1) / (tps * data_parallel_devices(profile, plan, role))
+        return work + fsdp_seconds(profile, cfg, plan, shape, role, sequences, tokens, backward, work)
+
     if "ref" in plan.role_pool and cfg.algorithm.kl is not None and cfg.algorithm.kl.coef > 0:
-        phases["ref"] = tokens / (profile.ref_tps * len(plan.pools[plan.role_pool["ref"]]))
+        phases["ref"] = train_phase("ref", profile.ref_tps, False)
     if old_log_probs_needed(cfg, kl_in_reward(cfg)):  # else the update's own log-probs serve (one optimizer step)
-        phases["old_log_prob"] = tokens / (profile.old_log_prob_tps * actor_devices)
-    phases["update_actor"] = tokens * epochs / (profile.train_tps * actor_devices)
+        phases["old_log_prob"] = train_phase("actor", profile.old_log_prob_tps, False)
+    phases["update_actor"] = train_phase("actor", profile.train_tps, True)
     if "critic" in plan.role_pool:
-        critic_devices = len(plan.pools[plan.role_pool["critic"]])
-        phases["values"] = tokens / (profile.values_tps * critic_devices)
-        phases["update_critic"] = tokens * epochs / (profile.critic_train_tps * critic_devices)
+        phases["values"] = train_phase("critic", profile.values_tps, False)
+        phases["update_critic"] = train_phase("critic", profile.critic_train_tps, True)
     shared = plan.colocated("rollout", "actor") or any(plan.colocated("rollout", r) for r in plan.role_pool
                                                        if r != "rollout")
     if shared:

@@ -10,9 +10,13 @@ The forms, chosen to be fitted from the few steps of a short profiling run:
   ``concurrency`` sequences costs about what one sequence does. With fewer than two distinct ``rounds`` among the
   profiled steps the intercept cannot be told apart and is taken as 0.
 * **train, reference and old log-probs**, and a critic's **values** and **update_critic**: tokens per second per
-  device (data-parallel scaling is linear), each on the devices of its own role's pool.
+  device, each on the devices of its own role's pool: linear in GPUs; CPU slots of a node share its cores, so
+  they scale up to ``node_cores / slot_threads`` of the profile's slot (``CostProfile.data_parallel_speedup``).
+  An FSDP pool of several ranks adds its collectives (``predict.fsdp_seconds``): count x the link's latency +
+  bytes / its bandwidth (``collective_seconds``, the alpha-beta model; ``LINK_LATENCY``, ``LINK_BANDWIDTH``).
 * **reshard**: ``reshard_fixed`` plus the bytes of one sync over the link between the pools
-  (``LINK_BANDWIDTH``, overridable).
+  (``LINK_BANDWIDTH``, overridable), and with several trainer ranks the gather's collectives (one per parameter
+  tensor) x the link's latency.
 * **wake and sleep** of a colocated rollout, and the driver's fixed per-step work (data, rule rewards,
   advantages): seconds per step.
 """
@@ -33,6 +37,13 @@ from hybridrl.errors import HybridRLError
 #: gloo between CPU slots): NVLink 4 ~450 GB/s, PCIe 5 x16 ~64 GB/s, a 400 Gb/s InfiniBand NIC ~50 GB/s.
 LINK_BANDWIDTH: dict[str, float] = {"self": 1000e9, "nvlink": 450e9, "nvswitch": 450e9, "pcie": 64e9, "net": 50e9,
                                     "tcp": 1.25e9}
+#: seconds one collective costs besides its bytes (the alpha of ``CostProfile.collective_seconds``), by link kind.
+#: GPUs: NCCL's own cost model of a ring of its Simple protocol (``src/graph/tuning.cc``: 8.4 us + 3.4 us per
+#: NVLink hop, 5.7 per PCIe hop, 6.6-9.6 per network hop): one node's 8 ranks, two nodes for ``net``. ``tcp``:
+#: gloo between two CPU slots of one node as the engine issues a gather (a DTensor ``full_tensor``): the intercept
+#: of the line through the mean seconds at 4 B-512 KiB, ``benchmarks/gloo_latency.py`` (``results/gloo_latency.json``).
+LINK_LATENCY: dict[str, float] = {"self": 0.0, "nvlink": 30e-6, "nvswitch": 30e-6, "pcie": 50e-6, "net": 80e-6,
+                                  "tcp": 0.97e-3}
 #: speed-up of a decode round with ``tp`` tensor-parallel ranks is ``tp ** TP_EXPONENT`` (all-reduces cost the rest)
 TP_EXPONENT = 0.8
 #: sequences a replica decodes at once when the rollout options do not say (``max_num_seqs``)
@@ -84,6 +95,25 @@ class CostProfile:
     profiled: bool = False
     source: str = "default"
     bandwidth: dict[str, float] = field(default_factory=lambda: dict(LINK_BANDWIDTH))
+    latency: dict[str, float] = field(default_factory=lambda: dict(LINK_LATENCY))
+    slot_threads: int | None = None  # torch threads of the profile's CPU slot (device_map.json); None: unknown
+    node_cores: int | None = None  # CPU cores of the profile's node; None: unknown
+
+    def collective_seconds(self, collectives: float, nbytes: float, link: str) -> float:
+        """The alpha-beta cost of ``collectives`` collectives moving ``nbytes`` in all over ``link``: each pays the
+        link's latency whatever its size (small ones are all latency), the bytes its bandwidth."""
+        return collectives * self.latency[link] + nbytes / self.bandwidth[link]
+
+    def data_parallel_speedup(self, ranks_per_node: list[int], device: str) -> float:
+        """How many times the profile's one device a data-parallel pool computes: its ranks on GPUs. CPU slots of
+        one node share its cores (``hybridrl.runtime.launch`` gives each slot ``cores // slots`` torch threads), so
+        a node's slots do at most ``node_cores / slot_threads`` times what the profile's slot did: nothing more
+        where that slot already had every core; linear where the profile does not say (``device_map.json`` of an
+        older run has no threads)."""
+        if device != "cpu" or not self.slot_threads or not self.node_cores:
+            return float(sum(ranks_per_node))
+        cap = max(1.0, self.node_cores / self.slot_threads)
+        return sum(min(float(r), cap) for r in ranks_per_node)
 
     def gen_seconds(self, sequences_per_replica: int, response_length: float, concurrency: int, tp: int) -> float:
         rounds = response_length * math.ceil(sequences_per_replica / max(1, concurrency))
@@ -140,9 +170,26 @@ def _get(data: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
     return node
 
 
-def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None) -> CostProfile:
-    """The cost model of the run folder ``run`` (its ``spans.jsonl``, ``metrics.jsonl`` and ``config.json``); the
-    first step is left out (warm-up) when there are more. Raises ``ProfileError`` naming what is missing."""
+def slot_threads_and_cores(folder: Path) -> tuple[int | None, int | None]:
+    """The torch threads a rank of the run computed with and its node's CPU cores, from the run's
+    ``device_map.json`` (each rank's ``threads`` and ``cores``); None for what the file does not say."""
+    from hybridrl.runtime.device_map import DEVICE_MAP_FILE
+
+    path = folder / DEVICE_MAP_FILE
+    try:
+        rows = json.loads(path.read_text()) if path.is_file() else []
+    except ValueError:
+        rows = []
+    threads = [int(r["threads"]) for r in rows if isinstance(r, dict) and r.get("threads")]
+    cores = [int(r["cores"]) for r in rows if isinstance(r, dict) and r.get("cores")]
+    return (max(threads) if threads else None), (min(cores) if cores else None)
+
+
+def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None,
+                latency: Mapping[str, float] | None = None) -> CostProfile:
+    """The cost model of the run folder ``run`` (its ``spans.jsonl``, ``metrics.jsonl`` and ``config.json``; the
+    slots' threads and cores from ``device_map.json`` where it has them); the first step is left out (warm-up) when
+    there are more. Raises ``ProfileError`` naming what is missing."""
     from hybridrl.observe.spans import SPANS_FILE, SpansError, load_spans
 
     folder = Path(run)
@@ -213,6 +260,7 @@ def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None) -
     links = {**LINK_BANDWIDTH, **(bandwidth or {})}
     colocated = _get(config, "roles.rollout.pool") == _get(config, "roles.actor.pool")
     moved = median("reshard/bytes") / links["self" if colocated else "net"]
+    threads, cores = slot_threads_and_cores(folder)
     return CostProfile(gen_fixed=gen_fixed, gen_round=gen_round, train_tps=rate("update_actor"), ref_tps=rate("ref"),
                        old_log_prob_tps=rate("old_log_prob"), values_tps=rate("values"),
                        critic_train_tps=rate("update_critic"), wake=median("timing/wake"),
@@ -220,4 +268,5 @@ def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None) -
                        reshard_fixed=max(0.0, median("timing/reshard") - moved),
                        response_length=statistics.fmean(lengths) if lengths else None,
                        prompt_length=max(0.0, statistics.fmean(prompt_lengths)) if prompt_lengths else None,
-                       profiled=True, source=f"profile {run} ({len(steps)} step(s))", bandwidth=links)
+                       profiled=True, source=f"profile {run} ({len(steps)} step(s))", bandwidth=links,
+                       latency={**LINK_LATENCY, **(latency or {})}, slot_threads=threads, node_cores=cores)
