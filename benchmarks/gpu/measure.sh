@@ -13,12 +13,14 @@ if ! python3 -c "import hybridrl_fsdp" 2>/dev/null; then  # editable installs of
     -e plugins/megatron -e plugins/sglang > "$OUT/pip-editable.log" 2>&1 || { echo "editable install failed"; tail "$OUT/pip-editable.log"; }
 fi
 # report_run RUN NAME: the run's report (device timeline, busy fraction: hybridrl report), its plan with the
-# GPU's links (hybridrl plan), and the files they read, into $OUT/NAME
+# GPU's links (hybridrl plan) and the files they read, as one $OUT/NAME.tar.gz (the device tool brings back only a
+# few files per call)
 report_run() {
-  mkdir -p "$OUT/$2"
-  python3 -m hybridrl.cli report "$1" --out "$OUT/$2/report" 2>&1 | tail -3
-  python3 -m hybridrl.cli plan "$1/config.json" > "$OUT/$2/plan.txt" 2>&1
-  for f in metrics.jsonl spans.jsonl config.json device_map.json; do cp "$1/$f" "$OUT/$2/" 2>/dev/null; done
+  local dir; dir=$(mktemp -d)/$2; mkdir -p "$dir"
+  python3 -m hybridrl.cli report "$1" --out "$dir/report" 2>&1 | tail -3
+  python3 -m hybridrl.cli plan "$1/config.json" > "$dir/plan.txt" 2>&1
+  for f in metrics.jsonl spans.jsonl config.json device_map.json; do cp "$1/$f" "$dir/" 2>/dev/null; done
+  tar czf "$OUT/$2.tar.gz" -C "$(dirname "$dir")" "$2"
 }
 case $step in
   env) nvidia-smi -L; python3 -c "import torch, ray, tensordict; print(torch.__version__, torch.cuda.device_count(), ray.__version__)";
