@@ -185,6 +185,25 @@ def test_unpad_prompts_and_refusals():
     check_context([[1] * 40], 4, None)
 
 
+def test_a_tied_qwen3_moe_is_refused_naming_the_model_path():
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match="model.path: '/m' is a qwen3_moe checkpoint with tie_word_embeddings"):
+        compat.check_architecture(SimpleNamespace(model_type="qwen3_moe", tie_word_embeddings=True), "/m")
+    compat.check_architecture(SimpleNamespace(model_type="qwen3_moe", tie_word_embeddings=False), "/m")
+    compat.check_architecture(SimpleNamespace(model_type="qwen2", tie_word_embeddings=True), "/m")
+
+
+def test_the_tiny_moe_has_a_head_of_its_own():
+    """SGLang's Qwen3-MoE loads lm_head.weight whatever the config says, as every Qwen3-MoE checkpoint has one."""
+    from hybridrl.config import TinyModelConfig
+    from hybridrl.model.tiny import tiny_hf_config
+
+    config = tiny_hf_config(TinyModelConfig(num_experts=4, experts_per_token=2))
+    assert config.model_type == "qwen3_moe" and config.tie_word_embeddings is False
+    compat.check_architecture(config, "tiny")
+
+
 def test_routing_is_recorded_from_the_start_only_when_the_run_asks():
     assert "enable_return_routed_experts" not in engine_kwargs(SGLangOptions(), model_path="m", dtype="bfloat16",
                                                                seed=0)

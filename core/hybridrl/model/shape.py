@@ -245,7 +245,8 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 
 def tiny_shape(tiny: Any) -> ModelShape:
-    """The shape of the model ``model.tiny`` builds (a tied-embedding Qwen2 over its tokenizer's vocabulary)."""
+    """The shape of the model ``model.tiny`` builds: a tied-embedding Qwen2 over its tokenizer's vocabulary, or with
+    ``num_experts`` a Qwen3-MoE with a head of its own (as ``model.tiny.tiny_hf_config`` builds them)."""
     from hybridrl.model.tiny import tiny_tokenizer
 
     try:
@@ -254,7 +255,7 @@ def tiny_shape(tiny: Any) -> ModelShape:
         raise MemoryEstimateError(f"model.tiny.tokenizer: {exc}") from None
     if tiny.num_experts:
         return ModelShape("qwen3_moe", vocab, tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.num_kv_heads,
-                          tiny.hidden_size // tiny.num_heads, tiny.intermediate_size, tie_word_embeddings=True,
+                          tiny.hidden_size // tiny.num_heads, tiny.intermediate_size, tie_word_embeddings=False,
                           qk_norm=True, num_experts=tiny.num_experts, experts_per_token=tiny.experts_per_token,
                           moe_intermediate_size=tiny.expert_size)
     return ModelShape("qwen2", vocab, tiny.hidden_size, tiny.num_layers, tiny.num_heads,

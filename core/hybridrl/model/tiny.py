@@ -115,10 +115,11 @@ def tiny_hf_config(cfg: TinyModelConfig, tokenizer: Any | None = None) -> Any:
         return Qwen2Config(**shared)
     # a Qwen3-MoE: every layer's MLP is ``num_experts`` routed experts of width ``cfg.expert_size``, each token
     # going to its top ``experts_per_token`` (their weights renormalised, as Qwen3-30B-A3B does); the
-    # load-balancing coefficient is transformers' default
-    return Qwen3MoeConfig(**shared, moe_intermediate_size=cfg.expert_size, num_experts=cfg.num_experts,
-                          num_experts_per_tok=cfg.experts_per_token, norm_topk_prob=True,
-                          head_dim=cfg.hidden_size // cfg.num_heads)
+    # load-balancing coefficient is transformers' default. Its head is its own (untied), as in every Qwen3-MoE
+    # checkpoint: SGLang's Qwen3-MoE always loads ``lm_head.weight`` and ignores ``tie_word_embeddings``
+    return Qwen3MoeConfig(**{**shared, "tie_word_embeddings": False}, moe_intermediate_size=cfg.expert_size,
+                          num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                          norm_topk_prob=True, head_dim=cfg.hidden_size // cfg.num_heads)
 
 
 def _write(cfg: TinyModelConfig, tokenizer: Any, folder: Path, spec: dict[str, Any]) -> None:

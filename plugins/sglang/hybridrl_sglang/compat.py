@@ -79,6 +79,21 @@ def _visible_devices(devices: str | None) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
+#: ``model_type`` of checkpoints whose SGLang (0.5.16) model always has a head of its own: it loads
+#: ``lm_head.weight`` and ignores ``tie_word_embeddings``, so a tied checkpoint (which saves no head) would
+#: generate from an uninitialised head while routing and every layer below it look right.
+UNTIED_HEAD_ONLY = ("qwen3_moe",)
+
+
+def check_architecture(text_config: Any, model_path: str) -> None:
+    """Refuse, before the engine starts, a checkpoint SGLang's model for it would load wrongly."""
+    model_type = str(getattr(text_config, "model_type", "")).lower()
+    if model_type in UNTIED_HEAD_ONLY and getattr(text_config, "tie_word_embeddings", False):
+        raise ValueError(f"model.path: '{model_path}' is a {model_type} checkpoint with tie_word_embeddings, which "
+                         f"SGLang's {model_type} model ignores (it loads lm_head.weight, which a tied "
+                         "checkpoint does not hold): untie the head, or use roles.rollout.backend=vllm")
+
+
 def start_engine(kwargs: dict[str, Any], visible_devices: str | None = None) -> Any:
     """``sglang.Engine(**kwargs)`` in this process (its scheduler and detokenizer run as child processes)."""
     from hybridrl_sglang.options import split_known

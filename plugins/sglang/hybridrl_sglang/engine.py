@@ -83,6 +83,7 @@ class SGLangRollout(RolloutEngine):
         hf_config = AutoConfig.from_pretrained(ctx.model_path)
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.vocab_size = getattr(text_config, "vocab_size", None)
+        compat.check_architecture(text_config, ctx.model_path)
         #: an MoE model's (layers, experts per token), for the routing SGLang records when the run asks for it
         #: (the core resolves ``roles.rollout.return_routing`` into the options; the engine starts recording)
         self.routing_shape = (int(getattr(text_config, "num_hidden_layers", 0) or 0),
