@@ -143,7 +143,8 @@ def test_the_recorded_ppo_profile_predicts_its_own_step():
     rows = [json.loads(line) for line in (RECORDED_PPO / "metrics.jsonl").read_text().splitlines()][1:]
     measured = sum(r["timing/step"] for r in rows) / len(rows)
     kept = [r for r in _ppo_ranked(profile, 1, 1) if r.prediction is not None]
-    assert [r.candidate.name for r in kept] == ["colocated 1x1", "fractional 1x1"]  # time-sliced: slower
+    # in flight ties colocated (the same tokens); time-sliced fractional is slower
+    assert [r.candidate.name for r in kept] == ["colocated 1x1", "in-flight 1x1", "fractional 1x1"]
     ranked = kept[0]
     p = ranked.prediction
     assert p.step == pytest.approx(measured, rel=0.2)
@@ -337,6 +338,24 @@ def test_the_step_adds_serial_phases_and_overlaps_pipelined_ones():
     assert "wake" not in f and fractional.bound == "time-sliced"
     assert fractional.step == pytest.approx((f["gen"] + f.get("ref", 0.0) + f["update_actor"]) * TIME_SLICED
                                             + f["reshard"] + f["fixed"])
+
+
+def test_groups_in_flight_are_a_colocated_candidate_for_a_rollout_that_resumes(capsys):
+    """Each colocated map also with ``trainer.mode=async`` (partial rollouts), predicted as the synchronous step
+    (the cost model counts a step's mean response length: no tail to cut); a rollout backend without ``partial``
+    has it dropped by the pre-flight, with the key."""
+    ranked = _quickstart_maps(fit_profile(RECORDED))
+    colocated, in_flight = ranked["colocated 1x2"], ranked["in-flight 1x2"]
+    assert in_flight.candidate.kind == "in_flight" and "trainer.mode=async" in in_flight.candidate.overrides
+    assert in_flight.prediction is not None and colocated.prediction is not None
+    assert in_flight.prediction.step == pytest.approx(colocated.prediction.step)
+    assert "no tail to cut" in in_flight.why
+    status = main(["plan", str(QWEN7B), "roles.rollout.backend=sglang", "--advise", "--cluster", "1x2",
+                   "--skip-engine-check"])
+    out = capsys.readouterr().out
+    assert status == 0
+    dropped = [line for line in out.splitlines() if line.startswith("-  in-flight 1x2")]
+    assert dropped and "partial" in dropped[0], out
 
 
 @pytest.mark.parametrize("backend, offers_tp", [("hf", False), ("vllm", True)])

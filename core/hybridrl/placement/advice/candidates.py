@@ -1,11 +1,12 @@
 """The candidate device maps of a cluster, each a list of dotted overrides of the user's config.
 
-Over ``nodes x devices``: everything colocated on every device; the same devices shared by a train pool and a
-rollout pool, both resident, pipelined (fractional, ``pools.gen.share``); the actor (and reference, critic) split
-from the rollout at a few gen:train ratios (inside each node, or by whole nodes); with a reference, the same splits
-with the reference on a pool of its own, and with a critic, with the critic on a pool of its own; each split map
-also pipelined (``trainer.pipelined``, staleness 1); and each map with the rollout's tensor parallelism 1, 2, 4 ...
-up to the rollout's devices on a node (1 only for a backend that runs one engine per rank).
+Over ``nodes x devices``: everything colocated on every device, synchronous and with groups in flight
+(``trainer.mode=async``: partial rollouts, a backend declaring ``partial``); the same devices shared by a train
+pool and a rollout pool, both resident, pipelined (fractional, ``pools.gen.share``); the actor (and reference,
+critic) split from the rollout at a few gen:train ratios (inside each node, or by whole nodes); with a reference,
+the same splits with the reference on a pool of its own, and with a critic, with the critic on a pool of its own;
+each split map also pipelined (``trainer.pipelined``, staleness 1); and each map with the rollout's tensor
+parallelism 1, 2, 4 ... up to the rollout's devices on a node (1 only for a backend that runs one engine per rank).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class Candidate:
     overrides that make the user's config use it."""
 
     name: str
-    kind: str  # "colocated", "fractional", "split" or "pipelined"
+    kind: str  # "colocated", "in_flight", "fractional", "split" or "pipelined"
     pools: tuple[tuple[str, int, int], ...]
     tp: int
     overrides: tuple[str, ...]
@@ -62,8 +63,11 @@ def candidate_maps(cfg: RunConfig, nodes: int, per_node: int, rollout_tp: bool =
     out: list[Candidate] = []
     colocated = [(MAIN, nodes, per_node)]
     for tp in _tps(per_node, rollout_tp):
-        out.append(Candidate(f"colocated {nodes}x{per_node}" + (f" tp{tp}" if tp > 1 else ""), "colocated",
-                             tuple(colocated), tp, _overrides(cfg, colocated, {r: MAIN for r in roles}, tp, False)))
+        suffix = f" tp{tp}" if tp > 1 else ""
+        same = _overrides(cfg, colocated, {r: MAIN for r in roles}, tp, False)
+        out.append(Candidate(f"colocated {nodes}x{per_node}{suffix}", "colocated", tuple(colocated), tp, same))
+        out.append(Candidate(f"in-flight {nodes}x{per_node}{suffix}", "in_flight", tuple(colocated), tp,
+                             (*same, "trainer.mode=async")))
     fractional = [(TRAIN, nodes, per_node), (GEN, nodes, per_node)]  # the rollout beside the trainers, pipelined
     for tp in _tps(per_node, rollout_tp):
         out.append(Candidate(f"fractional {nodes}x{per_node}" + (f" tp{tp}" if tp > 1 else ""), "fractional",

@@ -3,6 +3,10 @@ trainer runs them.
 
 * colocated: the phases take turns on every device: ``wake + gen + sleep + ref + old_log_prob + update + reshard``
   (``old_log_prob`` only where the trainer runs it: more than one optimizer step a batch, or KL in the reward).
+* in flight (colocated, ``trainer.mode=async``): the same turns. Groups in flight decode the same tokens a step,
+  and the decode rounds here already count the mean response length, not the longest (a tail that costs the
+  synchronous step rounds is not in the model), so it is predicted as the synchronous step: on a host-bound engine
+  it measured 1.02x of it (``benchmarks/results/long_tail_0.5b_80gib.json``).
 * split (sync): the train pool waits for the whole batch and the rollout for the new weights, so the step is
   still the sum (without wake and sleep); the split's gain is more devices per phase and no time-sharing of memory.
 * pipelined (staleness 1): the rollout generates step k+1 while step k trains: ``max(gen, train) + reshard``.
@@ -199,7 +203,7 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
         bound = "time-sliced"
     else:
         step = gen + train + phases["reshard"] + profile.fixed
-        bound = "serial" if candidate.kind == "colocated" else ("gen" if gen >= train else "train")
+        bound = "serial" if candidate.kind in ("colocated", "in_flight") else ("gen" if gen >= train else "train")
     work: dict[str, float] = {}
     for phase, roles in (("gen", ("rollout",)), ("wake", ("rollout",)), ("sleep", ("rollout",)), ("ref", ("ref",)),
                          ("old_log_prob", ("actor",)), ("update_actor", ("actor",)), ("values", ("critic",)),
