@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One measurement on the GPU host, after the engine's wheels were unpacked into SITE (see benchmarks/gpu/README.md).
-#   bash benchmarks/gpu/measure.sh SITE STEP [ARGS...]     STEP: env | install | long-tail | gen-profile | megatron | grpo | model-sizes | moe | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests | timeline
+#   bash benchmarks/gpu/measure.sh SITE STEP [ARGS...]     STEP: env | install | long-tail | gen-profile | megatron | grpo | model-sizes | moe | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests | timeline | advice
 # Figures and logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 site=$1 step=$2; shift 2
@@ -72,6 +72,11 @@ case $step in
         rm -rf /tmp/timeline
         python3 benchmarks/model_sizes.py --workdir /tmp/timeline --out-dir "$OUT" --log-dir "$OUT" "$@"
         for run in /tmp/timeline/run-*; do report_run "$run" "$(basename "$run")"; done ;;
+  advice)  # the advisor's predicted steps against measured ones on this GPU (benchmarks/advice_validation.py): the
+        # config profiled as given, then each map of --maps; the profile run's timeline (report_run)
+        rm -rf /tmp/advice
+        python3 benchmarks/advice_validation.py --out "$OUT/advice_validation.json" --workdir /tmp/advice "$@"
+        [ -d /tmp/advice/profile ] && report_run /tmp/advice/profile advice_profile ;;
   long-tail)  # reasoning-length GRPO steps, one arm per scheduling mode (benchmarks/long_tail.py); REPORT=1 also
         # draws each arm's timeline (report_run)
         python3 benchmarks/long_tail.py --out-dir "$OUT" --log-dir "$OUT" "$@"
