@@ -18,7 +18,7 @@ fi
 report_run() {
   local dir; dir=$(mktemp -d)/$2; mkdir -p "$dir"
   python3 -m hybridrl.cli report "$1" --out "$dir/report" 2>&1 | tail -3
-  python3 -m hybridrl.cli plan "$1/config.json" > "$dir/plan.txt" 2>&1
+  PYTHONPATH=benchmarks:$PYTHONPATH python3 -m hybridrl.cli plan "$1/config.json" > "$dir/plan.txt" 2>&1  # its reward
   for f in metrics.jsonl spans.jsonl config.json device_map.json; do cp "$1/$f" "$dir/" 2>/dev/null; done
   tar czf "$OUT/$2.tar.gz" -C "$(dirname "$dir")" "$2"
 }
