@@ -113,3 +113,15 @@ def test_counts_that_do_not_match_the_prompts_raise(routes, lengths):
     mask = mask_of([[1, 1], [1, 1]])
     with pytest.raises(ValueError, match=r"2 prompts but \d routing arrays and \d responses"):
         pack_routing([fed(i, 2) for i in range(routes)], mask, [1] * lengths, 2)
+
+
+def test_attach_routing_reads_each_rows_length_from_the_packed_mask():
+    """The engines' shared step: a packed batch gains both routing keys, each row cut at its own response."""
+    from hybridrl.engines.rollout_kit import attach_routing, pack_responses
+
+    packed = pack_responses([[5, 6, 7], [8]], None, 4, pad_id=0)
+    prompt_mask = torch.tensor([[0, 1], [1, 1]])
+    routes = [torch.arange(1 + 2).reshape(3, 1, 1), torch.arange(2).reshape(2, 1, 1)]  # fed: prompt + response - 1
+    out = attach_routing(packed, prompt_mask, routes)
+    assert out[ROUTED_EXPERTS][:, :, 0, 0].tolist() == [[1, 2, -1, -1], [-1, -1, -1, -1]]
+    assert out[PROMPT_ROUTED_EXPERTS][:, :, 0, 0].tolist() == [[-1, 0], [0, 1]]

@@ -321,6 +321,14 @@ def pack_routing(routes: Sequence[Any], prompt_mask: torch.Tensor, response_leng
         routed[i, :fed - int(p)] = arr[int(p):fed]
     return {ROUTED_EXPERTS: routed, PROMPT_ROUTED_EXPERTS: prompt_routed}
 
+def attach_routing(packed: Batch, prompt_mask: torch.Tensor, routes: Sequence[Any]) -> Batch:
+    """``packed`` (``pack_responses``' batch) with ``routed_experts`` and ``prompt_routed_experts`` from one
+    routing array per request (``pack_routing``), each row's response length read from its mask."""
+    mask = packed[RESPONSE_MASK]
+    for key, value in pack_routing(routes, prompt_mask, mask.sum(dim=1).tolist(), mask.shape[1]).items():
+        packed.set(key, value)
+    return packed
+
 # --- options ------------------------------------------------------------------------------------------------
 #: how the options that mean the same to every engine backend are read (each backend adds its own).
 ENGINE_OPTION_CASTS: dict[str, Callable[[Any], Any]] = {

@@ -29,13 +29,13 @@ from hybridrl.engines import (
     SamplingParams,
     WeightBucket,
 )
-from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK, Batch
+from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, Batch
 from hybridrl.engines.rollout_kit import (
     ReplicaLayout,
+    attach_routing,
     check_context,
     engine_seed,
     pack_responses,
-    pack_routing,
     row_caps,
     special_ids,
     unpad_prompts,
@@ -217,11 +217,7 @@ class SGLangRollout(RolloutEngine):
                 if routing:  # a later phase re-feeds the earlier tokens: its answer covers the whole row
                     routes[i] = routed_experts(out, i, *self.routing_shape, fed=fed)
         packed = pack_responses(tokens, logps if want else None, width, self.pad_id)
-        if routing:
-            lengths = packed[RESPONSE_MASK].sum(dim=1).tolist()
-            for key, value in pack_routing(routes, batch[PROMPT_MASK], lengths, width).items():
-                packed.set(key, value)
-        return packed
+        return attach_routing(packed, batch[PROMPT_MASK], routes) if routing else packed
 
     def _check_routing(self, params: SamplingParams) -> bool:
         """Whether this call returns ``routed_experts``: asked, and the engine records them from its start."""

@@ -39,17 +39,16 @@ from hybridrl.engines.batch import (
     GROUP_INDEX,
     PROMPT_IDS,
     PROMPT_MASK,
-    RESPONSE_MASK,
     Batch,
     groups_to_complete,
 )
 from hybridrl.engines.rollout_kit import (
     GroupCompletion,
     ReplicaLayout,
+    attach_routing,
     check_context,
     engine_seed,
     pack_responses,
-    pack_routing,
     row_caps,
     running_groups,
     special_ids,
@@ -320,12 +319,9 @@ class VLLMRollout(RolloutEngine):
         """``packed`` with ``routed_experts`` and ``prompt_routed_experts`` from the rows' routing chunks."""
         if routing is None:
             return packed
-        lengths = packed[RESPONSE_MASK].sum(dim=1).tolist()
         arrays = [torch.cat([torch.as_tensor(c) for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long)
                   for chunks in routing]
-        for key, value in pack_routing(arrays, batch[PROMPT_MASK], lengths, packed[RESPONSE_MASK].shape[1]).items():
-            packed.set(key, value)
-        return packed
+        return attach_routing(packed, batch[PROMPT_MASK], arrays)
 
     def _generate_capped(self, prompts: list[list[int]], caps: list[int], params: SamplingParams,
                          routing: list[list[Any]] | None = None) -> Batch:
