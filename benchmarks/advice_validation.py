@@ -102,9 +102,11 @@ def run_arm(config: Path, overrides: list[str], steps: int, skip: int, out: Path
     rows = read_metrics(out)
     result: dict[str, Any] = {"folder": str(out), "wall_s": round(wall, 1), "returncode": code,
                               "step_seconds": [round(r["timing/step"], 4) for r in rows if "timing/step" in r]}
-    later = [r for r in rows[skip:] if "timing/step" in r]
+    later = steady_steps(rows, skip)
     if later:
         result["mean_step_s"] = statistics.fmean(r["timing/step"] for r in later)
+        result["steady_seconds"] = [round(r["timing/step"], 4) for r in later]
+        result["steady_steps"] = [r["step"] for r in later]
         result["phases_s"] = {p: statistics.fmean(r.get(f"timing/{p}", 0.0) for r in later) for p in PHASES
                               if any(f"timing/{p}" in r for r in later)}
     if code != 0 or len(rows) < steps or not later:
@@ -113,6 +115,16 @@ def run_arm(config: Path, overrides: list[str], steps: int, skip: int, out: Path
         result["error"] = f"{what}, {len(rows)} of {steps} steps: {tail[0][-300:]}"
         result["log_tail"] = log[-3000:]
     return result
+
+
+def steady_steps(rows: list[dict[str, Any]], skip: int) -> list[dict[str, Any]]:
+    """The timed steps after ``skip`` warm-up steps that a long run repeats. A pipelined run's last step only
+    trains (there is no next batch to generate beside it: ``pipelined_step``), so it is a drain, not a steady
+    step, and is left out; pipelined steps are the ones that log ``timing/overlap_saved``."""
+    later = [r for r in rows[skip:] if "timing/step" in r]
+    if len(later) > 1 and "timing/overlap_saved" in later[-1]:
+        later = later[:-1]
+    return later
 
 
 def read_metrics(folder: Path) -> list[dict[str, Any]]:
@@ -166,7 +178,7 @@ def as_given(own: Any, profile: Any) -> Any:
     from hybridrl.placement.advice.candidates import Candidate
     from hybridrl.placement.advice.predict import predict
 
-    layout, tp, pipelined = signature(own.cfg, own.plan)
+    layout, tp, pipelined, _mode = signature(own.cfg, own.plan)
     kind = "pipelined" if pipelined else "colocated" if len(layout) == 1 else "split"
     label = ":".join(f"{'+'.join(roles)} {n}" for roles, n in layout)
     candidate = Candidate(f"as given ({kind} {label})", kind, tuple((pool, 1, len(d)) for pool, d in
@@ -176,12 +188,13 @@ def as_given(own: Any, profile: Any) -> Any:
 
 def signature(cfg: Any, plan: Any) -> tuple[Any, ...]:
     """What makes two configs the same device map: each pool's roles and device count, the rollout's tensor
-    parallelism, pipelined or not (pool names aside: the profile's ``main`` is a candidate's ``main``)."""
+    parallelism, pipelined or not, the trainer's mode (an in-flight map is not its synchronous twin) (pool names
+    aside: the profile's ``main`` is a candidate's ``main``)."""
     pools = {pool: [] for pool in plan.pools}
     for role, pool in plan.role_pool.items():
         pools[pool].append(role)
     layout = tuple(sorted((tuple(sorted(roles)), len(plan.pools[pool])) for pool, roles in pools.items() if roles))
-    return layout, max(1, cfg.roles.rollout.tensor_parallel), bool(cfg.trainer.pipelined)
+    return layout, max(1, cfg.roles.rollout.tensor_parallel), bool(cfg.trainer.pipelined), cfg.trainer.mode
 
 
 def choose(ranked: list[Any], wanted: list[str], device: str) -> list[Any]:
@@ -219,7 +232,8 @@ def merge(path: Path, rows: list[dict[str, Any]], context: dict[str, Any]) -> di
             (context["device"], context["workload"])]
     return {"benchmark": "advice_validation",
             "about": "predicted step (hybridrl plan --advise, fitted from the profile run) against the mean "
-                     "measured timing/step after the warm-up steps; ratio = measured / predicted",
+                     "measured timing/step after the warm-up steps (a pipelined run's last step, a drain that only "
+                     "trains, left out); ratio = measured / predicted",
             "rows": kept + rows, "runs": runs + [context]}
 
 
@@ -353,8 +367,10 @@ def row_of(r: Any, arms: list[dict[str, Any]], device: str, workload: str, comma
         "kind": r.candidate.kind, "overrides": list(r.candidate.overrides), "steps": args.steps, "skip": args.skip,
         "rounds": len(good), "round_step_s": [round(m, 4) for m in means],
         "spread_s": [round(min(means), 4), round(max(means), 4)] if means else None,
-        "step_stdev_s": round(statistics.stdev(s for a in good for s in a["step_seconds"][args.skip:]), 4)
-        if sum(len(a["step_seconds"][args.skip:]) for a in good) > 1 else None,
+        "step_seconds": [a["step_seconds"] for a in good],
+        "steady_steps": [a["steady_steps"] for a in good],
+        "step_stdev_s": round(statistics.stdev(s for a in good for s in a["steady_seconds"]), 4)
+        if sum(len(a["steady_seconds"]) for a in good) > 1 else None,
         "profile_run": any(a.get("profile_run") for a in arms),
         "predicted_phases_s": {k: round(v, 4) for k, v in p.phases.items()} if p else None,
         "measured_phases_s": {k: round(statistics.fmean(a["phases_s"].get(k, 0.0) for a in good), 4)
