@@ -41,7 +41,10 @@ def _tps(devices_per_node: int, shards: bool = True) -> list[int]:
 
 
 def _overrides(cfg: RunConfig, pools: list[tuple[str, int, int]], placement: dict[str, str], tp: int,
-               pipelined: bool, shares: dict[str, str] | None = None) -> tuple[str, ...]:
+               pipelined: bool, shares: dict[str, str] | None = None, in_flight: bool = False) -> tuple[str, ...]:
+    """The keys that turn ``cfg`` into the map. The trainer's mode is always set: a config that spells
+    ``trainer.mode`` (a run's resolved ``config.json``) would otherwise refuse a pipelined map, or make a
+    colocated map an in-flight one."""
     names = [p for p, _, _ in pools]
     out = [f"pools.{p}=null" for p in cfg.pools if p not in names]
     for pool, nodes, per_node in pools:
@@ -50,6 +53,7 @@ def _overrides(cfg: RunConfig, pools: list[tuple[str, int, int]], placement: dic
     out += [f"roles.{role}.pool={pool}" for role, pool in placement.items()]
     out.append(f"roles.rollout.tensor_parallel={tp}")
     out.append(f"trainer.pipelined={'true' if pipelined else 'false'}")
+    out.append(f"trainer.mode={'async' if pipelined or in_flight else 'sync'}")
     if pipelined:
         out.append("trainer.max_staleness=1")
     return tuple(out)
@@ -64,10 +68,11 @@ def candidate_maps(cfg: RunConfig, nodes: int, per_node: int, rollout_tp: bool =
     colocated = [(MAIN, nodes, per_node)]
     for tp in _tps(per_node, rollout_tp):
         suffix = f" tp{tp}" if tp > 1 else ""
-        same = _overrides(cfg, colocated, {r: MAIN for r in roles}, tp, False)
-        out.append(Candidate(f"colocated {nodes}x{per_node}{suffix}", "colocated", tuple(colocated), tp, same))
+        placement = {r: MAIN for r in roles}
+        out.append(Candidate(f"colocated {nodes}x{per_node}{suffix}", "colocated", tuple(colocated), tp,
+                             _overrides(cfg, colocated, placement, tp, False)))
         out.append(Candidate(f"in-flight {nodes}x{per_node}{suffix}", "in_flight", tuple(colocated), tp,
-                             (*same, "trainer.mode=async")))
+                             _overrides(cfg, colocated, placement, tp, False, in_flight=True)))
     fractional = [(TRAIN, nodes, per_node), (GEN, nodes, per_node)]  # the rollout beside the trainers, pipelined
     for tp in _tps(per_node, rollout_tp):
         out.append(Candidate(f"fractional {nodes}x{per_node}" + (f" tp{tp}" if tp > 1 else ""), "fractional",
