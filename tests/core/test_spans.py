@@ -130,6 +130,22 @@ def test_report_draws_the_timeline_of_the_asked_step_with_busy_per_device(tmp_pa
     assert json.loads((tmp_path / "report" / "summary.json").read_text())["timeline"]["step"] == 4
 
 
+def test_the_timeline_shows_the_busy_fractions_the_run_sampled(tmp_path):
+    """A step whose devices were sampled (NVML) shows the logged fraction, not the spans' (a colocated device
+    runs some phase all step, so its spans say 1.0 while its GPU idled half of it); other steps keep the spans'."""
+    write_run(tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows[1] |= {"device/gen.0/busy": 0.9, "device/gen.1/busy": 0.8, "device/busy_sampled": 1.0}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_report(tmp_path, step=2)
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())["timeline"]
+    assert summary["busy_source"] == "sampled"
+    assert summary["devices"]["gen.0"]["busy_step"] == pytest.approx(0.9)
+    assert summary["devices"]["gen.1"]["busy_step"] == pytest.approx(0.8)
+    assert summary["devices"]["gen.0"]["busy_mean"] == pytest.approx((0.5 * 3 + 0.9) / 4)
+    assert summary["devices"]["train.1"]["busy_step"] == pytest.approx(0.5)  # not sampled: the spans'
+
+
 def test_report_rows_join_devices_that_did_the_same_past_the_metric_limit(tmp_path):
     spans = RunSpans({1: [Span(1, STEP, DRIVER, None, (), 0.0, 10.0),
                           Span(1, "gen", "rollout", "gen", tuple(range(32)), 0.0, 5.0)]}, {"gen": 32})

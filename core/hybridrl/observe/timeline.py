@@ -1,9 +1,12 @@
-"""The device timeline of ``hybridrl report``: one row per device, coloured by phase, for one step, beside each
-device's busy fraction over the run, all read from ``spans.jsonl`` (``hybridrl.observe.spans``)."""
+"""The device timeline of ``hybridrl report``: one row per device, coloured by phase, for one step, read from
+``spans.jsonl`` (``hybridrl.observe.spans``), beside each device's busy fraction over the run: the one the run
+logged (``device/<pool>.<rank>/busy`` in ``metrics.jsonl``, NVML-sampled where a worker sampled it), else the
+spans' (a device is busy while any phase runs on it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,8 @@ class RunSpans:
 
     steps: dict[int, list[Span]]
     pools: dict[str, int]  # pool -> ranks seen
+    logged: dict[int, dict[tuple[str, int], float]] = field(default_factory=dict)  # step -> NVML-sampled busy
+    sampled: bool = False  # whether any step's busy fractions were sampled (``device/busy_sampled``)
 
     @classmethod
     def read(cls, run: str | Path) -> RunSpans:
@@ -56,7 +61,8 @@ class RunSpans:
             for s in spans:
                 if s.pool is not None and s.ranks:
                     pools[s.pool] = max(pools.get(s.pool, 0), max(s.ranks) + 1)
-        return cls(dict(sorted(steps.items())), pools)
+        logged = sampled_busy_of(Path(run) / "metrics.jsonl")
+        return cls(dict(sorted(steps.items())), pools, logged, bool(logged))
 
     def pick(self, step: int | None, run: str | Path) -> int:
         """``step``, or the last one recorded; a step not recorded is a ``TimelineError`` naming those there are."""
@@ -79,8 +85,11 @@ class RunSpans:
         return min(s.start for s in spans), max(s.end for s in spans)
 
     def busy(self, step: int) -> dict[tuple[str, int], float]:
+        """Each device's busy fraction in ``step``: the sampled one the run logged, else the spans'."""
         lo, hi = self.window(step)
-        return busy_fractions(self.steps[step], self.pools, lo, hi)
+        logged = self.logged.get(step, {})
+        return {key: logged.get(key, value)
+                for key, value in busy_fractions(self.steps[step], self.pools, lo, hi).items()}
 
     def busy_by_device(self) -> dict[tuple[str, int], list[float]]:
         """Each device's busy fraction, step by step (in ``steps`` order)."""
@@ -89,6 +98,33 @@ class RunSpans:
             for key, value in self.busy(step).items():
                 out[key].append(value)
         return out
+
+
+def sampled_busy_of(metrics: Path) -> dict[int, dict[tuple[str, int], float]]:
+    """The busy fractions of the steps whose devices were sampled (``device/busy_sampled`` > 0), per device
+    (a joined label, ``main.0-63``, stands for each of its ranks); empty without such steps."""
+    out: dict[int, dict[tuple[str, int], float]] = {}
+    if not metrics.is_file():
+        return out
+    for line in metrics.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(row, dict) or not row.get("device/busy_sampled") or "step" not in row:
+            continue
+        devices: dict[tuple[str, int], float] = {}
+        for key, value in row.items():
+            if not (key.startswith("device/") and key.endswith("/busy")):
+                continue
+            pool, _, ranks = key[len("device/"):-len("/busy")].rpartition(".")
+            first, _, last = ranks.partition("-")
+            if not pool or not first.isdigit() or not (last or first).isdigit():
+                continue
+            for rank in range(int(first), int(last or first) + 1):
+                devices[(pool, rank)] = float(value)
+        out[int(row["step"])] = devices
+    return out
 
 
 def _signature(spans: list[Span], pool: str, rank: int) -> tuple[tuple[str, float, float], ...]:
@@ -114,7 +150,8 @@ def timeline_summary(spans: RunSpans, step: int) -> dict[str, Any]:
                        "busy_mean": sum(series) / len(series) if series else 0.0,
                        "busy_min": min(series, default=0.0), "busy_max": max(series, default=0.0)}
     lo, hi = spans.window(step)
-    return {"step": step, "step_s": hi - lo, "devices": rows}
+    return {"step": step, "step_s": hi - lo, "busy_source": "sampled" if spans.sampled else "spans",
+            "devices": rows}
 
 
 def phase_colors(phases: list[str]) -> dict[str, Any]:
@@ -165,7 +202,7 @@ def plot_timeline(spans: RunSpans, step: int, path: Path, figure: Any) -> None:
     image = heat.imshow(np.ma.masked_invalid(matrix), aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0,
                         interpolation="nearest", extent=(steps[0] - 0.5, steps[-1] + 0.5, len(labels) - 0.5, -0.5))
     heat.tick_params(labelleft=False)
-    heat.set(xlabel="step", title="busy fraction per step")
+    heat.set(xlabel="step", title="busy fraction per step" + (" (sampled)" if spans.sampled else " (spans)"))
     heat.xaxis.set_major_locator(MaxNLocator(integer=True))
     heat.axvline(step, color="white", linewidth=0.8, linestyle=":")
     fig.colorbar(image, ax=heat, fraction=0.08, label="busy")
