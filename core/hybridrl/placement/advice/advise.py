@@ -12,7 +12,7 @@ from typing import Any
 
 from hybridrl.config import ConfigError, RunConfig, load_config
 from hybridrl.placement.advice.candidates import Candidate, candidate_maps
-from hybridrl.placement.advice.predict import Prediction, predict
+from hybridrl.placement.advice.predict import TIME_SLICED_ERROR, Prediction, predict
 from hybridrl.placement.advice.profile import CostProfile
 from hybridrl.placement.memory import GIB
 from hybridrl.placement.plan import ClusterSpec
@@ -132,6 +132,16 @@ def rank_key(r: Ranked) -> tuple[float, int, int, int]:
             r.candidate.tp)
 
 
+def within_time_sliced_error(r: Ranked, best: Ranked) -> bool:
+    """Whether one of the two maps is fractional (time-sliced) and ``r`` is predicted within that model's
+    measured error of ``best``: there the ranking between them is not known, only measured."""
+    if r.prediction is None or best.prediction is None or r is best:
+        return False
+    if "time-sliced" not in (r.prediction.bound, best.prediction.bound):
+        return False
+    return r.prediction.step <= best.prediction.step * (1 + TIME_SLICED_ERROR)
+
+
 def why_it_loses(r: Ranked, best: Ranked) -> str:
     """The reasons a kept map is slower than the best, in the table's words."""
     p = r.prediction
@@ -139,6 +149,8 @@ def why_it_loses(r: Ranked, best: Ranked) -> str:
     reasons = []
     if best.prediction and p.samples_per_s >= (1 - TIE) * best.prediction.samples_per_s:
         reasons.append("ties the best (a simpler map ranks first)")
+    if best.prediction and within_time_sliced_error(r, best):
+        reasons.append(f"within the time-sliced model's error (±{TIME_SLICED_ERROR:.0%}) of the best: measure both")
     if p.bound == "time-sliced":
         reasons.append("rollout and trainers time-slice the GPU")
     elif r.candidate.kind not in ("colocated", "in_flight"):
@@ -193,6 +205,11 @@ def render(ranked: list[Ranked], profile: CostProfile, cluster: ClusterSpec) -> 
         lines.append("no candidate map fits: see the reasons above")
     else:
         lines.append(f"best: {best.candidate.name}: {' '.join(best.candidate.overrides)}")
+        close = [r.candidate.name for r in ranked[1:] if within_time_sliced_error(r, best)]
+        if close:
+            lines.append(f"note: {', '.join(close)} within the time-sliced model's error (±{TIME_SLICED_ERROR:.0%}) "
+                         f"of the best; which is faster depends on the host: measure both "
+                         f"(benchmarks/advice_validation.py --maps)")
         if best.candidate.kind in ("pipelined", "fractional"):
             lines.append("note: pipelined trains on batches at most 1 update stale (trainer.max_staleness=1)")
         elif best.candidate.kind == "in_flight":
