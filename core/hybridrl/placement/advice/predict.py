@@ -12,9 +12,9 @@ trainer runs them.
 * pipelined (staleness 1): the rollout generates step k+1 while step k trains: ``max(gen, train) + reshard``.
 * fractional (the rollout's pool on the trainers' devices, pipelined): both run at once on one GPU, which without
   MPS time-slices between the processes, so each side slows the other and the overlap buys about what the
-  slicing costs: ``(gen + train) x TIME_SLICED``. The factor is the mean of three one-GPU measurements against the
-  synchronous step's gen + train (0.86, 1.01 and 1.12, two workloads, two hosts: benchmarks/README.md); each of
-  them against the mean of the other two is 0.80-1.20x off, the ``TIME_SLICED_ERROR`` the table reports.
+  slicing costs: ``(gen + train) x TIME_SLICED``. The factor is the mean of the one-GPU measurements against the
+  synchronous step's gen + train (benchmarks/README.md, "the one-GPU maps against measured steps"), and
+  ``TIME_SLICED_ERROR`` how far each of them fell from the mean of the others: the band the table reports.
 
 A train phase is its tokens over the profiled rate x the pool's data-parallel devices (CPU slots capped by their
 node's cores), plus, on an FSDP pool of several ranks, its collectives over the pool's link (``fsdp_seconds``: the
