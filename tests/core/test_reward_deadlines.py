@@ -78,13 +78,15 @@ def test_a_pool_stops_a_hanging_reward_after_its_limit_not_after_the_batch():
     try:
         start = time.monotonic()
         with pytest.raises(ConsecutiveFailures) as err:
-            runner.run(items(["hang"] * 40))  # without the limit: 20 s (40 calls x 1 s over 2 processes)
+            runner.run(items(["hang"] * 40))  # without the limit each call sleeps 600 s
         took = time.monotonic() - start
     finally:
         runner.close()
     assert ("roles.reward.fn '_reward_helpers:flaky' failed 3 times in a row the same way (the last: timed out after "
             "1s (roles.reward.timeout_s))") in str(err.value)
-    assert took < 8, took  # two rounds of deadlines and the restarts of the killed processes
+    # two rounds of 1 s deadlines and the restarts of the killed processes: 3-10 s on 2 loaded cores; a minute
+    # still tells a limit that stopped the batch from one that waited for a hanging call
+    assert took < 60, took
 
 
 def test_inline_a_user_reward_past_its_deadline_scores_zero_and_the_batch_goes_on():
