@@ -345,15 +345,16 @@ PLOTS = {"reward": "reward.png", "response length": "response_length.png", "time
 EPISODES_PLOT = "episodes.png"  # multi-turn runs only
 
 
-def run_timeline(run: str | Path, step: int | None) -> tuple[Any, int] | None:
-    """The run's spans and the step to draw (``step``, default the last), or None for a run without spans
-    (an older run) when no step was asked for; a step asked of a run without it is a ``ReportError``."""
+def run_timeline(run: str | Path, step: int | None, rows: list[dict[str, Any]]) -> tuple[Any, int] | None:
+    """The run's spans (with the sampled busy fractions of its metric ``rows``) and the step to draw (``step``,
+    default the last), or None for a run without spans (an older run) when no step was asked for; a step asked of
+    a run without it is a ``ReportError``."""
     from hybridrl.observe.timeline import RunSpans, TimelineError, missing_spans
 
     if step is None and missing_spans(run) is not None:
         return None
     try:
-        spans = RunSpans.read(run)
+        spans = RunSpans.read(run, rows)
         return spans, spans.pick(step, run)
     except TimelineError as exc:
         raise ReportError(str(exc)) from None
@@ -374,7 +375,7 @@ def write_report(run: str | Path, out: str | Path | None = None, step: int | Non
 
     rows = load_metrics(run)
     config = load_run_config(run)
-    timeline = run_timeline(run, step)  # before anything is written: a missing step is refused
+    timeline = run_timeline(run, step, rows)  # before anything is written: a missing step is refused
     out_dir = Path(out) if out is not None else Path(run) / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {name: out_dir / name for name in PLOTS.values()}

@@ -5,7 +5,7 @@ spans' (a device is busy while any phase runs on it)."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,10 +45,15 @@ class RunSpans:
     steps: dict[int, list[Span]]
     pools: dict[str, int]  # pool -> ranks seen
     logged: dict[int, dict[tuple[str, int], float]] = field(default_factory=dict)  # step -> NVML-sampled busy
-    sampled: bool = False  # whether any step's busy fractions were sampled (``device/busy_sampled``)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether any step's busy fractions were sampled (``device/busy_sampled``)."""
+        return bool(self.logged)
 
     @classmethod
-    def read(cls, run: str | Path) -> RunSpans:
+    def read(cls, run: str | Path, metrics: Iterable[dict[str, Any]] = ()) -> RunSpans:
+        """The spans of ``run``, with the sampled busy fractions of its ``metrics`` rows (``load_metrics``)."""
         why = missing_spans(run)
         if why is not None:
             raise TimelineError(why)
@@ -61,8 +66,7 @@ class RunSpans:
             for s in spans:
                 if s.pool is not None and s.ranks:
                     pools[s.pool] = max(pools.get(s.pool, 0), max(s.ranks) + 1)
-        logged = sampled_busy_of(Path(run) / "metrics.jsonl")
-        return cls(dict(sorted(steps.items())), pools, logged, bool(logged))
+        return cls(dict(sorted(steps.items())), pools, sampled_busy_of(metrics))
 
     def pick(self, step: int | None, run: str | Path) -> int:
         """``step``, or the last one recorded; a step not recorded is a ``TimelineError`` naming those there are."""
@@ -100,18 +104,12 @@ class RunSpans:
         return out
 
 
-def sampled_busy_of(metrics: Path) -> dict[int, dict[tuple[str, int], float]]:
+def sampled_busy_of(metrics: Iterable[dict[str, Any]]) -> dict[int, dict[tuple[str, int], float]]:
     """The busy fractions of the steps whose devices were sampled (``device/busy_sampled`` > 0), per device
     (a joined label, ``main.0-63``, stands for each of its ranks); empty without such steps."""
     out: dict[int, dict[tuple[str, int], float]] = {}
-    if not metrics.is_file():
-        return out
-    for line in metrics.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(row, dict) or not row.get("device/busy_sampled") or "step" not in row:
+    for row in metrics:
+        if not row.get("device/busy_sampled") or "step" not in row:
             continue
         devices: dict[tuple[str, int], float] = {}
         for key, value in row.items():

@@ -149,7 +149,7 @@ def why_it_loses(r: Ranked, best: Ranked) -> str:
     reasons = []
     if best.prediction and p.samples_per_s >= (1 - TIE) * best.prediction.samples_per_s:
         reasons.append("ties the best (a simpler map ranks first)")
-    if best.prediction and within_time_sliced_error(r, best):
+    if within_time_sliced_error(r, best):
         reasons.append(f"within the time-sliced model's error (±{TIME_SLICED_ERROR:.0%}) of the best: measure both")
     if p.bound == "time-sliced":
         reasons.append("rollout and trainers time-slice the GPU")
