@@ -43,6 +43,10 @@ from model_sizes import SHAPES, ensure_model, train_run, workload_config  # noqa
 
 #: keys every run gets: a fresh folder, no checkpoints, metrics as JSON lines only
 RUN_KEYS = ["trainer.save_every=0", "trainer.trackers=[jsonl]", "trainer.progress=false"]
+#: the file in a run folder that names its arm (``arm_key``), for ``--reuse``
+ARM_KEY = "advice_arm.json"
+#: what the generation did, kept beside the phases: the rounds, tokens resumed, thrown away and carried in flight
+ROLLOUT_METRICS = ("rollout/", "async/", "gen/")
 #: the phases compared per row (measured ``timing/<phase>`` means beside the predicted seconds)
 PHASES = ("wake", "gen", "sleep", "ref", "old_log_prob", "values", "update_critic", "update_actor", "reshard")
 
@@ -92,14 +96,24 @@ def workload_file(args: argparse.Namespace, size: str, workdir: Path) -> Path:
 
 
 # --- one run --------------------------------------------------------------------------------------------------
-def run_arm(config: Path, overrides: list[str], steps: int, skip: int, out: Path, timeout: float
-            ) -> dict[str, Any]:
+def run_arm(config: Path, overrides: list[str], steps: int, skip: int, out: Path, timeout: float,
+            reuse: bool = False) -> dict[str, Any]:
     """Train ``config`` with ``overrides`` into ``out`` (made fresh) and read its steps back: the mean step after
-    ``skip``, every step's seconds, the phases' means; ``error`` when it failed or finished fewer steps."""
-    shutil.rmtree(out, ignore_errors=True)
-    code, log, wall = train_run(config, [*overrides, f"trainer.steps={steps}", f"trainer.out={out}", *RUN_KEYS],
-                                timeout)
-    rows = read_metrics(out)
+    ``skip``, every step's seconds, the phases' means; ``error`` when it failed or finished fewer steps. With
+    ``reuse``, a folder that already holds this arm's finished steps (same config, overrides, steps) is read
+    instead of trained again: a second call on the same GPU host measures new maps against the same profile."""
+    key = arm_key(config, overrides, steps)
+    rows = read_metrics(out) if reuse and _read_json(out / ARM_KEY) == key else []
+    if reuse and len(rows) >= steps:  # the same arm, finished by an earlier call on this machine
+        print(f"  reusing {out} ({len(rows)} steps)", flush=True)
+        code, log, wall = 0, "", 0.0
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        code, log, wall = train_run(config, [*overrides, f"trainer.steps={steps}", f"trainer.out={out}",
+                                             *RUN_KEYS], timeout)
+        rows = read_metrics(out)
+        if out.is_dir():
+            (out / ARM_KEY).write_text(json.dumps(key))
     result: dict[str, Any] = {"folder": str(out), "wall_s": round(wall, 1), "returncode": code,
                               "step_seconds": [round(r["timing/step"], 4) for r in rows if "timing/step" in r]}
     later = steady_steps(rows, skip)
@@ -109,12 +123,33 @@ def run_arm(config: Path, overrides: list[str], steps: int, skip: int, out: Path
         result["steady_steps"] = [r["step"] for r in later]
         result["phases_s"] = {p: statistics.fmean(r.get(f"timing/{p}", 0.0) for r in later) for p in PHASES
                               if any(f"timing/{p}" in r for r in later)}
+        result["rollout"] = {k: statistics.fmean(r.get(k, 0.0) for r in later) for k in sorted(
+            {k for r in later for k in r if k.startswith(ROLLOUT_METRICS)})}
     if code != 0 or len(rows) < steps or not later:
         what = "timed out" if code == -1 else f"exit status {code}"
-        tail = [line for line in log.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
-        result["error"] = f"{what}, {len(rows)} of {steps} steps: {tail[0][-300:]}"
+        result["error"] = f"{what}, {len(rows)} of {steps} steps: {error_line(log)[-300:]}"
         result["log_tail"] = log[-3000:]
     return result
+
+
+def error_line(log: str) -> str:
+    """The log's last line that names an error (a run's last line is often a hint printed after it), else its
+    last line."""
+    lines = [line.strip() for line in log.strip().splitlines() if line.strip()] or ["(no output)"]
+    return next((line for line in reversed(lines) if "Error" in line or "error:" in line), lines[-1])
+
+
+def arm_key(config: Path, overrides: list[str], steps: int) -> dict[str, Any]:
+    """What makes two runs the same arm: the config's text, the overrides and the step count."""
+    return {"config": config.read_text() if config.is_file() else str(config), "overrides": list(overrides),
+            "steps": steps}
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def steady_steps(rows: list[dict[str, Any]], skip: int) -> list[dict[str, Any]]:
@@ -268,6 +303,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "advice_validation.json"))
     parser.add_argument("--workdir", default=None, help="run folders and built models (default: a fresh temp)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for one run")
+    parser.add_argument("--reuse", action="store_true",
+                        help="read a run folder in --workdir that already finished the same arm instead of "
+                             "training it again (a second call on the same machine)")
     parser.add_argument("--model-path", default=None, help="a model-shape config: use this model folder")
     parser.add_argument("--backend", default="vllm", help="a model-shape config: the rollout backend")
     parser.add_argument("--prompts", type=int, default=STANDARD["prompts"])
@@ -306,8 +344,9 @@ def main() -> None:
           f"(skip {args.skip}) x {args.rounds} round(s); runs in {workdir}", flush=True)
 
     start = time.perf_counter()
+    out = Path(args.out)
     profile_dir = workdir / "profile"
-    profile_run = run_arm(config, overrides, args.steps, args.skip, profile_dir, args.timeout)
+    profile_run = run_arm(config, overrides, args.steps, args.skip, profile_dir, args.timeout, args.reuse)
     print(f"profile: {profile_run.get('mean_step_s', float('nan')):.3f} s a step ({profile_run['wall_s']} s)",
           flush=True)
     context: dict[str, Any] = {"device": device, "workload": workload, "command": command, "config": str(given),
@@ -321,13 +360,24 @@ def main() -> None:
         error = profile_run.get("error") or f"{type(exc).__name__}: {exc}"
         context["error"] = error
         rows.append({"device": device, "map": "(profile)", "workload": workload, "predicted_step_s": None,
-                     "measured_step_s": profile_run.get("mean_step_s"), "error": error[:500]})
+                     "measured_step_s": profile_run.get("mean_step_s"), "error": error[:500],
+                     "log_tail": profile_run.get("log_tail", "")})
         ranked, profile, own = [], None, None
     if ranked:
         mine = signature(own.cfg, own.plan) if own is not None and own.plan is not None else None
         context["profile"] = {k: v for k, v in vars(profile).items() if k not in ("bandwidth",)}
         chosen = choose(ranked, [m.strip() for m in args.maps.split(",") if m.strip()], args.device)
         measured: dict[str, list[dict[str, Any]]] = {r.candidate.name: [] for r in chosen}
+
+        def rows_so_far() -> list[dict[str, Any]]:
+            """The rows of the maps measured so far (the profile's own map first when it is no candidate)."""
+            done: list[dict[str, Any]] = []
+            if mine is not None and not any(a.get("profile_run") for arms in measured.values() for a in arms):
+                done.append(row_of(as_given(own, profile), [{**profile_run, "profile_run": True}], device,
+                                   workload, command, args))
+            return done + [row_of(r, measured[r.candidate.name], device, workload, command, args)
+                           for r in chosen if measured[r.candidate.name]]
+
         for round_no in range(args.rounds):
             for r in chosen:
                 name = r.candidate.name
@@ -337,21 +387,22 @@ def main() -> None:
                     continue
                 folder = workdir / f"{name.replace(' ', '_').replace(':', '-')}-{round_no}"
                 arm = run_arm(config, [*overrides, *r.candidate.overrides], args.steps, args.skip, folder,
-                              args.timeout)
+                              args.timeout, args.reuse)
                 print(f"  {name} round {round_no + 1}: {arm.get('mean_step_s', float('nan')):.3f} s a step "
                       f"({arm['wall_s']} s){'  ' + arm['error'] if 'error' in arm else ''}", flush=True)
                 measured[name].append(arm)
-        if mine is not None and not any(a.get("profile_run") for arms in measured.values() for a in arms):
-            given_map = as_given(own, profile)
-            rows.append(row_of(given_map, [{**profile_run, "profile_run": True}], device, workload, command, args))
-        for r in chosen:
-            rows.append(row_of(r, measured[r.candidate.name], device, workload, command, args))
-    context["wall_s"] = round(time.perf_counter() - start, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(merge(out, rows, context), indent=2) + "\n")
+                write_rows(out, rows_so_far(), context, start)  # a call cut short keeps the maps it measured
+        rows += rows_so_far()
+    write_rows(out, rows, context, start)
     print(table(rows))
     print(f"wrote {out} ({context['wall_s']} s)")
+
+
+def write_rows(out: Path, rows: list[dict[str, Any]], context: dict[str, Any], start: float) -> None:
+    """Merge ``rows`` into the result file ``out`` (``merge``), with the time spent so far in ``context``."""
+    context["wall_s"] = round(time.perf_counter() - start, 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(merge(out, rows, context), indent=2) + "\n")
 
 
 def row_of(r: Any, arms: list[dict[str, Any]], device: str, workload: str, command: str,
@@ -375,6 +426,8 @@ def row_of(r: Any, arms: list[dict[str, Any]], device: str, workload: str, comma
         "predicted_phases_s": {k: round(v, 4) for k, v in p.phases.items()} if p else None,
         "measured_phases_s": {k: round(statistics.fmean(a["phases_s"].get(k, 0.0) for a in good), 4)
                               for k in PHASES if any(k in a.get("phases_s", {}) for a in good)} if good else None,
+        "measured_rollout": {k: round(statistics.fmean(a.get("rollout", {}).get(k, 0.0) for a in good), 4)
+                             for k in sorted({k for a in good for k in a.get("rollout", {})})} if good else None,
         "command": command,
     }
     if p is None:

@@ -73,10 +73,11 @@ case $step in
         python3 benchmarks/model_sizes.py --workdir /tmp/timeline --out-dir "$OUT" --log-dir "$OUT" "$@"
         for run in /tmp/timeline/run-*; do report_run "$run" "$(basename "$run")"; done ;;
   advice)  # the advisor's predicted steps against measured ones on this GPU (benchmarks/advice_validation.py): the
-        # config profiled as given, then each map of --maps; the profile run's timeline (report_run)
-        rm -rf /tmp/advice
+        # config profiled as given, then each map of --maps; the profile run's timeline (report_run; REPORT=0: none).
+        # With --reuse, the runs an earlier call left in /tmp/advice are read, not trained again.
+        [[ " $* " == *" --reuse "* ]] || rm -rf /tmp/advice
         python3 benchmarks/advice_validation.py --out "$OUT/advice_validation.json" --workdir /tmp/advice "$@"
-        [ -d /tmp/advice/profile ] && report_run /tmp/advice/profile advice_profile ;;
+        [ "${REPORT:-1}" != 0 ] && [ -d /tmp/advice/profile ] && report_run /tmp/advice/profile advice_profile ;;
   long-tail)  # reasoning-length GRPO steps, one arm per scheduling mode (benchmarks/long_tail.py); REPORT=1 also
         # draws each arm's timeline (report_run)
         python3 benchmarks/long_tail.py --out-dir "$OUT" --log-dir "$OUT" "$@"

@@ -39,3 +39,47 @@ def _map(mode: str, pipelined: bool = False):
 def test_an_in_flight_map_is_not_its_synchronous_twin():
     assert advice_validation.signature(*_map("sync")) != advice_validation.signature(*_map("async"))
     assert advice_validation.signature(*_map("sync")) == advice_validation.signature(*_map("sync"))
+
+
+def _finished_arm(tmp_path: Path, monkeypatch, steps: int) -> tuple[Path, Path, list]:
+    """A config and a run folder holding ``steps`` steps of it, left by a first ``run_arm`` (``train_run`` writes
+    the metrics as a run would); the list collects each training ``run_arm`` starts."""
+    config = tmp_path / "config.json"
+    config.write_text('{"model": {"path": "m"}}')
+    trained: list = []
+
+    def train_run(cfg, overrides, timeout):
+        trained.append(overrides)
+        out = Path(next(o for o in overrides if o.startswith("trainer.out="))[len("trainer.out="):])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.jsonl").write_text("\n".join(f'{{"step": {n}, "timing/step": 2.0}}' for n in
+                                                     range(1, steps + 1)))
+        return 0, "", 5.0
+
+    monkeypatch.setattr(advice_validation, "train_run", train_run)
+    folder = tmp_path / "profile"
+    advice_validation.run_arm(config, ["a=1"], steps, 1, folder, 60.0)
+    return config, folder, trained
+
+
+def test_reuse_reads_a_finished_arm_instead_of_training_it_again(tmp_path, monkeypatch):
+    config, folder, trained = _finished_arm(tmp_path, monkeypatch, steps=3)
+    again = advice_validation.run_arm(config, ["a=1"], 3, 1, folder, 60.0, reuse=True)
+    assert len(trained) == 1 and again["steady_steps"] == [2, 3] and "error" not in again
+
+
+@pytest.mark.parametrize("change", ["overrides", "steps", "config"])
+def test_reuse_trains_again_when_the_arm_differs(tmp_path, monkeypatch, change):
+    config, folder, trained = _finished_arm(tmp_path, monkeypatch, steps=3)
+    overrides, steps = (["a=2"] if change == "overrides" else ["a=1"]), (4 if change == "steps" else 3)
+    if change == "config":
+        config.write_text('{"model": {"path": "other"}}')
+    advice_validation.run_arm(config, overrides, steps, 1, folder, 60.0, reuse=True)
+    assert len(trained) == 2
+
+
+def test_a_failed_runs_error_is_the_line_that_names_it_not_the_closing_hint():
+    log = ("step 1 ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+           "  No checkpoint was saved (set trainer.save_every to save one every N steps).\n")
+    assert advice_validation.error_line(log).startswith("torch.OutOfMemoryError")
+    assert advice_validation.error_line("just a line\n") == "just a line"
