@@ -143,10 +143,14 @@ def test_the_recorded_ppo_profile_predicts_its_own_step():
     rows = [json.loads(line) for line in (RECORDED_PPO / "metrics.jsonl").read_text().splitlines()][1:]
     measured = sum(r["timing/step"] for r in rows) / len(rows)
     kept = {r.candidate.name: r for r in _ppo_ranked(profile, 1, 1) if r.prediction is not None}
-    # in flight ties colocated (the same tokens); time-sliced fractional is within its model's error of both
+    # in flight: the colocated step with its generation IN_FLIGHT_GEN times as long, within that model's error
+    from hybridrl.placement.advice.predict import IN_FLIGHT_GEN
+
     assert set(kept) == {"colocated 1x1", "in-flight 1x1", "fractional 1x1"}
-    assert kept["in-flight 1x1"].prediction.step == pytest.approx(kept["colocated 1x1"].prediction.step)
-    assert "measure both" in (kept["colocated 1x1"].why + kept["fractional 1x1"].why)
+    colocated, in_flight = kept["colocated 1x1"].prediction, kept["in-flight 1x1"].prediction
+    assert in_flight.phases["gen"] == pytest.approx(colocated.phases["gen"] * IN_FLIGHT_GEN)
+    assert in_flight.step == pytest.approx(colocated.step + in_flight.phases["gen"] - colocated.phases["gen"])
+    assert "measure both" in kept["in-flight 1x1"].why
     ranked = kept["colocated 1x1"]
     p = ranked.prediction
     assert p.step == pytest.approx(measured, rel=0.2)
@@ -333,25 +337,26 @@ def test_the_step_adds_serial_phases_and_overlaps_pipelined_ones():
     assert pipelined.step < split.step
     assert split.samples_per_s == pytest.approx(16 * 16 / split.step)  # quickstart: 16 prompts x 16 samples
     # fractional: the trainers' and the rollout's processes on the same devices time-slice them
-    from hybridrl.placement.advice.predict import TIME_SLICED
+    from hybridrl.placement.advice.predict import TIME_SLICED_GEN, TIME_SLICED_TRAIN
 
     fractional = ranked["fractional 1x2"]
     f = fractional.phases
     assert "wake" not in f and fractional.bound == "time-sliced"
-    assert fractional.step == pytest.approx((f["gen"] + f.get("ref", 0.0) + f["update_actor"]) * TIME_SLICED
-                                            + f["reshard"] + f["fixed"])
+    gen, train = f["gen"], f.get("ref", 0.0) + f["update_actor"]
+    sliced = max(gen, train, TIME_SLICED_GEN * gen + TIME_SLICED_TRAIN * train)
+    assert fractional.step == pytest.approx(sliced + f["reshard"] + f["fixed"])
 
 
 def test_groups_in_flight_are_a_colocated_candidate_for_a_rollout_that_resumes(capsys):
     """Each colocated map also with ``trainer.mode=async`` (partial rollouts), predicted as the synchronous step
-    (the cost model counts a step's mean response length: no tail to cut); a rollout backend without ``partial``
-    has it dropped by the pre-flight, with the key."""
+    with its generation as long as measured in flight (the cost model counts a step's mean response length: no
+    tail to cut); a rollout backend without ``partial`` has it dropped by the pre-flight, with the key."""
     ranked = _quickstart_maps(fit_profile(RECORDED))
     colocated, in_flight = ranked["colocated 1x2"], ranked["in-flight 1x2"]
     assert in_flight.candidate.kind == "in_flight" and "trainer.mode=async" in in_flight.candidate.overrides
     assert in_flight.prediction is not None and colocated.prediction is not None
-    assert in_flight.prediction.step == pytest.approx(colocated.prediction.step)
-    assert "no tail to cut" in in_flight.why
+    assert in_flight.prediction.step > colocated.prediction.step
+    assert "no tail to cut" in in_flight.why and "measure both" in in_flight.why
     status = main(["plan", str(QWEN7B), "roles.rollout.backend=sglang", "--advise", "--cluster", "1x2",
                    "--skip-engine-check"])
     out = capsys.readouterr().out

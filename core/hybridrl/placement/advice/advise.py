@@ -12,7 +12,7 @@ from typing import Any
 
 from hybridrl.config import ConfigError, RunConfig, load_config
 from hybridrl.placement.advice.candidates import Candidate, candidate_maps
-from hybridrl.placement.advice.predict import TIME_SLICED_ERROR, Prediction, predict
+from hybridrl.placement.advice.predict import MODEL_ERROR, Prediction, predict
 from hybridrl.placement.advice.profile import CostProfile
 from hybridrl.placement.memory import GIB
 from hybridrl.placement.plan import ClusterSpec
@@ -132,14 +132,20 @@ def rank_key(r: Ranked) -> tuple[float, int, int, int]:
             r.candidate.tp)
 
 
-def within_time_sliced_error(r: Ranked, best: Ranked) -> bool:
-    """Whether one of the two maps is fractional (time-sliced) and ``r`` is predicted within that model's
-    measured error of ``best``: there the ranking between them is not known, only measured."""
+def model_error(r: Ranked, best: Ranked) -> float | None:
+    """The error band of the one-GPU model (``MODEL_ERROR``: fractional, in flight) that predicted ``r`` or
+    ``best``, where ``r`` is predicted within it of ``best``: there the ranking between them is not known, only
+    measured; None elsewhere."""
     if r.prediction is None or best.prediction is None or r is best:
-        return False
-    if "time-sliced" not in (r.prediction.bound, best.prediction.bound):
-        return False
-    return r.prediction.step <= best.prediction.step * (1 + TIME_SLICED_ERROR)
+        return None
+    bands = [MODEL_ERROR[k] for k in (r.candidate.kind, best.candidate.kind) if k in MODEL_ERROR]
+    if not bands or r.prediction.step > best.prediction.step * (1 + max(bands)):
+        return None
+    return max(bands)
+
+
+def _measure_both(band: float) -> str:
+    return f"within the one-GPU model's measured error (±{band:.0%}) of the best"
 
 
 def why_it_loses(r: Ranked, best: Ranked) -> str:
@@ -149,8 +155,9 @@ def why_it_loses(r: Ranked, best: Ranked) -> str:
     reasons = []
     if best.prediction and p.samples_per_s >= (1 - TIE) * best.prediction.samples_per_s:
         reasons.append("ties the best (a simpler map ranks first)")
-    if within_time_sliced_error(r, best):
-        reasons.append(f"within the time-sliced model's error (±{TIME_SLICED_ERROR:.0%}) of the best: measure both")
+    band = model_error(r, best)
+    if band is not None:
+        reasons.append(f"{_measure_both(band)}: measure both")
     if p.bound == "time-sliced":
         reasons.append("rollout and trainers time-slice the GPU")
     elif r.candidate.kind not in ("colocated", "in_flight"):
@@ -161,7 +168,7 @@ def why_it_loses(r: Ranked, best: Ranked) -> str:
     else:
         reasons.append("phases take turns")
     if r.candidate.kind == "in_flight":
-        reasons.append("decodes a synchronous step's tokens (the cost model has no tail to cut)")
+        reasons.append("rounds in flight decode slower (the cost model has no tail to cut)")
     for pool, share in p.busy.items():
         if share < IDLE:
             reasons.append(f"idle {pool} pool")
@@ -205,11 +212,10 @@ def render(ranked: list[Ranked], profile: CostProfile, cluster: ClusterSpec) -> 
         lines.append("no candidate map fits: see the reasons above")
     else:
         lines.append(f"best: {best.candidate.name}: {' '.join(best.candidate.overrides)}")
-        close = [r.candidate.name for r in ranked[1:] if within_time_sliced_error(r, best)]
+        close = {r.candidate.name: band for r in ranked[1:] if (band := model_error(r, best)) is not None}
         if close:
-            lines.append(f"note: {', '.join(close)} within the time-sliced model's error (±{TIME_SLICED_ERROR:.0%}) "
-                         f"of the best; which is faster depends on the host: measure both "
-                         f"(benchmarks/advice_validation.py --maps)")
+            lines.append(f"note: {', '.join(close)} {_measure_both(max(close.values()))}; which is faster depends "
+                         f"on the host and the shape: measure both (benchmarks/advice_validation.py --maps)")
         if best.candidate.kind in ("pipelined", "fractional"):
             lines.append("note: pipelined trains on batches at most 1 update stale (trainer.max_staleness=1)")
         elif best.candidate.kind == "in_flight":

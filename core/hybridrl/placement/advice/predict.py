@@ -3,18 +3,20 @@ trainer runs them.
 
 * colocated: the phases take turns on every device: ``wake + gen + sleep + ref + old_log_prob + update + reshard``
   (``old_log_prob`` only where the trainer runs it: more than one optimizer step a batch, or KL in the reward).
-* in flight (colocated, ``trainer.mode=async``): the same turns. Groups in flight decode the same tokens a step,
-  and the decode rounds here already count the mean response length, not the longest (a tail that costs the
-  synchronous step rounds is not in the model), so it is predicted as the synchronous step: on a host-bound engine
-  it measured 1.02x of it (``benchmarks/results/long_tail_0.5b_80gib.json``).
+* in flight (colocated, ``trainer.mode=async``): the same turns, the generation ``IN_FLIGHT_GEN`` times as long.
+  The cost model's decode rounds count the mean response length, not the longest (a tail that costs the
+  synchronous step rounds is not in the model), yet the rounds in flight measured slower than the synchronous
+  generation on one GPU at every shape tried: the factor is fitted from those steps.
 * split (sync): the train pool waits for the whole batch and the rollout for the new weights, so the step is
   still the sum (without wake and sleep); the split's gain is more devices per phase and no time-sharing of memory.
 * pipelined (staleness 1): the rollout generates step k+1 while step k trains: ``max(gen, train) + reshard``.
 * fractional (the rollout's pool on the trainers' devices, pipelined): both run at once on one GPU, which without
-  MPS time-slices between the processes, so each side slows the other and the overlap buys about what the
-  slicing costs: ``(gen + train) x TIME_SLICED``. The factor is the mean of the one-GPU measurements against the
-  synchronous step's gen + train (benchmarks/README.md, "the one-GPU maps against measured steps"), and
-  ``TIME_SLICED_ERROR`` how far each of them fell from the mean of the others: the band the table reports.
+  MPS time-slices between the processes: the trainer slows while the engine decodes beside it, and only part of
+  the generation stays in the step: ``max(gen, train, TIME_SLICED_GEN x gen + TIME_SLICED_TRAIN x train)``.
+
+Both one-GPU models are fitted from measured steps by ``benchmarks/fit_one_gpu_maps.py`` (benchmarks/README.md,
+"the one-GPU maps against measured steps"); ``TIME_SLICED_ERROR`` and ``IN_FLIGHT_ERROR`` are the largest error
+of a measured step predicted by the factors fitted without it: the band in which the advisor says "measure both".
 
 A train phase is its tokens over the profiled rate x the pool's data-parallel devices (CPU slots capped by their
 node's cores), plus, on an FSDP pool of several ranks, its collectives over the pool's link (``fsdp_seconds``: the
@@ -38,10 +40,17 @@ from hybridrl.placement.advice.candidates import Candidate
 from hybridrl.placement.advice.profile import DEFAULT_CONCURRENCY, CostProfile
 from hybridrl.placement.memory import DTYPE_BYTES
 
-#: a fractional step over the synchronous one's gen + train seconds, both measured on one GPU (see the docstring)
-TIME_SLICED = 1.0
-#: how far a measured fractional step fell from that factor's prediction, out of sample (see the docstring)
-TIME_SLICED_ERROR = 0.2
+#: a fractional step: max(gen, train, TIME_SLICED_GEN x gen + TIME_SLICED_TRAIN x train) (see the docstring)
+TIME_SLICED_GEN = 0.48
+TIME_SLICED_TRAIN = 2.02
+#: how far a measured fractional step fell from the factors' prediction, out of sample (see the docstring)
+TIME_SLICED_ERROR = 0.10
+#: an in-flight step's generation over the synchronous one's (see the docstring)
+IN_FLIGHT_GEN = 1.28
+#: how far a measured in-flight step fell from that factor's prediction, out of sample
+IN_FLIGHT_ERROR = 0.30
+#: each one-GPU model's error band, by the candidate kind it predicts
+MODEL_ERROR = {"fractional": TIME_SLICED_ERROR, "in_flight": IN_FLIGHT_ERROR}
 #: the phases on the train side of a step (after the batch is generated, before the reshard)
 TRAIN_PHASES = ("ref", "old_log_prob", "values", "update_critic", "update_actor")
 #: the train backend whose collectives ``fsdp_collectives`` counts (``hybridrl_fsdp``)
@@ -164,6 +173,11 @@ def reshard_seconds(profile: CostProfile, plan: Any, reshard: Any) -> float:
     return (profile.reshard_fixed + seconds) * reshard.syncs_per_step
 
 
+def time_sliced(gen: float, train: float) -> float:
+    """The seconds of ``gen`` and ``train`` run at once on the same GPUs (a fractional map; see the docstring)."""
+    return max(gen, train, TIME_SLICED_GEN * gen + TIME_SLICED_TRAIN * train)
+
+
 def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfile, reshard: Any = None,
             shape: Any = None) -> Prediction:
     """The step of ``cfg`` (the candidate's config) placed by ``plan`` (its ``PlacementPlan``); ``shape`` (the
@@ -178,6 +192,8 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
     replicas = max(1, gen_devices // tp)
     concurrency = int((cfg.roles.rollout.options or {}).get("max_num_seqs") or DEFAULT_CONCURRENCY)
     phases = {"gen": profile.gen_seconds(math.ceil(sequences / replicas), length, concurrency, tp)}
+    if candidate.kind == "in_flight":
+        phases["gen"] *= IN_FLIGHT_GEN
 
     def train_phase(role: str, tps: float, backward: bool) -> float:
         work = tokens * (epochs if backward else 1) / (tps * data_parallel_devices(profile, plan, role))
@@ -203,7 +219,7 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
         step = max(gen, train) + phases["reshard"] + profile.fixed
         bound = "gen" if gen >= train else "train"
     elif candidate.kind == "fractional":
-        step = (gen + train) * TIME_SLICED + phases["reshard"] + profile.fixed
+        step = time_sliced(gen, train) + phases["reshard"] + profile.fixed
         bound = "time-sliced"
     else:
         step = gen + train + phases["reshard"] + profile.fixed

@@ -1,0 +1,156 @@
+"""The advisor's one-GPU factors fitted from measured steps (``benchmarks/results/advice_validation.json``).
+
+Two maps on one GPU are not the sum of the profile's phases, and their cost is measured, not derived:
+
+* fractional (rollout and trainers resident on the same GPU, pipelined): the two processes time-slice the GPU.
+  The step is fitted as ``a x gen + b x train`` (each the synchronous step's phase, the rollout's without wake
+  and sleep), never less than the longer of the two: the trainer slows while the engine decodes beside it (b),
+  and only part of the generation stays in the step (a).
+* in flight (``trainer.mode=async``): the synchronous step with its generation ``k`` times as long.
+
+For each (device, workload) with a synchronous colocated row (the profile run, whose measured phases the
+prediction was fitted from), the fractional and in-flight rows give one equation each. The factors minimise the
+relative error; each row's error is also given out of sample (fitted without that row): ``*_ERROR`` in
+``hybridrl.placement.advice.predict`` is the largest such error, the band in which the advisor says "measure
+both". Prints the table and writes ``--out`` (``benchmarks/results/one_gpu_maps_fit.json``).
+
+    python benchmarks/fit_one_gpu_maps.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+#: the train side of a step (hybridrl.placement.advice.predict.TRAIN_PHASES)
+TRAIN_PHASES = ("ref", "old_log_prob", "values", "update_critic", "update_actor")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured map beside its synchronous twin: ``gen`` and ``train`` seconds of the synchronous step,
+    ``rest`` what the prediction adds besides them (the map's reshard and fixed work, or for in flight the whole
+    synchronous prediction less its gen), ``measured`` the map's step."""
+
+    device: str
+    workload: str
+    map: str
+    gen: float
+    train: float
+    rest: float
+    measured: float
+
+
+def points(rows: list[dict[str, Any]], kind: str) -> list[Point]:
+    """The rows of ``kind`` ("fractional" or "in_flight") measured on a GPU beside a synchronous colocated row of
+    the same device and workload."""
+    out = []
+    for r in rows:
+        if r.get("kind") != kind or r.get("error") or not r.get("measured_step_s") or "cpu" in r["device"]:
+            continue
+        sync = next((s for s in rows if s.get("kind") == "colocated" and s.get("profile_run") and not s.get("error")
+                     and (s["device"], s["workload"]) == (r["device"], r["workload"])), None)
+        if sync is None:
+            continue
+        phases = sync["measured_phases_s"]
+        gen, train = phases.get("gen", 0.0), sum(phases.get(p, 0.0) for p in TRAIN_PHASES)
+        pred = r["predicted_phases_s"]
+        if kind == "fractional":
+            rest = pred.get("reshard", 0.0) + pred.get("fixed", 0.0)
+        else:
+            rest = sync["predicted_step_s"] - sync["predicted_phases_s"]["gen"]
+            gen = sync["predicted_phases_s"]["gen"]
+        out.append(Point(r["device"], r["workload"], r["map"], gen, train, rest, r["measured_step_s"]))
+    return out
+
+
+# --- the models -------------------------------------------------------------------------------------------------
+def time_sliced(p: Point, a: float, b: float) -> float:
+    return max(p.gen, p.train, a * p.gen + b * p.train) + p.rest
+
+
+def in_flight(p: Point, k: float) -> float:
+    return k * p.gen + p.rest
+
+
+def fit_time_sliced(pts: list[Point]) -> tuple[float, float]:
+    """``a, b`` minimising the relative squared error of ``a x gen + b x train`` against ``measured - rest``."""
+    w = [1.0 / p.measured**2 for p in pts]
+    y = [p.measured - p.rest for p in pts]
+    sgg = sum(wi * p.gen * p.gen for wi, p in zip(w, pts))
+    stt = sum(wi * p.train * p.train for wi, p in zip(w, pts))
+    sgt = sum(wi * p.gen * p.train for wi, p in zip(w, pts))
+    sgy = sum(wi * p.gen * yi for wi, p, yi in zip(w, pts, y))
+    sty = sum(wi * p.train * yi for wi, p, yi in zip(w, pts, y))
+    det = sgg * stt - sgt * sgt
+    if len(pts) < 2 or abs(det) < 1e-12:
+        raise ValueError(f"the time-sliced fit needs two measured maps of different gen:train shares ({len(pts)})")
+    return (sgy * stt - sty * sgt) / det, (sty * sgg - sgy * sgt) / det
+
+
+def fit_in_flight(pts: list[Point]) -> float:
+    """``k`` minimising the relative squared error of ``k x gen + rest`` against ``measured``."""
+    if not pts:
+        raise ValueError("the in-flight fit needs a measured in-flight map")
+    w = [1.0 / p.measured**2 for p in pts]
+    numerator = sum(wi * p.gen * (p.measured - p.rest) for wi, p in zip(w, pts))
+    return numerator / sum(wi * p.gen**2 for wi, p in zip(w, pts))
+
+
+def evaluate(pts: list[Point], fit, model) -> tuple[Any, list[dict[str, Any]]]:
+    """The fit over every point, and each point predicted in sample and out of sample (fitted without it)."""
+    coef = fit(pts)
+    args = coef if isinstance(coef, tuple) else (coef,)
+    out = []
+    for i, p in enumerate(pts):
+        others = pts[:i] + pts[i + 1:]
+        try:
+            loo = fit(others)
+            loo_pred: float | None = model(p, *(loo if isinstance(loo, tuple) else (loo,)))
+        except ValueError:
+            loo_pred = None
+        pred = model(p, *args)
+        out.append({"device": p.device, "workload": p.workload, "map": p.map, "measured_step_s": p.measured,
+                    "predicted_step_s": round(pred, 4), "error": round(pred / p.measured - 1, 4),
+                    "predicted_out_of_sample_s": None if loo_pred is None else round(loo_pred, 4),
+                    "error_out_of_sample": None if loo_pred is None else round(loo_pred / p.measured - 1, 4)})
+    return coef, out
+
+
+def band(rows: list[dict[str, Any]]) -> float | None:
+    """The largest out-of-sample error, rounded up to 5%."""
+    errors = [abs(r["error_out_of_sample"]) for r in rows if r["error_out_of_sample"] is not None]
+    return math.ceil(max(errors) * 20 - 1e-9) / 20 if errors else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default=str(RESULTS / "advice_validation.json"))
+    parser.add_argument("--out", default=str(RESULTS / "one_gpu_maps_fit.json"))
+    args = parser.parse_args()
+    rows = json.loads(Path(args.rows).read_text())["rows"]
+    (a, b), fractional = evaluate(points(rows, "fractional"), fit_time_sliced, time_sliced)
+    k, flight = evaluate(points(rows, "in_flight"), fit_in_flight, in_flight)
+    result = {"benchmark": "fit_one_gpu_maps", "source": str(Path(args.rows).name),
+              "time_sliced": {"gen": round(a, 2), "train": round(b, 2), "error": band(fractional),
+                              "rows": fractional},
+              "in_flight": {"gen": round(k, 2), "error": band(flight), "rows": flight}}
+    print(f"fractional: step = max(gen, train, {a:.2f} x gen + {b:.2f} x train) + reshard + fixed; "
+          f"out-of-sample band ±{result['time_sliced']['error']:.0%}")
+    print(f"in flight: gen x {k:.2f}; out-of-sample band ±{result['in_flight']['error']:.0%}")
+    for r in fractional + flight:
+        loo = r["error_out_of_sample"]
+        print(f"  {r['workload']:32} {r['map']:16} measured {r['measured_step_s']:7.3f}  fitted "
+              f"{r['predicted_step_s']:7.3f} ({r['error']:+.0%})  out of sample "
+              + ("-" if loo is None else f"{r['predicted_out_of_sample_s']:7.3f} ({loo:+.0%})"))
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
