@@ -139,6 +139,7 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
     from pathlib import Path
 
     from hybridrl.placement.advice.advise import advise, plan_candidate, ranked_json, render, write_config
+    from hybridrl.placement.advice.from_run import auto_resets
     from hybridrl.placement.advice.profile import default_profile, fit_profile
     from hybridrl.placement.memory import (
         GIB,
@@ -176,14 +177,18 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
         rollout_tp = registry.backend("rollout", cfg.roles.rollout.backend).can("tensor_parallel")
     except RegistryError:
         rollout_tp = True  # an unknown backend is named by the planner's own check
-    ranked = advise(args.config, args.overrides, cluster, profile, planner, rollout_tp=rollout_tp,
-                    registry=registry)
+    resets = auto_resets(args.config)  # a run's config.json: its auto choices re-resolved for each map
+    if resets:
+        print(f"{args.config} is a run's resolved config: its {len(resets)} auto settings (run_plan.json) are "
+              "resolved again for each map")
+    overrides = [*resets, *args.overrides]
+    ranked = advise(args.config, overrides, cluster, profile, planner, rollout_tp=rollout_tp, registry=registry)
     print(render(ranked, profile, cluster))
     if args.json:
         import json
 
         table = ranked_json(ranked, profile, cluster)
-        table.update(config=args.config, overrides=list(args.overrides),
+        table.update(config=args.config, overrides=overrides,
                      device_memory_gib=None if declared is None and cluster.device != "cuda"
                      else device_memory_bytes(cluster.device, declared) / GIB)
         Path(args.json).write_text(json.dumps(table, indent=1) + "\n")
@@ -192,7 +197,7 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
         best = next((r for r in ranked if r.prediction is not None), None)
         if best is None:
             raise ConfigError([("--write", "no candidate map fits, nothing to write")])
-        print(f"wrote {write_config(args.config, args.overrides, best.candidate, args.write)}")
+        print(f"wrote {write_config(args.config, overrides, best.candidate, args.write)}")
     return 0
 
 
