@@ -24,3 +24,12 @@ def timer_with(phases: list[tuple[str, float, float]], started: float = 1000.0) 
     for name, a, b in phases:
         timer.seconds[name] = timer.seconds.get(name, 0.0) + b - a
     return timer
+
+
+def fractional_plan() -> PlacementPlan:
+    """actor + ref on pool 'train' (2 devices), the rollout on pool 'gen' sharing them (``pools.gen.share``)."""
+    train = [Device(0, 0), Device(0, 1)]
+    groups = [ProcessGroupPlan("train", "fsdp", {"actor": "fsdp", "ref": "fsdp"}, train, 0),
+              ProcessGroupPlan("gen", "vllm", {"rollout": "vllm"}, list(train), 0)]
+    return PlacementPlan(ClusterSpec(1, 2, "cuda"), {"train": train, "gen": list(train)}, groups,
+                         {"actor": "train", "ref": "train", "rollout": "gen"}, shares={"gen": "train"})

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from _span_helpers import split_plan, timer_with
+from _span_helpers import fractional_plan, split_plan, timer_with
 
 from hybridrl.observe.device_busy import BusySampler, merge_busy, nvml_target, nvml_utilisation, sampled_busy
 from hybridrl.observe.spans import SpanLog
@@ -158,3 +158,18 @@ def test_a_cpu_worker_has_no_sampler_and_reports_none():
         assert worker.busy is None and worker.busy_report(0.0, 1.0) is None
     finally:
         worker.gc_pauses.close()
+
+
+def test_a_fractional_pool_is_counted_on_its_hosts_devices(caplog):
+    """The rollout's pool on the trainers' GPUs (fractional): one device each, not two; its spans and its
+    workers' NVML samples land on the host's ranks, and the log counts 2 devices, not 4."""
+    phases = [("gen", 0.0, 6.0), ("ref", 5.0, 6.0), ("update_actor", 6.0, 8.0)]
+    log = SpanLog.for_plan(fractional_plan(), None)
+    assert SpanLog.for_plan(fractional_plan(), None).record_step(1, timer_with(phases), 10.0, 40, 100) == \
+        {"device/train.0/busy": pytest.approx(0.8), "device/train.1/busy": pytest.approx(0.8)}
+    groups = {"actor": Group("train", [0.4, None]), "rollout": Group("gen", [0.7, None])}
+    with caplog.at_level("INFO", logger="hybridrl.observe.spans"):
+        metrics = log.record_step(1, timer_with(phases), 10.0, 40, 100, groups)
+    assert metrics == {"device/train.0/busy": 0.7, "device/train.1/busy": pytest.approx(0.8),
+                       "device/busy_sampled": 0.5}  # the larger of the two processes' samples of GPU 0
+    assert any("sampled on 1 of 2 device(s)" in r.getMessage() for r in caplog.records)

@@ -141,10 +141,12 @@ def device_sampler(device: str) -> BusySampler | None:
     return sampler
 
 
-def sampled_busy(groups: Mapping[str, Any], lo: float, hi: float) -> dict[tuple[str, int], float]:
+def sampled_busy(groups: Mapping[str, Any], lo: float, hi: float,
+                 guests: Mapping[str, tuple[str, tuple[int, ...]]] | None = None) -> dict[tuple[str, int], float]:
     """``(pool, rank) -> NVML busy fraction of [lo, hi]`` for the devices whose worker sampled one (the largest
     where several processes share a device); a group that cannot answer is left out (a metric never stops
-    training)."""
+    training). A pool in ``guests`` (on another pool's devices: ``SpanLog.guests``) reports under the host's
+    ranks."""
     out: dict[tuple[str, int], float] = {}
     for group in {id(g): g for g in groups.values()}.values():
         try:
@@ -153,7 +155,9 @@ def sampled_busy(groups: Mapping[str, Any], lo: float, hi: float) -> dict[tuple[
             continue
         for rank, value in enumerate(values):
             if value is not None:
-                key = (group.plan.pool, rank)
+                pool = group.plan.pool
+                host, ranks = (guests or {}).get(pool, (pool, ()))
+                key = (host, ranks[rank] if rank < len(ranks) else rank)
                 out[key] = max(out.get(key, 0.0), float(value))
     return out
 
