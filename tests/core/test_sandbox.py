@@ -6,6 +6,7 @@ runner's own deadline per call."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import threading
@@ -33,6 +34,13 @@ def box() -> Sandbox:
         return Sandbox(LIMITS)
     except SandboxUnavailable as exc:  # CI installs bubblewrap; a machine without it cannot test containment
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def roomy_box(box: Sandbox) -> Sandbox:
+    """``LIMITS`` with a wall-clock limit well past ``SLACK_S``: a call that should end with its program proves it
+    by ending within the slack, not by beating a 2 s limit that a loaded machine's process start-up can reach."""
+    return Sandbox(dataclasses.replace(LIMITS, timeout_s=int(3 * SLACK_S)))
 
 
 @pytest.fixture
@@ -125,7 +133,7 @@ def test_the_writable_folder_is_small_and_fresh(box):
 
 
 # --- processes ----------------------------------------------------------------------------------------------
-def test_subprocesses_and_daemons_die_with_the_call(box):
+def test_subprocesses_and_daemons_die_with_the_call(roomy_box):
     token = f"{time.time_ns() % 10**6}.0417"
     code = f"""
 import os, subprocess
@@ -137,20 +145,20 @@ if os.fork() == 0:  # a classic double-fork daemon
     os._exit(0)
 print('started')
 """
-    result, seconds = timed(box, code)
-    assert result.content.strip() == "started" and not result.error and seconds < LIMITS.timeout_s
+    result, seconds = timed(roomy_box, code)
+    assert result.content.strip() == "started" and not result.error and seconds < SLACK_S, (result, seconds)
     time.sleep(0.2)
     assert host_processes_with(token) == []
 
 
-def test_a_grandchild_holding_stdout_cannot_stretch_the_deadline(box):
+def test_a_grandchild_holding_stdout_cannot_stretch_the_deadline(box, roomy_box):
     token = f"{time.time_ns() % 10**6}.0833"
     held = f"import subprocess, time\nsubprocess.Popen(['sleep', '{token}'], start_new_session=True)\ntime.sleep(30)"
     result, seconds = timed(box, held)
     assert result.timed_out and "ran longer than 2 s" in result.content
     assert seconds < LIMITS.timeout_s + SLACK_S, seconds
     # the program exits at once but leaves a process holding the pipe: the call ends with the program
-    left, seconds = timed(box, f"import subprocess\nsubprocess.Popen(['sleep', '{token}'])\nprint('bye')")
+    left, seconds = timed(roomy_box, f"import subprocess\nsubprocess.Popen(['sleep', '{token}'])\nprint('bye')")
     assert left.content.strip() == "bye" and not left.error and seconds < SLACK_S, (left, seconds)
     time.sleep(0.2)
     assert host_processes_with(token) == []
