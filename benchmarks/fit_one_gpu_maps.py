@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridrl.placement.advice.predict import TRAIN_PHASES
+from hybridrl.placement.advice.predict import time_sliced as sliced_seconds
+
 RESULTS = Path(__file__).resolve().parent / "results"
-#: the train side of a step (hybridrl.placement.advice.predict.TRAIN_PHASES)
-TRAIN_PHASES = ("ref", "old_log_prob", "values", "update_critic", "update_actor")
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ def points(rows: list[dict[str, Any]], kind: str) -> list[Point]:
 
 # --- the models -------------------------------------------------------------------------------------------------
 def time_sliced(p: Point, a: float, b: float) -> float:
-    return max(p.gen, p.train, a * p.gen + b * p.train) + p.rest
+    """The advisor's fractional step (``predict.time_sliced``) with the factors ``a, b``."""
+    return sliced_seconds(p.gen, p.train, a, b) + p.rest
 
 
 def in_flight(p: Point, k: float) -> float:

@@ -136,14 +136,13 @@ class SpanLog:
     """Turns each step's phase timer into spans on the plan's devices, appends them to ``spans.jsonl`` and
     gives the step's busy-fraction metrics."""
 
-    role_pools: dict[str, str]  # pooled role -> the pool that owns its devices
+    role_pools: dict[str, str]  # pooled role -> its pool
     pool_sizes: dict[str, int]  # pool -> devices (ranks)
     path: Path | None = None  # None: nothing written (tests, a plan without a run folder)
     epochs: int = 1
     busy_source: str | None = None  # the last source line logged (``device_busy.source_line``)
     #: a pool on another pool's devices (``pools.<name>.share``) -> (that pool, the owner's rank of each its ranks)
     guests: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
-    role_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # a guest pool's role -> the host's ranks
 
     @classmethod
     def for_plan(cls, plan: PlacementPlan, out: str | Path | None, epochs: int = 1) -> SpanLog:
@@ -151,10 +150,9 @@ class SpanLog:
         fractions go to the host's ranks, so a GPU both pools run on is one device, not two."""
         guests = {pool: (host, tuple(plan.pools[host].index(d) for d in plan.pools[pool]))
                   for pool, host in plan.shares.items() if pool in plan.pools and host in plan.pools}
-        roles = {role: guests[pool][0] if pool in guests else pool for role, pool in plan.role_pool.items()}
-        ranks = {role: tuple(sorted(set(guests[pool][1]))) for role, pool in plan.role_pool.items() if pool in guests}
-        return cls(roles, {p: len(d) for p, d in plan.pools.items() if p in roles.values()},
-                   Path(out) / SPANS_FILE if out is not None else None, epochs, guests=guests, role_ranks=ranks)
+        used = set(plan.role_pool.values())
+        return cls(dict(plan.role_pool), {p: len(d) for p, d in plan.pools.items() if p in used and p not in guests},
+                   Path(out) / SPANS_FILE if out is not None else None, epochs, guests=guests)
 
     def spans(self, step: int, timer: PhaseTimer, step_seconds: float, response_tokens: int, all_tokens: int
               ) -> list[Span]:
@@ -169,7 +167,11 @@ class SpanLog:
                 out.append(Span(step, phase, DRIVER, None, (), start, end, tokens))
             for role in roles:
                 pool = self.role_pools[role]
-                ranks = self.role_ranks.get(role) or tuple(range(self.pool_sizes[pool]))
+                if pool in self.guests:  # on the host's devices: spans there
+                    pool, host_ranks = self.guests[pool]
+                    ranks = tuple(sorted(set(host_ranks)))
+                else:
+                    ranks = tuple(range(self.pool_sizes[pool]))
                 out.append(Span(step, phase, role, pool, ranks, start, end, tokens))
         return out
 

@@ -173,9 +173,11 @@ def reshard_seconds(profile: CostProfile, plan: Any, reshard: Any) -> float:
     return (profile.reshard_fixed + seconds) * reshard.syncs_per_step
 
 
-def time_sliced(gen: float, train: float) -> float:
-    """The seconds of ``gen`` and ``train`` run at once on the same GPUs (a fractional map; see the docstring)."""
-    return max(gen, train, TIME_SLICED_GEN * gen + TIME_SLICED_TRAIN * train)
+def time_sliced(gen: float, train: float, gen_factor: float = TIME_SLICED_GEN,
+                train_factor: float = TIME_SLICED_TRAIN) -> float:
+    """The seconds of ``gen`` and ``train`` run at once on the same GPUs (a fractional map; see the docstring);
+    the factors are given only by the benchmark that fits them."""
+    return max(gen, train, gen_factor * gen + train_factor * train)
 
 
 def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfile, reshard: Any = None,
