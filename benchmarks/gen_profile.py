@@ -7,8 +7,10 @@ weights and prompts:
 
 * ``inproc``: the engine as hybridrl builds it (``VLLMRollout``: the in-process engine core, vLLM joining a
   one-rank process group as an external launcher, as in a colocated worker), each repeat driven two ways,
-  interleaved: ``llm_generate`` (``LLM.generate``, vLLM's output processor making ``RequestOutput`` objects) and
-  ``direct`` (``hybridrl_vllm.compat.generate_direct``: the engine core stepped directly). For ``llm_generate``,
+  interleaved: ``llm_generate`` (``LLM.generate``, vLLM's output processor making ``RequestOutput`` objects),
+  ``direct`` (``hybridrl_vllm.compat.generate_direct``: the engine core stepped directly), and the rollout
+  engine's own calls as a step makes them (``rollout``: ``generate``; ``rollout_logprobs``: the same returning
+  the sampled tokens' log-probs; ``rollout_until``: ``generate_until``, as groups in flight call it). For each,
   host seconds per engine step by phase (``schedule``, ``execute`` the launch, ``sample``, ``update`` the
   scheduler's bookkeeping, ``outputs`` the output processor, ``wait`` the rest of the core's step: mostly
   waiting for the device), and the device's kernel seconds of one profiled repeat (``torch.profiler``).
@@ -107,6 +109,31 @@ def _kernel_seconds(fn: Callable[[], Any]) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
 
 
+def rollout_paths(rollout: Any, rows: list[list[int]], new_tokens: int, samples: int) -> dict[str, Callable[[], int]]:
+    """The rollout engine's own calls on the same rows, as a step makes them: ``rollout`` (``generate``, the
+    synchronous step: no log-probs), ``rollout_logprobs`` (``generate`` returning the sampled tokens' log-probs)
+    and ``rollout_until`` (``generate_until`` of groups in flight: log-probs, each row's cap, stopping once every
+    group is complete). Each returns the tokens generated."""
+    from hybridrl.engines import SamplingParams
+    from hybridrl.engines.batch import PROMPT_IDS, PROMPT_MASK, RESPONSE_MASK
+    from hybridrl.testing.partial import requests
+
+    pad = rollout.pad_id
+    batch = requests(rows, pad, [new_tokens] * len(rows), [i // samples for i in range(len(rows))])
+    plain = batch.select(PROMPT_IDS, PROMPT_MASK)
+
+    def params(logprobs: bool) -> SamplingParams:
+        return SamplingParams(temperature=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, ignore_eos=True,
+                              seed=0, logprobs=logprobs)
+
+    def tokens(out: Any) -> int:
+        return int(out[RESPONSE_MASK].sum())
+
+    return {"rollout": lambda: tokens(rollout.generate(plain, params(False))),
+            "rollout_logprobs": lambda: tokens(rollout.generate(plain, params(True))),
+            "rollout_until": lambda: tokens(rollout.generate_until(batch, params(True), 1.0))}
+
+
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -141,7 +168,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             options["engine_kwargs"] = engine_kwargs
         ctx = EngineContext(role="rollout", backend="vllm", trainable=False, options=options, model_path=args.model,
                             rank=0, world_size=1, device=device, dtype=dtype, seed=0)
-        llm = VLLMRollout(ctx).llm
+        rollout = VLLMRollout(ctx)
+        llm = rollout.llm
     out["engine_build_s"] = time.perf_counter() - t0
     out["engine"] = _engine_facts(llm)
     from vllm import SamplingParams
@@ -164,6 +192,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         def direct() -> int:
             return sum(len(t) for t, _ in compat.generate_direct(llm, vprompts, [params() for _ in vprompts]))
         paths["direct"] = direct
+        paths.update(rollout_paths(rollout, rows, args.new_tokens, args.samples))
         core = llm.llm_engine.engine_core.engine_core
         timer.wrap(llm.llm_engine.engine_core, "get_output", "core_step")
         timer.wrap(core.scheduler, "schedule", "schedule")

@@ -159,7 +159,7 @@ def why_it_loses(r: Ranked, best: Ranked) -> str:
     if band is not None:
         reasons.append(f"{_measure_both(band)}: measure both")
     if p.bound == "time-sliced":
-        reasons.append("rollout and trainers time-slice the GPU")
+        reasons.append("rollout and trainers time-slice their devices")
     elif r.candidate.kind not in ("colocated", "in_flight"):
         if p.bound == "gen":
             reasons.append("gen-bound")
