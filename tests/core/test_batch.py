@@ -12,6 +12,7 @@ from hybridrl.engines.batch import (
     RESPONSE_MASK,
     Batch,
     left_pad,
+    padded_rows,
     right_pad,
     sequence_tensors,
 )
@@ -104,3 +105,16 @@ def test_padding_rows_copy_the_attention_mask_but_train_nothing():
 
     padded, pad = multi_turn_batch().pad_to_multiple(4, zero_keys=(RESPONSE_MASK,))
     assert pad == 2 and padded[RESPONSE_MASK][2:].sum() == 0 and padded[RESPONSE_ATTENTION_MASK][2:].sum() > 0
+
+
+def test_padded_rows_place_each_sequence_in_its_row_on_either_side():
+    ids, mask = left_pad([[5, 6, 7], [], [8]], pad_id=-1)
+    assert ids.tolist() == [[5, 6, 7], [-1, -1, -1], [-1, -1, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 0], [0, 0, 1]]
+    ids, mask = right_pad([[5], [6, 7]], pad_id=0, width=4)
+    assert ids.tolist() == [[5, 0, 0, 0], [6, 7, 0, 0]] and mask.dtype == torch.long
+    logps, kept = padded_rows([[-0.5, -1.25], [-2.0]], 3, 0.0, torch.float32)
+    assert logps.dtype == torch.float32 and logps.tolist() == [[-0.5, -1.25, 0.0], [-2.0, 0.0, 0.0]]
+    assert kept.tolist() == [[True, True, False], [True, False, False]]
+    assert padded_rows([], 0, 0, torch.long)[0].shape == (0, 0)
+    with pytest.raises(ValueError, match="does not fit a width of 2"):
+        right_pad([[1, 2, 3]], pad_id=0, width=2)

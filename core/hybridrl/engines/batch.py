@@ -19,8 +19,10 @@ import heapq
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -299,29 +301,41 @@ def token_balanced_order(batch: Batch, parts: int) -> torch.Tensor | None:
     return torch.tensor(balanced_order(lengths, parts), dtype=torch.long)
 
 
+def padded_rows(sequences: Sequence[Sequence[float]], width: int, fill: float, dtype: torch.dtype,
+                left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, kept)`` of shape (B, width): each sequence in its row, right-aligned when ``left`` (left
+    padding) else left-aligned, ``fill`` elsewhere; ``kept`` is True where a value sits. The values are
+    converted in one go (a 512 x 256 batch: milliseconds, against a tensor per row)."""
+    lengths = torch.tensor([len(seq) for seq in sequences], dtype=torch.long)
+    if len(sequences) and int(lengths.max()) > width:
+        raise ValueError(f"a sequence of {int(lengths.max())} does not fit a width of {width}")
+    columns = torch.arange(width)[None, :]
+    kept = columns >= (width - lengths)[:, None] if left else columns < lengths[:, None]
+    values = torch.full((len(sequences), width), fill, dtype=dtype)
+    count = int(lengths.sum())
+    if count:  # row-major order of ``kept`` is the sequences' order, each sequence's values in turn
+        flat = np.fromiter(chain.from_iterable(sequences), dtype=_NUMPY_DTYPES[dtype], count=count)
+        values[kept] = torch.from_numpy(flat)
+    return values, kept
+
+
+_NUMPY_DTYPES = {torch.long: np.int64, torch.float32: np.float32, torch.float64: np.float64}
+
+
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists into ``(ids, mask)`` of shape (B, width)."""
     width = width or max((len(s) for s in sequences), default=0)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        if len(seq):
-            ids[i, width - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
-            mask[i, width - len(seq):] = 1
-    return ids, mask
+    ids, kept = padded_rows(sequences, width, pad_id, torch.long, left=True)
+    return ids, kept.long()
 
 
 def right_pad(sequences: Sequence[Sequence[int]], pad_id: int, width: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad token lists into ``(ids, mask)`` of shape (B, width)."""
     width = width or max((len(s) for s in sequences), default=0)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-        mask[i, : len(seq)] = 1
-    return ids, mask
+    ids, kept = padded_rows(sequences, width, pad_id, torch.long)
+    return ids, kept.long()
 
 
 def cap_responses(out: Batch, caps: torch.Tensor) -> Batch:

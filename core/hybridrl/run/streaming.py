@@ -48,6 +48,7 @@ from hybridrl.engines.batch import (
     TOKEN_VERSIONS,
     Batch,
     left_pad,
+    padded_rows,
 )
 
 
@@ -180,14 +181,18 @@ class GroupsInFlight:
         """A round's results: each row's new tokens (and log-probs, sampled by ``version``) join its sample."""
         self.step.rounds += 1
         mask = out[RESPONSE_MASK].bool()
-        logps = out[ROLLOUT_LOG_PROBS] if ROLLOUT_LOG_PROBS in out else torch.zeros(mask.shape)
+        lengths = mask.sum(-1).tolist()  # responses are right-padded: a row's tokens are its first ``length``
+        tokens = out[RESPONSE_IDS][mask].tolist()  # the kept tokens of every row, row after row: one conversion
+        logps = out[ROLLOUT_LOG_PROBS][mask].tolist() if ROLLOUT_LOG_PROBS in out else [0.0] * len(tokens)
         finished = out[FINISHED].tolist()
+        start = 0
         for i, (_, sample) in enumerate(rows):
-            new = out[RESPONSE_IDS][i][mask[i]].tolist()
-            sample.tokens += new
-            sample.log_probs += logps[i][mask[i]].tolist()
-            sample.versions += [version] * len(new)
+            end = start + lengths[i]
+            sample.tokens += tokens[start:end]
+            sample.log_probs += logps[start:end]
+            sample.versions += [version] * lengths[i]
             sample.finished = bool(finished[i]) or len(sample.tokens) >= sample.cap
+            start = end
 
     def take(self, count: int) -> list[Group]:
         """Up to ``count`` complete groups, the oldest first, out of flight; at the end of a step without partial
@@ -219,16 +224,10 @@ class GroupsInFlight:
         pairs = [(g, s) for g in groups for s in g.samples]
         width = self.max_new_tokens
         ids, mask = left_pad([g.row.token_ids for g, _ in pairs], self.pad_id)
-        response = torch.full((len(pairs), width), self.pad_id, dtype=torch.long)
-        response_mask = torch.zeros((len(pairs), width), dtype=torch.long)
-        logps = torch.zeros((len(pairs), width), dtype=torch.float32)
-        versions = torch.zeros((len(pairs), width), dtype=torch.long)
-        for i, (_, s) in enumerate(pairs):
-            k = len(s.tokens)
-            response[i, :k] = torch.tensor(s.tokens, dtype=torch.long)
-            response_mask[i, :k] = 1
-            logps[i, :k] = torch.tensor(s.log_probs, dtype=torch.float32)
-            versions[i, :k] = torch.tensor(s.versions, dtype=torch.long)
+        response, kept = padded_rows([s.tokens for _, s in pairs], width, self.pad_id, torch.long)
+        logps, _ = padded_rows([s.log_probs for _, s in pairs], width, 0.0, torch.float32)
+        versions, _ = padded_rows([s.versions for _, s in pairs], width, 0, torch.long)
+        response_mask = kept.long()
         fields: dict[str, list[Any]] = {PROMPT_TEXT: [g.row.prompt for g, _ in pairs],
                                         META: [g.row.meta for g, _ in pairs]}
         if with_messages:
