@@ -127,7 +127,9 @@ class KVCacheTooSmall(HybridRLError, RuntimeError):
 #: what frees memory for the rollout's cache, cheapest first (the error lists them).
 KV_FIXES = ("roles.ref.options.offload=all", "roles.actor.options.offload=optimizer",
             "roles.actor.options.offload=all", "roles.rollout.tensor_parallel=2 (more devices per engine)",
-            "data.prompts_per_step lower (fewer sequences per step)")
+            "data.prompts_per_step lower (fewer sequences per step)",
+            f"{UTILIZATION_KEY}=0.6 (a fixed share of the device: the engine queues the sequences that do not fit, "
+            "and preempts running ones, to recompute them later, when they outgrow it)")
 
 
 def size_kv_cache(demand: KVDemand | None, free_bytes: int, weights_bytes: int, overhead_bytes: int,
