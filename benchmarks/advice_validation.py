@@ -40,6 +40,7 @@ sys.path.insert(0, str(HERE))
 
 from grpo_step import STANDARD, write_prompts  # noqa: E402
 from model_sizes import SHAPES, ensure_model, train_run, workload_config  # noqa: E402  (benchmarks/: no package)
+from run_steps import steady_steps  # noqa: E402
 
 #: keys every run gets: a fresh folder, no checkpoints, metrics as JSON lines only
 RUN_KEYS = ["trainer.save_every=0", "trainer.trackers=[jsonl]", "trainer.progress=false"]
@@ -150,16 +151,6 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def steady_steps(rows: list[dict[str, Any]], skip: int) -> list[dict[str, Any]]:
-    """The timed steps after ``skip`` warm-up steps that a long run repeats. A pipelined run's last step only
-    trains (there is no next batch to generate beside it: ``pipelined_step``), so it is a drain, not a steady
-    step, and is left out; pipelined steps are the ones that log ``timing/overlap_saved``."""
-    later = [r for r in rows[skip:] if "timing/step" in r]
-    if len(later) > 1 and "timing/overlap_saved" in later[-1]:
-        later = later[:-1]
-    return later
 
 
 def read_metrics(folder: Path) -> list[dict[str, Any]]:

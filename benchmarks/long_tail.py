@@ -47,6 +47,7 @@ sys.path.insert(0, str(HERE))
 
 from grpo_step import write_prompts  # noqa: E402  (benchmarks/ is not a package)
 from model_sizes import ensure_model, train_run  # noqa: E402
+from run_steps import steady_steps  # noqa: E402
 
 #: the rollout on a pool of its own on the trainer's GPU, steps overlapped (docs/long-tail.md)
 FRACTIONAL = ["pools.train.nodes=1", "pools.gen.share=train", "roles.actor.pool=train", "roles.rollout.pool=gen",
@@ -141,11 +142,9 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: Path, data: Path, tim
 
 def summary(args: argparse.Namespace, arm: str, overrides: list[str], rows: list[dict[str, Any]], code: int,
             wall: float, busy: BusySampler, log: str) -> dict[str, Any]:
-    """The arm's figures over its steady steps (after ``--skip``; a pipelined arm's last step also left out: it
-    trains with no generation running beside it, which no step of a longer run does)."""
-    steady = rows[args.skip:] or rows
-    if MODES.get(arm, "").startswith("async") and len(steady) > 1:
-        steady = steady[:-1]
+    """The arm's figures over its steady steps (``run_steps.steady_steps``: after ``--skip``, a pipelined arm's
+    last step also left out: it trains with no generation running beside it, which no step of a longer run does)."""
+    steady = steady_steps(rows, args.skip) or rows
     result: dict[str, Any] = {"arm": arm, "mode": MODES.get(arm, "groups_in_flight"),
                               "overrides": overrides, "defaults": not overrides,
                               "ok": code == 0 and len(rows) == args.steps, "steps": len(rows), "wall_s": wall,
