@@ -181,8 +181,8 @@ class GroupsInFlight:
         """A round's results: each row's new tokens (and log-probs, sampled by ``version``) join its sample."""
         self.step.rounds += 1
         mask = out[RESPONSE_MASK].bool()
-        lengths = mask.sum(-1).tolist()  # responses are right-padded: a row's tokens are its first ``length``
-        tokens = out[RESPONSE_IDS][mask].tolist()  # the kept tokens of every row, row after row: one conversion
+        lengths = mask.sum(-1).tolist()
+        tokens = out[RESPONSE_IDS][mask].tolist()  # every row's kept tokens, row after row: one conversion
         logps = out[ROLLOUT_LOG_PROBS][mask].tolist() if ROLLOUT_LOG_PROBS in out else [0.0] * len(tokens)
         finished = out[FINISHED].tolist()
         start = 0
