@@ -6,7 +6,8 @@ trainer runs them.
 * in flight (colocated, ``trainer.mode=async``): the same turns, the generation ``IN_FLIGHT_GEN`` times as long.
   The cost model's decode rounds count the mean response length, not the longest (a tail that costs the
   synchronous step rounds is not in the model), yet the rounds in flight measured slower than the synchronous
-  generation on one GPU at every shape tried: the factor is fitted from those steps.
+  generation on one GPU at every shape tried, mostly for the sampled tokens' log-probs they ask of the engine
+  (``benchmarks/gen_profile.py``): the factor is fitted from those steps.
 * split (sync): the train pool waits for the whole batch and the rollout for the new weights, so the step is
   still the sum (without wake and sleep); the split's gain is more devices per phase and no time-sharing of memory.
 * pipelined (staleness 1): the rollout generates step k+1 while step k trains: ``max(gen, train) + reshard``.
