@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 
 from hybridrl.data.loading import PromptRow
 from hybridrl.engines.batch import FINISHED, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS, Batch
-from hybridrl.run.streaming import GroupsInFlight
+from hybridrl.run.streaming import GroupsInFlight, forced_lengths
 
 HERE = Path(__file__).resolve().parent
 #: name -> (prompt tokens, max new tokens, forced lengths (median, sigma) or None: every row at its cap)
@@ -35,14 +35,10 @@ PROMPTS, SAMPLES, OVERSAMPLE = 64, 8, 1.25
 def one_step(prompt_len: int, new_tokens: int, lengths: tuple[int, float] | None, seed: int) -> dict[str, float]:
     """Seconds of ``requests``, ``absorb`` and ``batch`` + ``take`` for a steady step's round (the second: the
     first step's surplus groups are carried), every row finishing."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def cap(gid: int, sample: int) -> int:
-        if lengths is None:
-            return new_tokens
-        median, sigma = lengths
-        return max(1, min(new_tokens, round(median * math.exp(sigma * float(torch.randn((), generator=generator))))))
-
+    # the lengths a run draws for roles.rollout.response_lengths (None: every row at its cap)
+    spec = types.SimpleNamespace(median=lengths[0], sigma=lengths[1], seed=seed) if lengths else None
+    rollout = types.SimpleNamespace(response_lengths=spec, max_new_tokens=new_tokens)
+    cap = forced_lengths(types.SimpleNamespace(roles=types.SimpleNamespace(rollout=rollout)))
     flight = GroupsInFlight(PROMPTS, SAMPLES, OVERSAMPLE, True, 1, new_tokens, 0, response_cap=cap)
     rows = [PromptRow(prompt=f"p{i}", token_ids=torch.randint(100, 150000, (prompt_len,)).tolist(), meta={},
                       messages=None) for i in range(3 * PROMPTS)]
