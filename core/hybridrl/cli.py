@@ -81,16 +81,16 @@ def _plan_memory(args: argparse.Namespace, cfg: RunConfig, plan, registry, backe
     from hybridrl.placement.memory import (
         GIB,
         MemoryEstimateError,
-        device_memory_bytes,
         model_shape,
         model_shapes_by_role,
+        planned_device_memory_bytes,
         render_memory,
     )
 
     here = Path(args.config).resolve().parent
     bases = (here, here.parent)  # model.path relative to the config's folder, or to the project holding it
     declared = args.device_memory if args.device_memory is not None else cfg.cluster.device_memory_gb
-    device_bytes = device_memory_bytes(plan.cluster.device, declared)
+    device_bytes = planned_device_memory_bytes(plan.cluster.device, declared, not plan.cluster.declared)
     names = {role: entry.name for role, entry in backends.items()}
     try:
         shape, source = model_shape(cfg, args.model_config, bases)
@@ -144,9 +144,9 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
     from hybridrl.placement.memory import (
         GIB,
         MemoryEstimateError,
-        device_memory_bytes,
         model_shape,
         model_shapes_by_role,
+        planned_device_memory_bytes,
     )
 
     bandwidth = parse_bandwidths(args.bandwidth or [])
@@ -169,7 +169,8 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
         profile.latency.update(latency)
     declared = args.device_memory if args.device_memory is not None else cfg.cluster.device_memory_gb
     host_gib = args.host_memory if args.host_memory is not None else cfg.cluster.host_memory_gb
-    planner = plan_candidate(cluster, registry, device_memory_bytes(cluster.device, declared), shape,
+    device_bytes = planned_device_memory_bytes(cluster.device, declared, not cluster.declared)
+    planner = plan_candidate(cluster, registry, device_bytes, shape,
                              model_shapes_by_role(cfg, bases), None if host_gib is None else host_gib * GIB)
     from hybridrl.plugins.registry import RegistryError
 
@@ -189,8 +190,7 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
 
         table = ranked_json(ranked, profile, cluster)
         table.update(config=args.config, overrides=overrides,
-                     device_memory_gib=None if declared is None and cluster.device != "cuda"
-                     else device_memory_bytes(cluster.device, declared) / GIB)
+                     device_memory_gib=None if device_bytes is None else device_bytes / GIB)
         Path(args.json).write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.write:
@@ -416,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="no warning for backends whose engines are not installed here")
     plan.add_argument("--device-memory", type=float, metavar="GIB",
                       help="memory of one device in GiB for the estimate "
-                           "(default: cluster.device_memory_gb, else 80 on cuda)")
+                           "(default: cluster.device_memory_gb, else the GPUs of this machine, else 80 on cuda)")
     plan.add_argument("--host-memory", type=float, metavar="GIB",
                       help="host memory of one node in GiB, checked against what offloading and a sleeping rollout "
                            "keep there (default: cluster.host_memory_gb, else not checked)")

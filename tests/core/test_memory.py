@@ -206,3 +206,17 @@ def test_device_memory_flag_and_model_config_flag(capsys, tmp_path):
 def test_plan_without_a_model_config_says_why(capsys, tmp_path):
     out = run_plan(capsys, str(COLOCATED), f"model.path={tmp_path}", "--cluster", "1x8")
     assert "memory estimate: skipped" in out and "--model-config" in out
+
+
+def test_a_plan_on_this_machines_gpus_checks_against_their_memory(monkeypatch):
+    """``hybridrl plan`` and the advisor check a detected cluster against its GPUs' own memory, as the run does
+    (a 141 GiB card is not planned as 80); a declared size wins; a declared cluster gets the 80 GiB default."""
+    from hybridrl.placement import memory
+
+    monkeypatch.setattr(memory, "local_device_memory_bytes", lambda: 141 * memory.GIB)
+    assert memory.planned_device_memory_bytes("cuda", None, local=True) == 141 * memory.GIB
+    assert memory.planned_device_memory_bytes("cuda", 40, local=True) == 40 * memory.GIB
+    assert memory.planned_device_memory_bytes("cuda", None, local=False) == memory.DEFAULT_CUDA_MEMORY_GIB * memory.GIB
+    assert memory.planned_device_memory_bytes("cpu", None, local=True) is None
+    monkeypatch.setattr(memory, "local_device_memory_bytes", lambda: None)  # no GPU answered: the default
+    assert memory.planned_device_memory_bytes("cuda", None, local=True) == memory.DEFAULT_CUDA_MEMORY_GIB * memory.GIB

@@ -330,6 +330,17 @@ def device_memory_bytes(device: str, declared_gib: float | None) -> float | None
     return DEFAULT_CUDA_MEMORY_GIB * GIB if device == "cuda" else None
 
 
+def planned_device_memory_bytes(device: str, declared_gib: float | None, local: bool) -> float | None:
+    """The device memory a plan is checked against, as the run checks it: the declared memory, else on GPUs of
+    this machine (``local``: the cluster was read from here, not declared) their own memory, else the default of
+    ``device_memory_bytes``."""
+    if declared_gib is None and device == "cuda" and local:
+        found = local_device_memory_bytes()
+        if found:
+            return found
+    return device_memory_bytes(device, declared_gib)
+
+
 def local_device_memory_bytes() -> float | None:
     """The memory of the smallest GPU of this machine, asked of ``nvidia-smi``, else of torch in a child process
     (the driver never opens a CUDA context on a GPU the workers will use); None when it cannot tell."""

@@ -477,18 +477,14 @@ def resolve_run_auto(cfg: RunConfig, plan: PlacementPlan, registry: Registry, ba
     from hybridrl.placement.memory import (
         GIB,
         MemoryEstimateError,
-        device_memory_bytes,
-        local_device_memory_bytes,
         model_shape,
         model_shapes_by_role,
+        planned_device_memory_bytes,
         render_memory,
     )
 
-    device = plan.cluster.device
     declared = declared_memory_gib if declared_memory_gib is not None else cfg.cluster.device_memory_gb
-    device_bytes = device_memory_bytes(device, declared)
-    if declared is None and device == "cuda" and not plan.cluster.declared:
-        device_bytes = local_device_memory_bytes() or device_bytes
+    device_bytes = planned_device_memory_bytes(plan.cluster.device, declared, not plan.cluster.declared)
     try:
         shape, source = model_shape(cfg)
     except MemoryEstimateError:
