@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One measurement on the GPU host, after the engine's wheels were unpacked into SITE (see benchmarks/gpu/README.md).
-#   bash benchmarks/gpu/measure.sh SITE STEP [ARGS...]     STEP: env | install | long-tail | gen-profile | megatron | grpo | model-sizes | moe | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests | timeline | advice
+#   bash benchmarks/gpu/measure.sh SITE STEP [ARGS...]     STEP: env | install | long-tail | gen-profile | megatron | grpo | model-sizes | moe | lora-7b | packing | ragged | micro | multi-turn | reshard-profile | gpu-tests | sglang-tests | timeline | advice | report
 # Figures and logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 site=$1 step=$2; shift 2
@@ -82,5 +82,7 @@ case $step in
         # draws each arm's timeline (report_run)
         python3 benchmarks/long_tail.py --out-dir "$OUT" --log-dir "$OUT" "$@"
         [ -n "${REPORT:-}" ] && for run in /tmp/long-tail/run-*; do report_run "$run" "$(basename "$run")"; done ;;
+  report)  # an earlier call's run folder, drawn now (report_run): RUN NAME
+        report_run "$1" "$2" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
