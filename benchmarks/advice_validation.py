@@ -173,7 +173,12 @@ def ranked_maps(config: Path, overrides: list[str], cluster: Any, profile_dir: P
     from hybridrl.config import load_config
     from hybridrl.placement.advice.advise import advise, plan_candidate
     from hybridrl.placement.advice.profile import fit_profile
-    from hybridrl.placement.memory import MemoryEstimateError, device_memory_bytes, model_shape, model_shapes_by_role
+    from hybridrl.placement.memory import (
+        MemoryEstimateError,
+        model_shape,
+        model_shapes_by_role,
+        planned_device_memory_bytes,
+    )
     from hybridrl.plugins.discovery import get_registry
     from hybridrl.plugins.registry import RegistryError
     from hybridrl.run.preflight import with_algorithm_roles
@@ -186,8 +191,8 @@ def ranked_maps(config: Path, overrides: list[str], cluster: Any, profile_dir: P
     except MemoryEstimateError:
         shape = None
     profile = fit_profile(profile_dir)
-    planner = plan_candidate(cluster, registry, device_memory_bytes(cluster.device, cfg.cluster.device_memory_gb),
-                             shape, model_shapes_by_role(cfg, bases))
+    memory = planned_device_memory_bytes(cluster.device, cfg.cluster.device_memory_gb, local=True)  # runs here
+    planner = plan_candidate(cluster, registry, memory, shape, model_shapes_by_role(cfg, bases))
     try:
         rollout_tp = registry.backend("rollout", cfg.roles.rollout.backend).can("tensor_parallel")
     except RegistryError:
@@ -209,7 +214,8 @@ def as_given(own: Any, profile: Any) -> Any:
     label = ":".join(f"{'+'.join(roles)} {n}" for roles, n in layout)
     candidate = Candidate(f"as given ({kind} {label})", kind, tuple((pool, 1, len(d)) for pool, d in
                                                                     own.plan.pools.items()), tp, ())
-    return Ranked(candidate, own, predict(candidate, own.cfg, own.plan, profile, own.reshard, own.shape))
+    return Ranked(candidate, own, predict(candidate, own.cfg, own.plan, profile, own.reshard, own.shape,
+                                          own.log_prob_cost))
 
 
 def signature(cfg: Any, plan: Any) -> tuple[Any, ...]:

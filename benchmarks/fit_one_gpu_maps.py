@@ -8,6 +8,11 @@ Two maps on one GPU are not the sum of the profile's phases, and their cost is m
   and only part of the generation stays in the step (a).
 * in flight (``trainer.mode=async``): the synchronous step with its generation ``k`` times as long.
 
+Both maps are asynchronous, so their rollout returns the sampled tokens' log-probs (importance sampling) and the
+synchronous profile's does not: their generation is first charged the rollout backend's ``log_prob_cost``, as the
+advisor charges it (``predict.log_prob_factor``; ``--log-prob-cost``, by default what the vLLM backend the GPU
+rows ran declares), and the factors fit what remains.
+
 For each (device, workload) with a synchronous colocated row (the profile run, whose measured phases the
 prediction was fitted from), the fractional and in-flight rows give one equation each. The factors minimise the
 relative error; each row's error is also given out of sample (fitted without that row): ``*_ERROR`` in
@@ -47,9 +52,9 @@ class Point:
     measured: float
 
 
-def points(rows: list[dict[str, Any]], kind: str) -> list[Point]:
+def points(rows: list[dict[str, Any]], kind: str, log_prob_cost: float = 1.0) -> list[Point]:
     """The rows of ``kind`` ("fractional" or "in_flight") measured on a GPU beside a synchronous colocated row of
-    the same device and workload."""
+    the same device and workload, their generation charged ``log_prob_cost`` (see the docstring)."""
     out = []
     for r in rows:
         if r.get("kind") != kind or r.get("error") or not r.get("measured_step_s") or "cpu" in r["device"]:
@@ -66,8 +71,20 @@ def points(rows: list[dict[str, Any]], kind: str) -> list[Point]:
         else:
             rest = sync["predicted_step_s"] - sync["predicted_phases_s"]["gen"]
             gen = sync["predicted_phases_s"]["gen"]
-        out.append(Point(r["device"], r["workload"], r["map"], gen, train, rest, r["measured_step_s"]))
+        out.append(Point(r["device"], r["workload"], r["map"], gen * log_prob_cost, train, rest,
+                         r["measured_step_s"]))
     return out
+
+
+#: the rollout backend the GPU rows ran (``advice_validation.py``'s workloads)
+GPU_ROLLOUT = "vllm"
+
+
+def declared_log_prob_cost(backend: str) -> float:
+    """The ``log_prob_cost`` the rollout backend registers (1: none declared)."""
+    from hybridrl.plugins.discovery import get_registry
+
+    return get_registry(()).backend("rollout", backend).log_prob_cost or 1.0
 
 
 # --- the models -------------------------------------------------------------------------------------------------
@@ -134,20 +151,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=str(RESULTS / "advice_validation.json"))
     parser.add_argument("--out", default=str(RESULTS / "one_gpu_maps_fit.json"))
+    parser.add_argument("--log-prob-cost", type=float, default=None,
+                        help="the rollout's log-prob cost (default: the vllm backend's declared log_prob_cost)")
     args = parser.parse_args()
+    cost = args.log_prob_cost if args.log_prob_cost is not None else declared_log_prob_cost(GPU_ROLLOUT)
     rows = json.loads(Path(args.rows).read_text())["rows"]
-    (a, b), fractional = evaluate(points(rows, "fractional"), fit_time_sliced, time_sliced)
-    k, flight = evaluate(points(rows, "in_flight"), fit_in_flight, in_flight)
-    result = {"benchmark": "fit_one_gpu_maps", "source": str(Path(args.rows).name),
+    (a, b), fractional = evaluate(points(rows, "fractional", cost), fit_time_sliced, time_sliced)
+    k, flight = evaluate(points(rows, "in_flight", cost), fit_in_flight, in_flight)
+    result = {"benchmark": "fit_one_gpu_maps", "source": str(Path(args.rows).name), "log_prob_cost": cost,
               "time_sliced": {"gen": round(a, 2), "train": round(b, 2), "error": band(fractional),
                               "rows": fractional},
               "in_flight": {"gen": round(k, 2), "error": band(flight), "rows": flight}}
+    print(f"generation of both maps x {cost:.2f} (log-probs)")
     print(f"fractional: step = max(gen, train, {a:.2f} x gen + {b:.2f} x train) + reshard + fixed; "
           f"out-of-sample band ±{result['time_sliced']['error']:.0%}")
     print(f"in flight: gen x {k:.2f}; out-of-sample band ±{result['in_flight']['error']:.0%}")
     for r in fractional + flight:
         loo = r["error_out_of_sample"]
-        print(f"  {r['workload']:32} {r['map']:16} measured {r['measured_step_s']:7.3f}  fitted "
+        device = r["device"].removeprefix("1x ")[:21]
+        print(f"  {device:21} {r['workload']:30} {r['map']:16} measured {r['measured_step_s']:7.3f}  fitted "
               f"{r['predicted_step_s']:7.3f} ({r['error']:+.0%})  out of sample "
               + ("-" if loo is None else f"{r['predicted_out_of_sample_s']:7.3f} ({loo:+.0%})"))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

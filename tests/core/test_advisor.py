@@ -143,14 +143,17 @@ def test_the_recorded_ppo_profile_predicts_its_own_step():
     rows = [json.loads(line) for line in (RECORDED_PPO / "metrics.jsonl").read_text().splitlines()][1:]
     measured = sum(r["timing/step"] for r in rows) / len(rows)
     kept = {r.candidate.name: r for r in _ppo_ranked(profile, 1, 1) if r.prediction is not None}
-    # in flight: the colocated step with its generation IN_FLIGHT_GEN times as long, within that model's error
+    # in flight: the colocated step with its generation IN_FLIGHT_GEN times as long (the transformers rollout
+    # declares no log-prob cost), within that model's error
     from hybridrl.placement.advice.predict import IN_FLIGHT_GEN
 
     assert set(kept) == {"colocated 1x1", "in-flight 1x1", "fractional 1x1"}
     colocated, in_flight = kept["colocated 1x1"].prediction, kept["in-flight 1x1"].prediction
+    assert kept["in-flight 1x1"].planned.cfg.roles.rollout.log_probs is True  # importance sampling reads them
     assert in_flight.phases["gen"] == pytest.approx(colocated.phases["gen"] * IN_FLIGHT_GEN)
     assert in_flight.step == pytest.approx(colocated.step + in_flight.phases["gen"] - colocated.phases["gen"])
-    assert "measure both" in kept["in-flight 1x1"].why
+    slower = "colocated 1x1" if in_flight.step < colocated.step else "in-flight 1x1"
+    assert "measure both" in kept[slower].why
     ranked = kept["colocated 1x1"]
     p = ranked.prediction
     assert p.step == pytest.approx(measured, rel=0.2)
@@ -351,12 +354,20 @@ def test_groups_in_flight_are_a_colocated_candidate_for_a_rollout_that_resumes(c
     """Each colocated map also with ``trainer.mode=async`` (partial rollouts), predicted as the synchronous step
     with its generation as long as measured in flight (the cost model counts a step's mean response length: no
     tail to cut); a rollout backend without ``partial`` has it dropped by the pre-flight, with the key."""
-    ranked = _quickstart_maps(fit_profile(RECORDED))
-    colocated, in_flight = ranked["colocated 1x2"], ranked["in-flight 1x2"]
+    from hybridrl.placement.advice.predict import IN_FLIGHT_GEN
+    from hybridrl.plugins.discovery import get_registry
+
+    # the vLLM rollout declares what its log-probs cost; the run in flight asks for them (importance sampling)
+    cost = get_registry(()).backend("rollout", "vllm").log_prob_cost
+    assert cost is not None and cost > 1
+    ranked = _quickstart_maps(fit_profile(RECORDED), overrides=("roles.rollout.backend=vllm",))
+    colocated, in_flight = ranked["colocated 1x2 tp2"], ranked["in-flight 1x2 tp2"]
     assert in_flight.candidate.kind == "in_flight" and "trainer.mode=async" in in_flight.candidate.overrides
     assert in_flight.prediction is not None and colocated.prediction is not None
+    assert in_flight.prediction.phases["gen"] == pytest.approx(colocated.prediction.phases["gen"] * cost *
+                                                                IN_FLIGHT_GEN)
     assert in_flight.prediction.step > colocated.prediction.step
-    assert "no tail to cut" in in_flight.why and "measure both" in in_flight.why
+    assert f"gen x{cost:.2f}" in in_flight.why and "no tail" in in_flight.why and "measure both" in in_flight.why
     status = main(["plan", str(QWEN7B), "roles.rollout.backend=sglang", "--advise", "--cluster", "1x2",
                    "--skip-engine-check"])
     out = capsys.readouterr().out
@@ -376,6 +387,26 @@ def test_rollout_tensor_parallelism_is_offered_only_to_a_backend_that_shards(bac
 
 
 # --- collectives and shared cores: pools of several ranks -------------------------------------------------------
+def test_each_map_is_planned_as_its_run_resolves_it():
+    """The advisor plans a map in flight with the oversampling its run adds (more sequences in the KV cache) and
+    every asynchronous map with the log-probs importance sampling reads; a profile whose own rollout returned
+    log-probs has them taken off the generation of a map that asks for none."""
+    from hybridrl.placement.advice.predict import log_prob_factor
+
+    profile = fit_profile(RECORDED)
+    assert profile.log_probs is False  # the recorded quick start is synchronous
+    ranked = _quickstart_maps(profile, overrides=("roles.rollout.backend=vllm",))
+    flight, colocated = ranked["in-flight 1x2 tp2"].planned.cfg, ranked["colocated 1x2 tp2"].planned.cfg
+    pipelined = ranked["pipelined train 1x1:gen 1x1"].planned.cfg
+    assert flight.roles.rollout.oversample == 1.25 and colocated.roles.rollout.oversample == 1.0
+    assert flight.roles.rollout.log_probs is True and pipelined.roles.rollout.log_probs is True
+    assert flight.roles.rollout.options["workload"]["sequences"] > colocated.roles.rollout.options["workload"][
+        "sequences"]
+    assert colocated.roles.rollout.log_probs is False
+    assert log_prob_factor(colocated, replace(profile, log_probs=True), 1.32) == pytest.approx(1 / 1.32)
+    assert log_prob_factor(flight, replace(profile, log_probs=True), 1.32) == 1.0
+
+
 def test_a_config_that_spells_the_trainer_mode_keeps_every_map_kind():
     """A run's resolved ``config.json`` spells ``trainer.mode: sync``; the pipelined and fractional maps still
     plan (their keys set the mode), and a config in ``mode: async`` still gets a synchronous colocated map."""
@@ -395,8 +426,10 @@ def _quickstart_maps(profile: CostProfile, nodes: int = 1, devices: int = 2, ove
 
     cluster = ClusterSpec(nodes, devices, "cpu", declared=True)
     shape = model_shape(load_config(QUICKSTART, list(overrides)))[0]
-    planner = plan_candidate(cluster, get_registry(()), None, shape)
-    return {r.candidate.name: r for r in advise(QUICKSTART, list(overrides), cluster, profile, planner)}
+    registry = get_registry(())
+    planner = plan_candidate(cluster, registry, None, shape)
+    return {r.candidate.name: r for r in advise(QUICKSTART, list(overrides), cluster, profile, planner,
+                                                registry=registry)}
 
 
 def test_two_cpu_slots_sharing_the_profiles_cores_predict_slower_than_linear_scaling():

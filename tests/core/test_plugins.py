@@ -54,6 +54,16 @@ def test_duplicate_registration_names_both_plugins():
         reg.add_reward("x", len)
 
 
+@pytest.mark.parametrize("cost", [0.5, "fast", -1])
+def test_a_rollouts_log_prob_cost_is_a_factor_of_at_least_one(cost):
+    reg = Registry()
+    reg.current_plugin = "mine"
+    with pytest.raises(RegistryError, match="log_prob_cost must be a number >= 1.*plugin mine"):
+        reg.add_rollout("r", "m:R", log_prob_cost=cost)
+    reg.add_rollout("r", "m:R", log_prob_cost=1.3)
+    assert reg.backend("rollout", "r").log_prob_cost == 1.3
+
+
 def test_check_requirement_versions():
     assert check_requirement("torch>=2.0") is None
     assert "required" in check_requirement("torch>=999")

@@ -115,6 +115,10 @@ class BackendSpec:
     #: ``fn(role, options) -> bool`` (or ``"module:function"``): whether the engine computes each distinct prompt
     #: of a group once (its FLOPs count it once: ``hybridrl.observe.flops``).
     shares_prompts: Any = None
+    #: a rollout's generation seconds with the sampled tokens' log-probs over those without, as the backend
+    #: measured it (``benchmarks/gen_profile.py``); the advisor charges it to a map whose run asks for them when
+    #: the profile's did not (``placement.advice.predict``). None: not measured, nothing charged.
+    log_prob_cost: float | None = None
 
     def can(self, capability: str) -> bool:
         return capability in self.supports

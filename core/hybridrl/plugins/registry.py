@@ -126,16 +126,21 @@ class Registry:
                     process_family: str = "any", devices: tuple[str, ...] = ("cpu", "cuda"),
                     supports: Iterable[str] = (), max_ranks: int | None = None, check_options: Any = None,
                     resolve_options: Any = None, memory_model: Any = None, oom_fixes: Any = None,
-                    options: Any = None) -> None:
+                    options: Any = None, log_prob_cost: float | None = None) -> None:
         """Register a ``RolloutEngine`` class (or ``"module:Class"``) under ``name``; ``supports`` names its
         optional capabilities (``capabilities.ROLLOUT_CAPABILITIES``), ``max_ranks`` the most ranks it spans,
         ``check_options`` its pre-flight check of its own settings (see ``BackendSpec.check_options``),
         ``resolve_options`` its own ``auto`` settings (``BackendSpec.resolve_options``), ``memory_model`` and
         ``oom_fixes`` what the planner and the out-of-memory answer ask of it, ``options`` its option keys for
-        people (see ``BackendSpec``)."""
+        people, ``log_prob_cost`` what returning the sampled tokens' log-probs costs its generation, as a factor
+        (see ``BackendSpec``)."""
+        if log_prob_cost is not None and not (isinstance(log_prob_cost, (int, float)) and log_prob_cost >= 1):
+            raise RegistryError(f"rollout backend '{name}': log_prob_cost must be a number >= 1 (generation seconds "
+                                f"with log-probs over those without), got {log_prob_cost!r} (plugin "
+                                f"{self.current_plugin})")
         self._add_backend("rollout", name, target, requires, install_hint, process_family, devices, supports,
                           max_ranks, check_options, resolve_options, options, memory_model=memory_model,
-                          oom_fixes=oom_fixes)
+                          oom_fixes=oom_fixes, log_prob_cost=log_prob_cost)
 
     def add_bridge(self, trainer: str, rollout: str, transport: str, target: Any, *, scope: str = "cluster") -> None:
         """Register a reshard bridge for a backend pair; later registrations of the same key win. ``scope``

@@ -2,6 +2,11 @@
 
 from hybridrl import hookimpl
 
+#: generation seconds with the sampled tokens' log-probs over those without: the engine's per-request bookkeeping
+#: of them on the host, each engine step (``benchmarks/gen_profile.py``, the rollout paths; the mean of the sizes
+#: measured, benchmarks/README.md)
+LOG_PROB_COST = 1.32
+
 
 @hookimpl
 def hybridrl_register_backends(registry):
@@ -10,4 +15,5 @@ def hybridrl_register_backends(registry):
                          supports={"sleep", "requests", "lora_adapters", "partial", "refill", "return_routing",
                                    "tensor_parallel"},
                          check_options="hybridrl_vllm.options:option_problems", options="hybridrl_vllm.options:OPTIONS",
-                         memory_model="hybridrl_vllm.memory:VLLM_MEMORY", oom_fixes="hybridrl_vllm.memory:oom_fixes")
+                         memory_model="hybridrl_vllm.memory:VLLM_MEMORY", oom_fixes="hybridrl_vllm.memory:oom_fixes",
+                         log_prob_cost=LOG_PROB_COST)

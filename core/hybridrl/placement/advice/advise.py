@@ -31,6 +31,7 @@ class Planned:
     reshard: Any = None  # ReshardEstimate
     dropped: str | None = None
     shape: Any = None  # the model's ModelShape: the collectives of multi-rank train pools
+    log_prob_cost: float = 1.0  # the rollout backend's ``BackendSpec.log_prob_cost`` (1: none declared)
 
 
 @dataclass
@@ -63,6 +64,7 @@ def plan_candidate(cluster: ClusterSpec, registry: Any, device_bytes: float | No
             key, why = problems[0] if problems else ("", "no plan")
             return Planned(dropped=f"config: {key}: {why}")
         names = {role: entry.name for role, entry in backends.items()}
+        log_prob_cost = getattr(backends.get("rollout"), "log_prob_cost", None) or 1.0
         auto = resolve_auto(cfg, plan, registry, names, shape, device_bytes, "", shapes, host_bytes)
         if auto.problems:
             key, why = auto.problems[0]
@@ -83,7 +85,8 @@ def plan_candidate(cluster: ClusterSpec, registry: Any, device_bytes: float | No
         if any(w.startswith("roles.rollout") for w in est.warnings):
             return Planned(auto.cfg, plan, peaks, dropped="memory: " + next(
                 w for w in est.warnings if w.startswith("roles.rollout")))
-        return Planned(auto.cfg, plan, peaks, estimate_reshard(auto.cfg, plan, shape), shape=shape)
+        return Planned(auto.cfg, plan, peaks, estimate_reshard(auto.cfg, plan, shape), shape=shape,
+                       log_prob_cost=log_prob_cost)
 
     return planner
 
@@ -93,17 +96,23 @@ def advise(config: str | Path, overrides: Sequence[str], cluster: ClusterSpec, p
     """Every candidate map of the config at ``config`` (with the user's ``overrides``) on ``cluster``, the kept
     ones ranked by predicted samples/s (best first), then the dropped ones with their reason. ``rollout_tp``:
     whether the rollout backend splits an engine over ranks (capability ``tensor_parallel``). With ``registry``
-    the maps place the roles the algorithm adds (a PPO config's critic, unwritten in its YAML)."""
-    base = load_config(config, list(overrides))
-    if registry is not None:
+    the maps place the roles the algorithm adds (a PPO config's critic, unwritten in its YAML), and each
+    candidate is planned as its run would resolve it (``run.preflight.resolve_roles``: a map in flight
+    oversamples, so its KV cache holds more sequences; an asynchronous one corrects with importance sampling,
+    so its rollout returns log-probs)."""
+    def resolved(cfg: RunConfig) -> RunConfig:
+        if registry is None:
+            return cfg
         from hybridrl.run.preflight import with_algorithm_roles
 
-        base, _ = with_algorithm_roles(base, registry)
+        return with_algorithm_roles(cfg, registry)[0]
+
+    base = resolved(load_config(config, list(overrides)))
     kept: list[Ranked] = []
     dropped: list[Ranked] = []
     for candidate in candidate_maps(base, cluster.nodes, cluster.devices_per_node, rollout_tp):
         try:
-            cfg = load_config(config, [*overrides, *candidate.overrides])
+            cfg = resolved(load_config(config, [*overrides, *candidate.overrides]))
         except ConfigError as exc:
             dropped.append(Ranked(candidate, Planned(dropped=f"config: {exc}"), why=f"config: {exc}"))
             continue
@@ -112,7 +121,7 @@ def advise(config: str | Path, overrides: Sequence[str], cluster: ClusterSpec, p
             dropped.append(Ranked(candidate, planned, why=planned.dropped or "not planned"))
             continue
         kept.append(Ranked(candidate, planned, predict(candidate, planned.cfg, planned.plan, profile,
-                                                       planned.reshard, planned.shape)))
+                                                       planned.reshard, planned.shape, planned.log_prob_cost)))
     kept.sort(key=rank_key)
     for r in kept[1:]:
         r.why = why_it_loses(r, kept[0])
@@ -167,15 +176,18 @@ def why_it_loses(r: Ranked, best: Ranked) -> str:
             reasons.append("train-bound")
     else:
         reasons.append("phases take turns")
+    if best.prediction and p.bound != "train" and p.log_prob_factor > best.prediction.log_prob_factor:
+        reasons.append(f"its rollout returns log-probs (importance sampling): gen x{p.log_prob_factor:.2f}")
     if r.candidate.kind == "in_flight":
-        reasons.append("rounds in flight decode slower (the cost model has no tail to cut)")
+        reasons.append("rounds in flight cut no tail in the cost model")
     for pool, share in p.busy.items():
         if share < IDLE:
             reasons.append(f"idle {pool} pool")
     if p.phases.get("reshard", 0.0) > 0.2 * p.step:
         reasons.append("reshard")
-    best_gen = best.prediction.phases["gen"] if best.prediction else 0.0
-    if r.candidate.tp != best.candidate.tp and p.bound != "train" and p.phases["gen"] > 1.1 * best_gen:
+    best_gen = best.prediction.phases["gen"] / best.prediction.log_prob_factor if best.prediction else 0.0
+    if r.candidate.tp != best.candidate.tp and p.bound != "train" and \
+            p.phases["gen"] / p.log_prob_factor > 1.1 * best_gen:  # the log-probs' cost has its own reason
         reasons.append(f"tp{r.candidate.tp} generates slower")
     best_critic = best.prediction.critic if best.prediction else None
     if p.critic is not None and best_critic is not None and p.critic > 1.1 * best_critic and p.bound != "gen":

@@ -3,17 +3,22 @@ trainer runs them.
 
 * colocated: the phases take turns on every device: ``wake + gen + sleep + ref + old_log_prob + update + reshard``
   (``old_log_prob`` only where the trainer runs it: more than one optimizer step a batch, or KL in the reward).
-* in flight (colocated, ``trainer.mode=async``): the same turns, the generation ``IN_FLIGHT_GEN`` times as long.
-  The cost model's decode rounds count the mean response length, not the longest (a tail that costs the
-  synchronous step rounds is not in the model), yet the rounds in flight measured slower than the synchronous
-  generation on one GPU at every shape tried, mostly for the sampled tokens' log-probs they ask of the engine
-  (``benchmarks/gen_profile.py``): the factor is fitted from those steps.
+* in flight (colocated, ``trainer.mode=async``): the same turns, the generation ``IN_FLIGHT_GEN`` times as long
+  besides the log-probs' cost (below). The cost model's decode rounds count the mean response length, not the
+  longest (a tail that costs the synchronous step rounds is not in the model); the factor is fitted from steps
+  measured on single GPUs: what the rounds in flight cost besides their log-probs.
 * split (sync): the train pool waits for the whole batch and the rollout for the new weights, so the step is
   still the sum (without wake and sleep); the split's gain is more devices per phase and no time-sharing of memory.
 * pipelined (staleness 1): the rollout generates step k+1 while step k trains: ``max(gen, train) + reshard``.
 * fractional (the rollout's pool on the trainers' devices, pipelined): both run at once on one GPU, which without
   MPS time-slices between the processes: the trainer slows while the engine decodes beside it, and only part of
   the generation stays in the step: ``max(gen, train, TIME_SLICED_GEN x gen + TIME_SLICED_TRAIN x train)``.
+
+A map whose run asks the rollout for its sampled tokens' log-probs (the candidate's resolved
+``roles.rollout.log_probs``: on with importance sampling, which every asynchronous map turns on) when the profile's
+run did not has its generation ``log_prob_cost`` times as long (the backend's ``BackendSpec.log_prob_cost``,
+measured by ``benchmarks/gen_profile.py``: the engine's bookkeeping of them each step), and the other way round
+divided by it.
 
 Both one-GPU models are fitted from measured steps by ``benchmarks/fit_one_gpu_maps.py`` (benchmarks/README.md,
 "the one-GPU maps against measured steps"); ``TIME_SLICED_ERROR`` and ``IN_FLIGHT_ERROR`` are the largest error
@@ -42,14 +47,14 @@ from hybridrl.placement.advice.profile import DEFAULT_CONCURRENCY, CostProfile
 from hybridrl.placement.memory import DTYPE_BYTES
 
 #: a fractional step: max(gen, train, TIME_SLICED_GEN x gen + TIME_SLICED_TRAIN x train) (see the docstring)
-TIME_SLICED_GEN = 0.48
-TIME_SLICED_TRAIN = 2.02
+TIME_SLICED_GEN = 0.21
+TIME_SLICED_TRAIN = 1.90
 #: how far a measured fractional step fell from the factors' prediction, out of sample (see the docstring)
-TIME_SLICED_ERROR = 0.10
-#: an in-flight step's generation over the synchronous one's (see the docstring)
-IN_FLIGHT_GEN = 1.28
+TIME_SLICED_ERROR = 0.40
+#: an in-flight step's generation over the synchronous one's, its log-probs' cost aside (see the docstring)
+IN_FLIGHT_GEN = 0.96
 #: how far a measured in-flight step fell from that factor's prediction, out of sample
-IN_FLIGHT_ERROR = 0.30
+IN_FLIGHT_ERROR = 0.20
 #: each one-GPU model's error band, by the candidate kind it predicts
 MODEL_ERROR = {"fractional": TIME_SLICED_ERROR, "in_flight": IN_FLIGHT_ERROR}
 #: the phases on the train side of a step (after the batch is generated, before the reshard)
@@ -72,6 +77,7 @@ class Prediction:
     busy: dict[str, float]  # pool -> share of the step
     bound: str  # the phase group that sets the step: "gen", "train" or "serial"
     notes: list[str] = field(default_factory=list)
+    log_prob_factor: float = 1.0  # what the rollout's log-probs did to the generation (``log_prob_factor``)
 
     @property
     def critic(self) -> float | None:
@@ -181,10 +187,20 @@ def time_sliced(gen: float, train: float, gen_factor: float = TIME_SLICED_GEN,
     return max(gen, train, gen_factor * gen + train_factor * train)
 
 
+def log_prob_factor(cfg: RunConfig, profile: CostProfile, log_prob_cost: float) -> float:
+    """What the sampled tokens' log-probs do to the generation of ``cfg`` against the profile's (see the
+    docstring): ``log_prob_cost`` where only the candidate asks for them, its inverse where only the profile did."""
+    asks = cfg.roles.rollout.log_probs is True
+    if asks == profile.log_probs:
+        return 1.0
+    return log_prob_cost if asks else 1.0 / log_prob_cost
+
+
 def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfile, reshard: Any = None,
-            shape: Any = None) -> Prediction:
-    """The step of ``cfg`` (the candidate's config) placed by ``plan`` (its ``PlacementPlan``); ``shape`` (the
-    model's ``ModelShape``) counts the collectives of train pools of several ranks (None: none counted)."""
+            shape: Any = None, log_prob_cost: float = 1.0) -> Prediction:
+    """The step of ``cfg`` (the candidate's config, resolved as its run resolves it) placed by ``plan`` (its
+    ``PlacementPlan``); ``shape`` (the model's ``ModelShape``) counts the collectives of train pools of several
+    ranks (None: none counted); ``log_prob_cost`` is the rollout backend's (1: none declared)."""
     sequences = cfg.data.prompts_per_step * cfg.algorithm.n_samples
     length = profile.response_length if profile.response_length is not None else cfg.roles.rollout.max_new_tokens
     prompt = profile.prompt_length if profile.prompt_length is not None else cfg.data.max_prompt_len / 2
@@ -194,7 +210,8 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
     tp = max(1, cfg.roles.rollout.tensor_parallel)
     replicas = max(1, gen_devices // tp)
     concurrency = int((cfg.roles.rollout.options or {}).get("max_num_seqs") or DEFAULT_CONCURRENCY)
-    phases = {"gen": profile.gen_seconds(math.ceil(sequences / replicas), length, concurrency, tp)}
+    log_probs = log_prob_factor(cfg, profile, log_prob_cost)
+    phases = {"gen": profile.gen_seconds(math.ceil(sequences / replicas), length, concurrency, tp) * log_probs}
     if candidate.kind == "in_flight":
         phases["gen"] *= IN_FLIGHT_GEN
 
@@ -236,4 +253,4 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
             for pool in {plan.role_pool[r] for r in roles if r in plan.role_pool}:
                 work[pool] = work.get(pool, 0.0) + phases[phase]
     busy = {pool: min(1.0, work.get(pool, 0.0) / step) for pool in plan.pools}
-    return Prediction(step, sequences / step, phases, busy, bound)
+    return Prediction(step, sequences / step, phases, busy, bound, log_prob_factor=log_probs)

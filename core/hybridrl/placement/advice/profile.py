@@ -19,6 +19,10 @@ The forms, chosen to be fitted from the few steps of a short profiling run:
   tensor) x the link's latency.
 * **wake and sleep** of a colocated rollout, and the driver's fixed per-step work (data, rule rewards,
   advantages): seconds per step.
+
+The profile also records whether its rollout returned the sampled tokens' log-probs (the run's resolved
+``roles.rollout.log_probs``): a map whose run asks for them, or not, when the profile's did the other, has its
+generation scaled by the rollout backend's ``log_prob_cost`` (``predict``).
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ class CostProfile:
     latency: dict[str, float] = field(default_factory=lambda: dict(LINK_LATENCY))
     slot_threads: int | None = None  # torch threads of the profile's CPU slot (device_map.json); None: unknown
     node_cores: int | None = None  # CPU cores of the profile's node; None: unknown
+    log_probs: bool = False  # the profiled rollout returned its sampled tokens' log-probs (roles.rollout.log_probs)
 
     def collective_seconds(self, collectives: float, nbytes: float, link: str) -> float:
         """The alpha-beta cost of ``collectives`` collectives moving ``nbytes`` in all over ``link``: each pays the
@@ -269,4 +274,5 @@ def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None,
                        response_length=statistics.fmean(lengths) if lengths else None,
                        prompt_length=max(0.0, statistics.fmean(prompt_lengths)) if prompt_lengths else None,
                        profiled=True, source=f"profile {run} ({len(steps)} step(s))", bandwidth=links,
-                       latency={**LINK_LATENCY, **(latency or {})}, slot_threads=threads, node_cores=cores)
+                       latency={**LINK_LATENCY, **(latency or {})}, slot_threads=threads, node_cores=cores,
+                       log_probs=_get(config, "roles.rollout.log_probs") is True)
