@@ -92,3 +92,16 @@ def test_null_for_a_required_key_is_refused_by_name() -> None:
     found = problems_of(["data=null", "trainer.stepz=1", "roles.actor.micro_batch=null"])
     assert found == {"data": "is required: null cannot unset it; give a value", "trainer.stepz": "unknown key"}
     assert problems_of(["roles.actor.microbatch=null"]) == {"roles.actor.microbatch": "unknown key"}
+
+
+def test_a_bad_key_is_refused_before_torch_is_imported():
+    """The CLI reads, checks and refuses a config without the tensor libraries: the error comes in well under a
+    second, not after torch's import (``hybridrl.engines`` imports its contracts at first use)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom hybridrl.cli import main\ncode = main(['train', sys.argv[1], 'trainer.stepz=3'])\n"
+             "print(code, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe, str(QUICKSTART)], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split()[-2:] == ["2", "False"], proc.stdout + proc.stderr
+    assert "trainer.stepz" in proc.stderr + proc.stdout

@@ -11,20 +11,41 @@
 The names below are the contracts; import the rest from their modules.
 """
 
-from hybridrl.data_parallel import DataParallelInfo
-from hybridrl.engines.batch import Batch
-from hybridrl.engines.contracts import (
-    EngineContext,
-    GeneratedTokens,
-    LossScale,
-    NamedTensor,
-    Objective,
-    RolloutEngine,
-    SamplingParams,
-    TrainEngine,
-    TrainingOptions,
-    WeightBucket,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: each contract's module: imported at first use, so that reading the registry and refusing a bad config (which
+#: need ``capabilities`` and ``spec``) load no torch
+_HOMES = {"Batch": "hybridrl.engines.batch", "DataParallelInfo": "hybridrl.data_parallel",
+          **{name: "hybridrl.engines.contracts" for name in (
+              "EngineContext", "GeneratedTokens", "LossScale", "NamedTensor", "Objective", "RolloutEngine",
+              "SamplingParams", "TrainEngine", "TrainingOptions", "WeightBucket")}}
 
 __all__ = ["Batch", "DataParallelInfo", "EngineContext", "GeneratedTokens", "LossScale", "NamedTensor",
            "Objective", "RolloutEngine", "SamplingParams", "TrainEngine", "TrainingOptions", "WeightBucket"]
+
+if TYPE_CHECKING:
+    from hybridrl.data_parallel import DataParallelInfo
+    from hybridrl.engines.batch import Batch
+    from hybridrl.engines.contracts import (
+        EngineContext,
+        GeneratedTokens,
+        LossScale,
+        NamedTensor,
+        Objective,
+        RolloutEngine,
+        SamplingParams,
+        TrainEngine,
+        TrainingOptions,
+        WeightBucket,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'hybridrl.engines' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
