@@ -83,6 +83,25 @@ def device_memory() -> dict[str, float]:
 #: (``release_cached_device_memory``): torch's peak counters restart after a release, so the cache given back
 #: is not counted again on top of what is mapped after it (a rollout's weights waking in ``reshard``).
 _peaks_before_release: list[float] = []
+#: torch's peak allocated bytes over the process's life: the meter restarts torch's counters at every phase, so
+#: the process's peak (``memory/<role>/peak_mb``, ``allocated_peak_mb``) is carried across the restarts here
+_allocated_peak_bytes = 0
+
+
+def _restart_peak_counters() -> None:
+    """``torch.cuda.reset_peak_memory_stats()``, the process's allocated peak kept (``allocated_peak_mb``)."""
+    global _allocated_peak_bytes
+    import torch
+
+    _allocated_peak_bytes = max(_allocated_peak_bytes, torch.cuda.max_memory_allocated())
+    torch.cuda.reset_peak_memory_stats()
+
+
+def allocated_peak_mb() -> float:
+    """The most torch's allocator held at once in this process, across the meter's restarts of its counters."""
+    import torch
+
+    return max(_allocated_peak_bytes, torch.cuda.max_memory_allocated()) / MIB
 
 
 def _device_peak_mb() -> float:
@@ -100,7 +119,7 @@ def release_cache_metered() -> None:
 
     _peaks_before_release.append(_device_peak_mb())
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    _restart_peak_counters()
 
 
 class DeviceMemoryMeter:
@@ -126,9 +145,7 @@ class DeviceMemoryMeter:
         cuda = self.cuda
         before = 0.0
         if cuda:
-            import torch
-
-            torch.cuda.reset_peak_memory_stats()
+            _restart_peak_counters()
             _peaks_before_release.clear()
             before = device_memory()["used_mb"]
         try:
@@ -138,8 +155,6 @@ class DeviceMemoryMeter:
                 raise DeviceOutOfMemory(self.oom_report(role, phase, exc)) from exc
             raise
         if self.device == "cuda" and (cuda or self.cuda):
-            import torch
-
             peak = max(before, _device_peak_mb(), *_peaks_before_release)
             _peaks_before_release.clear()
             self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak)

@@ -192,6 +192,8 @@ class RoleWorker:
         return self.memory.report()
 
     def peak_memory_mb(self) -> float:
-        if self.device == "cuda":
-            return torch.cuda.max_memory_allocated() / 2**20
+        if self.device == "cuda":  # the meter restarts torch's counters each phase: the process's peak is kept there
+            from hybridrl.observe.memory import allocated_peak_mb
+
+            return allocated_peak_mb()
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
