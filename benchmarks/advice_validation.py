@@ -48,6 +48,8 @@ RUN_KEYS = ["trainer.save_every=0", "trainer.trackers=[jsonl]", "trainer.progres
 ARM_KEY = "advice_arm.json"
 #: what the generation did, kept beside the phases: the rounds, tokens resumed, thrown away and carried in flight
 ROLLOUT_METRICS = ("rollout/", "async/", "gen/")
+#: each phase's NVML busy share of its devices (``busy/<phase>``, GPUs with nvidia-ml-py) and the step's
+BUSY_METRICS = ("busy/", "device/")
 #: the phases compared per row (measured ``timing/<phase>`` means beside the predicted seconds)
 PHASES = ("wake", "gen", "sleep", "ref", "old_log_prob", "values", "update_critic", "update_actor", "reshard")
 
@@ -124,8 +126,9 @@ def run_arm(config: Path, overrides: list[str], steps: int, skip: int, out: Path
         result["steady_steps"] = [r["step"] for r in later]
         result["phases_s"] = {p: statistics.fmean(r.get(f"timing/{p}", 0.0) for r in later) for p in PHASES
                               if any(f"timing/{p}" in r for r in later)}
-        result["rollout"] = {k: statistics.fmean(r.get(k, 0.0) for r in later) for k in sorted(
-            {k for r in later for k in r if k.startswith(ROLLOUT_METRICS)})}
+        for field, prefixes in (("rollout", ROLLOUT_METRICS), ("busy", BUSY_METRICS)):
+            result[field] = {k: statistics.fmean(r.get(k, 0.0) for r in later) for k in sorted(
+                {k for r in later for k in r if k.startswith(prefixes)})}
     if code != 0 or len(rows) < steps or not later:
         what = "timed out" if code == -1 else f"exit status {code}"
         result["error"] = f"{what}, {len(rows)} of {steps} steps: {error_line(log)[-300:]}"
@@ -425,6 +428,8 @@ def row_of(r: Any, arms: list[dict[str, Any]], device: str, workload: str, comma
                               for k in PHASES if any(k in a.get("phases_s", {}) for a in good)} if good else None,
         "measured_rollout": {k: round(statistics.fmean(a.get("rollout", {}).get(k, 0.0) for a in good), 4)
                              for k in sorted({k for a in good for k in a.get("rollout", {})})} if good else None,
+        "measured_busy": {k: round(statistics.fmean(a.get("busy", {}).get(k, 0.0) for a in good), 4)
+                          for k in sorted({k for a in good for k in a.get("busy", {})})} if good else None,
         "command": command,
     }
     if p is None:

@@ -52,8 +52,9 @@ def _finished_arm(tmp_path: Path, monkeypatch, steps: int) -> tuple[Path, Path, 
         trained.append(overrides)
         out = Path(next(o for o in overrides if o.startswith("trainer.out="))[len("trainer.out="):])
         out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.jsonl").write_text("\n".join(f'{{"step": {n}, "timing/step": 2.0}}' for n in
-                                                     range(1, steps + 1)))
+        (out / "metrics.jsonl").write_text("\n".join(
+            f'{{"step": {n}, "timing/step": 2.0, "busy/gen": {n / 10}, "device/main.0/busy": 0.5}}'
+            for n in range(1, steps + 1)))
         return 0, "", 5.0
 
     monkeypatch.setattr(advice_validation, "train_run", train_run)
@@ -66,6 +67,8 @@ def test_reuse_reads_a_finished_arm_instead_of_training_it_again(tmp_path, monke
     config, folder, trained = _finished_arm(tmp_path, monkeypatch, steps=3)
     again = advice_validation.run_arm(config, ["a=1"], 3, 1, folder, 60.0, reuse=True)
     assert len(trained) == 1 and again["steady_steps"] == [2, 3] and "error" not in again
+    # the phases' sampled busy shares of the steady steps travel with the arm (the one-GPU fit's next input)
+    assert again["busy"] == {"busy/gen": pytest.approx(0.25), "device/main.0/busy": 0.5}
 
 
 @pytest.mark.parametrize("change", ["overrides", "steps", "config"])

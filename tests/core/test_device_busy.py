@@ -106,18 +106,21 @@ class Pool:
 
 
 class Group:
-    """A worker group's ``call_all("busy_report", lo, hi)``: the given per-rank answers (or an error)."""
+    """A worker group's ``call_all("busy_report", windows)``: per rank, a constant fraction for every window, a
+    sampler's answer, None (no sampler), or an error for the whole group."""
 
-    def __init__(self, pool: str, answers: list[float | None] | Exception) -> None:
+    def __init__(self, pool: str, answers: list[float | BusySampler | None] | Exception) -> None:
         self.plan = Pool(pool)
         self.answers = answers
         self.asked: list[tuple[Any, ...]] = []
 
-    def call_all(self, method: str, *args: Any) -> list[float | None]:
+    def call_all(self, method: str, *args: Any) -> list[list[float | None] | None]:
         self.asked.append((method, *args))
         if isinstance(self.answers, Exception):
             raise self.answers
-        return list(self.answers)
+        (windows,) = args
+        return [a.fractions(windows) if isinstance(a, BusySampler) else None if a is None else [a] * len(windows)
+                for a in self.answers]
 
 
 def test_nvml_values_replace_the_span_based_ones_device_by_device():
@@ -126,8 +129,34 @@ def test_nvml_values_replace_the_span_based_ones_device_by_device():
     groups = {"actor": train, "ref": train, "rollout": gen}  # fused roles share a group: asked once
     metrics = SpanLog.for_plan(split_plan(), None).record_step(1, timer_with(STEP_PHASES), 10.0, 40, 100, groups)
     assert metrics == {"device/train.0/busy": 0.25, "device/train.1/busy": pytest.approx(0.5),
-                       "device/gen.0/busy": 0.75, "device/gen.1/busy": 0.8, "device/busy_sampled": 0.75}
-    assert train.asked == [("busy_report", 1000.0, 1010.0)]  # the step's wall-clock window
+                       "device/gen.0/busy": 0.75, "device/gen.1/busy": 0.8, "device/busy_sampled": 0.75,
+                       "busy/gen": pytest.approx(0.775), "busy/ref": 0.25, "busy/update_actor": 0.25,
+                       "busy/reshard": pytest.approx((0.25 + 0.75 + 0.8) / 3)}  # reshard: both pools' devices
+    # one call a group: the step's wall-clock window, then each pooled phase's
+    assert train.asked == [("busy_report", [(1000.0, 1010.0), (1000.5, 1004.5), (1005.0, 1006.0), (1006.0, 1009.0),
+                                            (1009.0, 1010.0)])]
+
+
+def test_each_phase_gets_the_share_sampled_while_it_ran():
+    """A host-bound generation (30 % of its seconds in kernels) beside a compute-bound update (90 %), sampled by
+    real samplers on a clock the test moves: the phases' shares tell them apart where the step's mean does not."""
+    clock = Clock(1000.0)
+    samplers = [BusySampler(lambda: 0.0, clock=clock) for _ in range(2)]
+    for tenth in range(100):  # 10 s of samples, every 0.1 s
+        clock.now = 1000.0 + tenth / 10
+        level = 30.0 if 0.5 <= tenth / 10 < 4.5 else 90.0 if 5.0 <= tenth / 10 < 9.0 else 0.0
+        for sampler in samplers:
+            sampler.utilisation = lambda level=level: level
+            assert sampler.sample()
+    groups = {"actor": Group("train", samplers), "rollout": Group("gen", [None, None])}
+    metrics = SpanLog.for_plan(split_plan(), None).record_step(1, timer_with(STEP_PHASES), 10.0, 40, 100, groups)
+    assert metrics["busy/update_actor"] == pytest.approx(0.9, abs=0.03)
+    assert metrics["busy/ref"] == pytest.approx(0.9, abs=0.1)  # its window's edges: 1005.0 sampled at 90
+    assert "busy/gen" not in metrics  # the rollout's devices were not sampled: no share is made up
+    gen_on_train = {"actor": Group("train", samplers), "rollout": Group("gen", samplers)}  # a guest pool
+    plan = fractional_plan()
+    metrics = SpanLog.for_plan(plan, None).record_step(1, timer_with(STEP_PHASES), 10.0, 40, 100, gen_on_train)
+    assert metrics["busy/gen"] == pytest.approx(0.3, abs=0.03)
 
 
 def test_without_nvml_the_span_based_value_is_used(caplog):
@@ -145,9 +174,16 @@ def test_without_nvml_the_span_based_value_is_used(caplog):
 
 def test_processes_sharing_a_device_report_the_largest_fraction():
     groups = {"actor": Group("main", [0.2, 0.6]), "rollout": Group("main", [0.5, None])}
-    assert sampled_busy(groups, 0.0, 1.0) == {("main", 0): 0.5, ("main", 1): 0.6}
+    assert sampled_busy(groups, [(0.0, 1.0)]) == {("main", 0): [0.5], ("main", 1): [0.6]}
     merged, sampled = merge_busy({("main", 0): 0.9, ("main", 1): 0.9, ("main", 2): 0.9}, {("main", 1): 0.6})
     assert merged == {("main", 0): 0.9, ("main", 1): 0.6, ("main", 2): 0.9} and sampled == 1
+
+
+def test_a_sampler_answers_each_window_of_one_call():
+    clock = Clock(1000.0)
+    sampler = sampler_of([100, 100, 0, 50, 0, 0], clock)  # at 1000.0, 1000.5 ... 1002.5
+    assert sampler.fractions([(1000.0, 1002.5), (1000.0, 1000.5), (1001.0, 1001.5), (1005.0, 1006.0)]) == \
+        [pytest.approx(250 / 600), 1.0, 0.25, None]
 
 
 def test_a_cpu_worker_has_no_sampler_and_reports_none():
@@ -155,7 +191,7 @@ def test_a_cpu_worker_has_no_sampler_and_reports_none():
 
     worker = RoleWorker(0, 1, "cpu")
     try:
-        assert worker.busy is None and worker.busy_report(0.0, 1.0) is None
+        assert worker.busy is None and worker.busy_report([(0.0, 1.0)]) is None
     finally:
         worker.gc_pauses.close()
 
@@ -171,5 +207,6 @@ def test_a_fractional_pool_is_counted_on_its_hosts_devices(caplog):
     with caplog.at_level("INFO", logger="hybridrl.observe.spans"):
         metrics = log.record_step(1, timer_with(phases), 10.0, 40, 100, groups)
     assert metrics == {"device/train.0/busy": 0.7, "device/train.1/busy": pytest.approx(0.8),
-                       "device/busy_sampled": 0.5}  # the larger of the two processes' samples of GPU 0
+                       "device/busy_sampled": 0.5,  # the larger of the two processes' samples of GPU 0
+                       "busy/gen": pytest.approx(0.7), "busy/ref": 0.7, "busy/update_actor": 0.7}
     assert any("sampled on 1 of 2 device(s)" in r.getMessage() for r in caplog.records)

@@ -4,10 +4,11 @@ The span-based fraction (``hybridrl.observe.spans``) counts a device busy while 
 role, whatever its kernels do meanwhile. Where NVML is importable (``pynvml``, from the ``nvidia-ml-py`` package;
 the core does not require it) and the worker's device is CUDA, ``BusySampler`` reads
 ``nvmlDeviceGetUtilizationRates(handle).gpu`` every ``INTERVAL_S`` in a background thread, and the driver asks
-each worker for the mean over a step's wall-clock window (``RoleWorker.busy_report``). NVML's value is itself the
-percent of its own sample period (1/6 s to 1 s by product) in which a kernel ran, so the mean of the samples over
-100 is the share of the window with a kernel running; counting samples above 0 would call a GPU that runs a kernel
-10% of the time fully busy. Anywhere else the span-based value stays.
+each worker, in one call a step, for the mean over the step's wall-clock window and over each of its phases'
+(``RoleWorker.busy_report``). NVML's value is itself the percent of its own sample period (1/6 s to 1 s by
+product) in which a kernel ran, so the mean of the samples over 100 is the share of the window with a kernel
+running; counting samples above 0 would call a GPU that runs a kernel 10% of the time fully busy. Anywhere else
+the span-based value stays.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ NVML, SPANS = "nvml", "spans"
 
 #: the device's utilisation now, in percent (0-100); raises when it cannot be read
 Utilisation = Callable[[], float]
+#: a wall-clock window (seconds since the epoch): from, to
+Window = tuple[float, float]
 
 
 class BusySampler:
@@ -80,14 +83,24 @@ class BusySampler:
             self._thread.join(timeout=5 * self.interval + 1.0)
             self._thread = None
 
-    def fraction(self, lo: float, hi: float) -> float | None:
-        """The mean utilisation (0-1) of the samples taken in ``[lo, hi]`` (seconds since the epoch), None when
-        there are none. Samples before ``lo`` are dropped: the windows asked for follow one another."""
+    def fractions(self, windows: Sequence[Window]) -> list[float | None]:
+        """The mean utilisation (0-1) of the samples taken in each window ``(lo, hi)`` (seconds since the epoch),
+        None for a window without any. Samples before the earliest window are dropped: the windows asked for
+        follow those asked before (a step's, then its phases')."""
         with self._lock:
-            while self.samples and self.samples[0][0] < lo:
+            first = min((lo for lo, _ in windows), default=None)
+            while first is not None and self.samples and self.samples[0][0] < first:
                 self.samples.popleft()
-            window = [share for t, share in self.samples if t <= hi]
-        return sum(window) / len(window) if window else None
+            taken = list(self.samples)
+        out: list[float | None] = []
+        for lo, hi in windows:
+            window = [share for t, share in taken if lo <= t <= hi]
+            out.append(sum(window) / len(window) if window else None)
+        return out
+
+    def fraction(self, lo: float, hi: float) -> float | None:
+        """The mean utilisation of the samples in ``[lo, hi]`` (``fractions`` of one window)."""
+        return self.fractions([(lo, hi)])[0]
 
 
 def nvml_target(cuda_index: int, visible: str | None) -> int | str:
@@ -141,24 +154,29 @@ def device_sampler(device: str) -> BusySampler | None:
     return sampler
 
 
-def sampled_busy(groups: Mapping[str, Any], lo: float, hi: float,
-                 guests: Mapping[str, tuple[str, tuple[int, ...]]] | None = None) -> dict[tuple[str, int], float]:
-    """``(pool, rank) -> NVML busy fraction of [lo, hi]`` for the devices whose worker sampled one (the largest
-    where several processes share a device); a group that cannot answer is left out (a metric never stops
-    training). A pool in ``guests`` (on another pool's devices: ``SpanLog.guests``) reports under the host's
-    ranks."""
-    out: dict[tuple[str, int], float] = {}
+def sampled_busy(groups: Mapping[str, Any], windows: Sequence[Window],
+                 guests: Mapping[str, tuple[str, tuple[int, ...]]] | None = None
+                 ) -> dict[tuple[str, int], list[float | None]]:
+    """``(pool, rank) -> NVML busy fraction of each window`` for the devices whose worker sampled them, in one call
+    per worker group (NVML reads the whole device: where several processes share one, the largest answer of each
+    window); a group that cannot answer is left out (a metric never stops training). A pool in ``guests`` (on
+    another pool's devices: ``SpanLog.guests``) reports under the host's ranks."""
+    out: dict[tuple[str, int], list[float | None]] = {}
     for group in {id(g): g for g in groups.values()}.values():
         try:
-            values = group.call_all("busy_report", lo, hi)
+            answers = group.call_all("busy_report", list(windows))
         except Exception:  # noqa: BLE001 - a metric must never stop training
             continue
-        for rank, value in enumerate(values):
-            if value is not None:
-                pool = group.plan.pool
-                host, ranks = (guests or {}).get(pool, (pool, ()))
-                key = (host, ranks[rank] if rank < len(ranks) else rank)
-                out[key] = max(out.get(key, 0.0), float(value))
+        for rank, values in enumerate(answers):
+            if values is None:
+                continue
+            pool = group.plan.pool
+            host, ranks = (guests or {}).get(pool, (pool, ()))
+            key = (host, ranks[rank] if rank < len(ranks) else rank)
+            have = out.setdefault(key, [None] * len(windows))
+            for i, value in enumerate(values):
+                if value is not None:
+                    have[i] = max(have[i] or 0.0, float(value))
     return out
 
 

@@ -6,7 +6,8 @@ appended to ``<trainer.out>/spans.jsonl``, one line per (phase, role). A device'
 the union of its spans over the step's wall time, logged as ``device/<pool>.<rank>/busy``. Measured on the
 driver's clock: a device counts as busy while the driver waits on a call to its role, whatever the kernels do
 inside it. Given the worker groups, a GPU whose worker samples NVML reports its kernel utilisation over the step
-instead (``hybridrl.observe.device_busy``), and ``device/busy_sampled`` says the share of devices measured so.
+instead (``hybridrl.observe.device_busy``), and ``device/busy_sampled`` says the share of devices measured so;
+each phase's sampled share of its devices while it ran is ``busy/<phase>``.
 """
 
 from __future__ import annotations
@@ -131,6 +132,31 @@ def busy_metrics(busy: Mapping[tuple[str, int], float], limit: int = DEVICE_METR
     return {f"device/{label}/busy": busy[run[0]] for label, run in device_rows(busy, limit)}
 
 
+def phase_busy_metrics(spans: Iterable[Span], windows: list[tuple[float, float]],
+                       per_window: Mapping[tuple[str, int], list[float | None]]) -> dict[str, float]:
+    """``busy/<phase>``: the NVML busy share of the phase's devices while it ran, over its spans and devices
+    weighted by the spans' seconds (a device counted once where several roles of the phase share it), for the
+    phases with a sampled device. It says how much of a phase the GPU computes: a phase with a low share (a
+    host-bound generation) leaves room to a process beside it on the same GPU (a fractional map)."""
+    index = {window: i for i, window in enumerate(windows)}
+    weighted: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    seen: set[tuple[str, float, float, str, int]] = set()
+    for span in spans:
+        i = index.get((span.start, span.end))
+        if i is None or span.pool is None or span.end <= span.start:
+            continue
+        for rank in span.ranks:
+            values = per_window.get((span.pool, rank))
+            key = (span.phase, span.start, span.end, span.pool, rank)
+            if values is None or values[i] is None or key in seen:
+                continue
+            seen.add(key)
+            weighted[span.phase] = weighted.get(span.phase, 0.0) + float(values[i]) * (span.end - span.start)
+            seconds[span.phase] = seconds.get(span.phase, 0.0) + span.end - span.start
+    return {f"busy/{phase}": weighted[phase] / seconds[phase] for phase in weighted}
+
+
 @dataclass
 class SpanLog:
     """Turns each step's phase timer into spans on the plan's devices, appends them to ``spans.jsonl`` and
@@ -191,12 +217,16 @@ class SpanLog:
             return busy_metrics(busy)
         from hybridrl.observe.device_busy import merge_busy, sampled_busy, source_line
 
-        busy, sampled = merge_busy(busy, sampled_busy(groups, lo, hi, self.guests))
+        windows = [(lo, hi), *sorted({(s.start, s.end) for s in spans if s.pool is not None})]
+        per_window = sampled_busy(groups, windows, self.guests)
+        step_busy = {key: values[0] for key, values in per_window.items() if values[0] is not None}
+        busy, sampled = merge_busy(busy, step_busy)
         line = source_line(sampled, len(busy))
         if line != self.busy_source:
             log.info("%s", line)
             self.busy_source = line
-        return busy_metrics(busy) | {"device/busy_sampled": sampled / max(len(busy), 1)}
+        return (busy_metrics(busy) | {"device/busy_sampled": sampled / max(len(busy), 1)}
+                | phase_busy_metrics(spans, windows, per_window))
 
 
 class SpansError(HybridRLError, ValueError):

@@ -182,10 +182,10 @@ class RoleWorker:
         """The collector's pauses per call since the last report (``GcPauseMeter.report``)."""
         return self.gc_pauses.report()
 
-    def busy_report(self, lo: float, hi: float) -> float | None:
-        """The share of ``[lo, hi]`` (seconds since the epoch) this worker's GPU ran kernels, sampled by NVML;
-        None without a sampler (the driver keeps the span-based fraction)."""
-        return self.busy.fraction(lo, hi) if self.busy is not None else None
+    def busy_report(self, windows: list[tuple[float, float]]) -> list[float | None] | None:
+        """The share of each window ``(lo, hi)`` (seconds since the epoch) this worker's GPU ran kernels, sampled
+        by NVML; None without a sampler (the driver keeps the span-based fractions)."""
+        return self.busy.fractions(windows) if self.busy is not None else None
 
     def memory_report(self) -> dict[str, float]:
         """The device peak (MiB) of each phase this worker ran since the last report (GPU only)."""
