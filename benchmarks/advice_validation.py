@@ -8,7 +8,9 @@ mean ``timing/step`` after the first ``--skip`` steps (the profile run is the me
 that map is a candidate), and (4) prints the table and merges the rows into ``--out``, replacing those of the same
 (device, map, workload), so CPU and GPU rows live in one file. A run that fails or times out becomes a row with
 an ``error``. ``--rounds N`` runs the arms back to back N times (a shared machine drifts): the measured figure
-is the mean of the rounds, ``spread_s`` their range.
+is the mean of the rounds, ``spread_s`` their range. On CPU (``--control``) each round first trains the profile's
+own map again, and each row's ``vs_control`` compares the map with that control of its round: how far the
+advisor's figure relative to the profile's map held, apart from the machine's drift since the profile.
 
     python benchmarks/advice_validation.py --rounds 3                      # CPU: quick start, 1x2
     python benchmarks/advice_validation.py --config examples/configs/qwen2.5-0.5b --steps 6 --skip 2   # 1 GPU
@@ -234,10 +236,10 @@ def signature(cfg: Any, plan: Any) -> tuple[Any, ...]:
 
 def choose(ranked: list[Any], wanted: list[str], device: str) -> list[Any]:
     """The candidates to validate: those named (a name, or a kind: the best-ranked of that kind), else on CPU
-    the best colocated, split and pipelined map, on a GPU the colocated one."""
+    the best colocated, split, pipelined and in-flight map, on a GPU the colocated one."""
     kept = [r for r in ranked if r.prediction is not None]
     if not wanted:
-        wanted = ["colocated", "split", "pipelined"] if device == "cpu" else ["colocated"]
+        wanted = ["colocated", "split", "pipelined", "in_flight"] if device == "cpu" else ["colocated"]
     out: list[Any] = []
     for name in wanted:
         match = next((r for r in ranked if r.candidate.name == name), None) or \
@@ -273,12 +275,13 @@ def merge(path: Path, rows: list[dict[str, Any]], context: dict[str, Any]) -> di
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("map", "predicted s", "measured s", "ratio", "spread s", "note")
+    head = ("map", "predicted s", "measured s", "ratio", "vs control", "spread s", "note")
     lines = [head]
     for r in rows:
         spread = r.get("spread_s")
         lines.append((r["map"], _num(r.get("predicted_step_s")), _num(r.get("measured_step_s")),
-                      _num(r.get("ratio"), "{:.2f}"), f"{spread[0]:.3f}-{spread[1]:.3f}" if spread else "-",
+                      _num(r.get("ratio"), "{:.2f}"), _num(r.get("vs_control"), "{:.2f}"),
+                      f"{spread[0]:.3f}-{spread[1]:.3f}" if spread else "-",
                       r.get("error") or ("profile run" if r.get("profile_run") else "")))
     widths = [max(len(line[c]) for line in lines) for c in range(len(head))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
@@ -295,10 +298,14 @@ def main() -> None:
                         help="a run config, or a model-shape folder (examples/configs/qwen2.5-0.5b)")
     parser.add_argument("--cluster", default=None, help="NODESxDEVICES the maps are made for (default: detected)")
     parser.add_argument("--maps", default="", help="comma-separated candidate names or kinds (colocated, split, "
-                                                  "pipelined); default: CPU all three kinds, a GPU colocated")
+                                                  "pipelined, in_flight, fractional); default: CPU the first "
+                                                  "four kinds, a GPU colocated")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the mean")
     parser.add_argument("--rounds", type=int, default=1, help="run the arms back to back this many times")
+    parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=None,
+                        help="train the profile's own map again at the start of every round, the control each "
+                             "arm of the round is compared with (default: on CPU, where the machine drifts)")
     parser.add_argument("--workload", default=None, help="the rows' workload label (default: the config's name)")
     parser.add_argument("--out", default=str(RESULTS / "advice_validation.json"))
     parser.add_argument("--workdir", default=None, help="run folders and built models (default: a fresh temp)")
@@ -374,24 +381,45 @@ def main() -> None:
             done: list[dict[str, Any]] = []
             if mine is not None and not any(a.get("profile_run") for arms in measured.values() for a in arms):
                 done.append(row_of(as_given(own, profile), [{**profile_run, "profile_run": True}], device,
-                                   workload, command, args))
-            return done + [row_of(r, measured[r.candidate.name], device, workload, command, args)
+                                   workload, command, args, control_of))
+            return done + [row_of(r, measured[r.candidate.name], device, workload, command, args, control_of)
                            for r in chosen if measured[r.candidate.name]]
 
+        def control_of(arm: dict[str, Any]) -> tuple[float, float] | None:
+            """The control's measured and predicted step for ``arm``'s round (the profile run for itself)."""
+            if predicted_control is None:
+                return None
+            if arm.get("profile_run"):
+                return profile_run["mean_step_s"], predicted_control.step
+            mine_round = controls.get(arm.get("round", -1))
+            return (mine_round["mean_step_s"], predicted_control.step) if mine_round else None
+
+        control = args.control if args.control is not None else args.device == "cpu"
+        controls: dict[int, dict[str, Any]] = {}
+        predicted_control = as_given(own, profile).prediction if control and mine is not None else None
         for round_no in range(args.rounds):
+            if predicted_control is not None:
+                arm = run_arm(config, overrides, args.steps, args.skip, workdir / f"control-{round_no}",
+                              args.timeout, args.reuse)
+                print(f"  control (the profile's map) round {round_no + 1}: "
+                      f"{arm.get('mean_step_s', float('nan')):.3f} s a step", flush=True)
+                if "mean_step_s" in arm:
+                    controls[round_no] = arm
             for r in chosen:
                 name = r.candidate.name
                 if r.planned.plan is not None and signature(r.planned.cfg, r.planned.plan) == mine \
                         and round_no == 0:
-                    measured[name].append({**profile_run, "profile_run": True})
+                    measured[name].append({**profile_run, "profile_run": True, "round": round_no})
                     continue
                 folder = workdir / f"{name.replace(' ', '_').replace(':', '-')}-{round_no}"
                 arm = run_arm(config, [*overrides, *r.candidate.overrides], args.steps, args.skip, folder,
                               args.timeout, args.reuse)
                 print(f"  {name} round {round_no + 1}: {arm.get('mean_step_s', float('nan')):.3f} s a step "
                       f"({arm['wall_s']} s){'  ' + arm['error'] if 'error' in arm else ''}", flush=True)
-                measured[name].append(arm)
+                measured[name].append({**arm, "round": round_no})
                 write_rows(out, rows_so_far(), context, start)  # a call cut short keeps the maps it measured
+        if controls:
+            context["control_step_s"] = [round(controls[n]["mean_step_s"], 4) for n in sorted(controls)]
         rows += rows_so_far()
     write_rows(out, rows, context, start)
     print(table(rows))
@@ -406,8 +434,12 @@ def write_rows(out: Path, rows: list[dict[str, Any]], context: dict[str, Any], s
 
 
 def row_of(r: Any, arms: list[dict[str, Any]], device: str, workload: str, command: str,
-           args: argparse.Namespace) -> dict[str, Any]:
-    """One map's row: the prediction (step and phases) beside the rounds' measurements."""
+           args: argparse.Namespace, control_of: Any = None) -> dict[str, Any]:
+    """One map's row: the prediction (step and phases) beside the rounds' measurements. With ``control_of`` (an
+    arm -> its round's control: measured and predicted step of the profile's own map), ``vs_control``: the mean
+    over rounds of (measured / control measured) / (predicted / control predicted), the map's speed relative to
+    the profile's map as measured in the same round against as predicted (1.0: the advisor's relative figure
+    held, whatever the machine's drift between the profile and the round)."""
     p = r.prediction
     good = [a for a in arms if "mean_step_s" in a and "error" not in a]
     means = [a["mean_step_s"] for a in good]
@@ -436,6 +468,10 @@ def row_of(r: Any, arms: list[dict[str, Any]], device: str, workload: str, comma
         row["error"] = f"dropped by the advisor: {r.why}"
     elif row["measured_step_s"]:
         row["ratio"] = round(row["measured_step_s"] / p.step, 3)
+        pairs = [(a["mean_step_s"], c) for a in good if (c := control_of(a) if control_of else None)]
+        if pairs:
+            row["control_step_s"] = [round(c[0], 4) for _, c in pairs]
+            row["vs_control"] = round(statistics.fmean((m / c[0]) / (p.step / c[1]) for m, c in pairs), 3)
     failed = [a["error"] for a in arms if "error" in a]
     if failed:
         row["error"] = "; ".join(failed)[:500]

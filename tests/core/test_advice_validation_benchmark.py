@@ -86,3 +86,26 @@ def test_a_failed_runs_error_is_the_line_that_names_it_not_the_closing_hint():
            "  No checkpoint was saved (set trainer.save_every to save one every N steps).\n")
     assert advice_validation.error_line(log).startswith("torch.OutOfMemoryError")
     assert advice_validation.error_line("just a line\n") == "just a line"
+
+
+def test_each_round_is_compared_with_its_own_control():
+    """A map predicted 2x the profile's map, measured 2.4x in a slow round (control 1.2 s) and 2.0x in a fast
+    one (control 0.9 s): the raw ratio mixes the drift in, ``vs_control`` compares within each round."""
+    ranked = types.SimpleNamespace(
+        candidate=types.SimpleNamespace(name="colocated 1x2", kind="colocated", overrides=("a=1",)),
+        prediction=types.SimpleNamespace(step=2.0, phases={}), why="")
+    arms = [{"mean_step_s": 2.88, "steady_seconds": [2.88], "step_seconds": [2.88], "steady_steps": [2],
+             "phases_s": {}, "round": 0},
+            {"mean_step_s": 1.8, "steady_seconds": [1.8], "step_seconds": [1.8], "steady_steps": [2],
+             "phases_s": {}, "round": 1}]
+    controls = {0: 1.2, 1: 0.9}  # the profile's map, predicted 1.0 s
+
+    def control_of(arm):
+        return controls[arm["round"]], 1.0
+
+    args = types.SimpleNamespace(steps=3, skip=1)
+    row = advice_validation.row_of(ranked, arms, "cpu", "quickstart", "cmd", args, control_of)
+    assert row["ratio"] == pytest.approx((2.88 + 1.8) / 2 / 2.0)
+    assert row["control_step_s"] == [1.2, 0.9]
+    assert row["vs_control"] == pytest.approx(((2.88 / 1.2) / 2.0 + (1.8 / 0.9) / 2.0) / 2)  # 1.2 and 1.0
+    assert "vs_control" not in advice_validation.row_of(ranked, arms, "cpu", "quickstart", "cmd", args)
