@@ -433,6 +433,14 @@ def write_rows(out: Path, rows: list[dict[str, Any]], context: dict[str, Any], s
     out.write_text(json.dumps(merge(out, rows, context), indent=2) + "\n")
 
 
+def _arm_means(arms: list[dict[str, Any]], field: str) -> dict[str, float] | None:
+    """The mean over ``arms`` of each metric in their ``field`` (``run_arm``'s ``rollout`` or ``busy``)."""
+    if not arms:
+        return None
+    keys = sorted({k for a in arms for k in a.get(field, {})})
+    return {k: round(statistics.fmean(a.get(field, {}).get(k, 0.0) for a in arms), 4) for k in keys}
+
+
 def row_of(r: Any, arms: list[dict[str, Any]], device: str, workload: str, command: str,
            args: argparse.Namespace, control_of: Any = None) -> dict[str, Any]:
     """One map's row: the prediction (step and phases) beside the rounds' measurements. With ``control_of`` (an
@@ -458,10 +466,8 @@ def row_of(r: Any, arms: list[dict[str, Any]], device: str, workload: str, comma
         "predicted_phases_s": {k: round(v, 4) for k, v in p.phases.items()} if p else None,
         "measured_phases_s": {k: round(statistics.fmean(a["phases_s"].get(k, 0.0) for a in good), 4)
                               for k in PHASES if any(k in a.get("phases_s", {}) for a in good)} if good else None,
-        "measured_rollout": {k: round(statistics.fmean(a.get("rollout", {}).get(k, 0.0) for a in good), 4)
-                             for k in sorted({k for a in good for k in a.get("rollout", {})})} if good else None,
-        "measured_busy": {k: round(statistics.fmean(a.get("busy", {}).get(k, 0.0) for a in good), 4)
-                          for k in sorted({k for a in good for k in a.get("busy", {})})} if good else None,
+        "measured_rollout": _arm_means(good, "rollout"),
+        "measured_busy": _arm_means(good, "busy"),
         "command": command,
     }
     if p is None:

@@ -44,15 +44,15 @@ def sampler_of(values: list[float], clock: Clock, step: float = 0.5) -> BusySamp
 def test_the_fraction_is_the_mean_utilisation_of_the_windows_samples():
     clock = Clock(1000.0)
     sampler = sampler_of([100, 100, 0, 50, 0, 0], clock)  # at 1000.0, 1000.5 ... 1002.5
-    assert sampler.fraction(1000.0, 1001.5) == pytest.approx((1.0 + 1.0 + 0.0 + 0.5) / 4)
-    assert sampler.fraction(1002.0, 1003.0) == 0.0  # an idle GPU
-    assert sampler.fraction(1000.0, 1003.0) == 0.0  # those before the last window asked for were dropped
-    assert sampler.fraction(1010.0, 1011.0) is None  # no sample in the window: the driver keeps the spans
+    assert sampler.fractions([(1000.0, 1001.5)])[0] == pytest.approx((1.0 + 1.0 + 0.0 + 0.5) / 4)
+    assert sampler.fractions([(1002.0, 1003.0)])[0] == 0.0  # an idle GPU
+    assert sampler.fractions([(1000.0, 1003.0)])[0] == 0.0  # those before the last window asked for were dropped
+    assert sampler.fractions([(1010.0, 1011.0)])[0] is None  # no sample in the window: the driver keeps the spans
 
 
 def test_utilisation_outside_0_to_100_is_clipped():
     sampler = sampler_of([150, -5], Clock())
-    assert sampler.fraction(0.0, 2000.0) == pytest.approx(0.5)
+    assert sampler.fractions([(0.0, 2000.0)])[0] == pytest.approx(0.5)
 
 
 def test_a_failing_source_stops_the_sampling():
@@ -64,7 +64,7 @@ def test_a_failing_source_stops_the_sampling():
     sampler = BusySampler(utilisation, clock=clock)
     assert not sampler.sample() and "not supported" in (sampler.failed or "")
     assert not sampler.sample()
-    assert sampler.fraction(0.0, 2000.0) is None
+    assert sampler.fractions([(0.0, 2000.0)])[0] is None
 
 
 def test_the_thread_samples_until_stopped():
@@ -82,7 +82,7 @@ def test_the_thread_samples_until_stopped():
         time.sleep(0.01)
     sampler.stop()
     taken = len(seen)
-    assert taken >= 5 and sampler.fraction(begun, time.time()) == pytest.approx(0.8)
+    assert taken >= 5 and sampler.fractions([(begun, time.time())])[0] == pytest.approx(0.8)
     time.sleep(0.05)
     assert len(seen) == taken  # stopped
 

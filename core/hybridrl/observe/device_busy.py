@@ -98,10 +98,6 @@ class BusySampler:
             out.append(sum(window) / len(window) if window else None)
         return out
 
-    def fraction(self, lo: float, hi: float) -> float | None:
-        """The mean utilisation of the samples in ``[lo, hi]`` (``fractions`` of one window)."""
-        return self.fractions([(lo, hi)])[0]
-
 
 def nvml_target(cuda_index: int, visible: str | None) -> int | str:
     """The NVML handle's key of CUDA device ``cuda_index``: NVML numbers the physical devices, while
