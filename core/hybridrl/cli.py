@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import signal
 import sys
@@ -27,9 +28,44 @@ def _registry(cfg: RunConfig | None = None):
 
 def parse_cluster(text: str, device: str) -> ClusterSpec:
     m = re.fullmatch(r"(\d+)x(\d+)", text.strip())
-    if not m:
-        raise ConfigError([("--cluster", f"expected NODESxDEVICES like 2x8, got '{text}'")])
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ConfigError([("--cluster", f"expected NODESxDEVICES like 2x8, each at least 1, got '{text}'")])
     return ClusterSpec(int(m.group(1)), int(m.group(2)), device, declared=True)
+
+
+def check_plan_flags(args: argparse.Namespace) -> None:
+    """``hybridrl plan``'s own flags, before anything is planned or profiled: every problem named by its flag,
+    in one ``ConfigError`` (a run to profile, or an advice, is not started only to fail at the end)."""
+    from pathlib import Path
+
+    from hybridrl.model.shape import MemoryEstimateError, read_hf_config
+
+    problems: list[tuple[str, str]] = []
+    for flag, value in (("--device-memory", args.device_memory), ("--host-memory", args.host_memory)):
+        if value is not None and not value > 0:
+            problems.append((flag, f"expected a positive number of GiB, got {value:g}"))
+    if args.model_config is not None:
+        try:
+            read_hf_config(args.model_config)
+        except MemoryEstimateError as exc:
+            problems.append(("--model-config", str(exc)))
+    if args.profile and args.profile_steps is not None:
+        problems.append(("--profile-steps", "give either --profile RUN or --profile-steps N, not both"))
+    config = Path(args.config).resolve()
+    outputs = [(flag, Path(value)) for flag, value in (("--write", args.write), ("--json", args.json)) if value]
+    for flag, path in outputs:
+        if path.resolve() == config:
+            problems.append((flag, f"'{path}' is the config being planned; write the advice to another file"))
+        elif path.is_dir():
+            problems.append((flag, f"'{path}' is a folder; give a file path"))
+        elif not path.resolve().parent.is_dir():
+            problems.append((flag, f"the folder of '{path}' does not exist"))
+        elif not os.access(path.resolve().parent, os.W_OK):
+            problems.append((flag, f"cannot write into the folder of '{path}'"))
+    if len(outputs) == 2 and outputs[0][1].resolve() == outputs[1][1].resolve():
+        problems.append(("--json", f"'{outputs[1][1]}' is also --write's file; give them different paths"))
+    if problems:
+        raise ConfigError(problems)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -42,6 +78,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hybridrl.runtime.cluster import detect_cluster
     from hybridrl.tools.sandbox import isolation_warnings
 
+    check_plan_flags(args)
     cfg = load_config(args.config, args.overrides)
     registry = _registry(cfg)
     cluster = parse_cluster(args.cluster, args.device) if args.cluster else detect_cluster(cfg.cluster)
@@ -157,8 +194,6 @@ def _advise(args: argparse.Namespace, cfg: RunConfig, registry, cluster: Cluster
         shape, _ = model_shape(cfg, args.model_config, bases)
     except MemoryEstimateError:
         shape = None
-    if args.profile and args.profile_steps is not None:
-        raise ConfigError([("--profile-steps", "give either --profile RUN or --profile-steps N, not both")])
     if args.profile_steps is not None:
         args.profile = profile_run(args.config, args.overrides, args.profile_steps)
     if args.profile:

@@ -248,17 +248,42 @@ def test_write_keeps_the_users_keys_and_adds_the_winners_overrides(tmp_path, cap
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["--cluster", "2by8"], "expected NODESxDEVICES like 2x8, got '2by8'"),
+    (["--cluster", "2by8"], "expected NODESxDEVICES like 2x8, each at least 1, got '2by8'"),
     (["--cluster", "1x2", "--profile", "no/such/run"], "no such run folder"),
     (["--cluster", "1x2", "--bandwidth", "warp=9"], "expected KIND=GB/s"),
     (["--cluster", "1x2", "--latency", "tcp=-1"], "expected KIND=ms"),
     (["--cluster", "1x2", "--profile-steps", "1"], "--profile-steps: needs at least 2 steps"),
     (["--cluster", "1x2", "--profile-steps", "3", "--profile", "x"], "either --profile RUN or --profile-steps N"),
+    (["--cluster", "0x8"], "--cluster: expected NODESxDEVICES like 2x8, each at least 1, got '0x8'"),
+    (["--cluster", "1x0"], "each at least 1, got '1x0'"),
+    (["--cluster", "1x2", "--device-memory", "-5"], "--device-memory: expected a positive number of GiB, got -5"),
+    (["--cluster", "1x2", "--host-memory", "0"], "--host-memory: expected a positive number of GiB, got 0"),
+    (["--cluster", "1x2", "--model-config", "no/such/config.json"], "--model-config: no model config at"),
+    (["--cluster", "1x2", "--json", "no/such/folder/advice.json"], "--json: the folder of"),
+    (["--cluster", "1x2", "--write", str(QUICKSTART)], "--write: '" + str(QUICKSTART) + "' is the config being"),
+    (["--cluster", "1x2", "--write", str(QUICKSTART.parent)], "is a folder; give a file path"),
+    (["--cluster", "1x2", "--write", "a.yaml", "--json", "a.yaml"], "--json: 'a.yaml' is also --write's file"),
 ])
 def test_bad_input_is_one_sentence_and_exit_status_2(args, words, capsys):
     assert main(["plan", str(QUICKSTART), "--advise", "--device", "cpu", *args]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
+
+
+def test_a_bad_output_path_is_refused_before_the_profiling_run(tmp_path, capsys):
+    """The flags are checked first: a run to profile is not trained only for its advice to fail at the end."""
+    status = main(["plan", str(QUICKSTART), "--advise", "--device", "cpu", "--cluster", "1x2", "--profile-steps", "3",
+                   "--write", str(tmp_path / "missing" / "best.yaml"), "--device-memory", "0"])
+    captured = capsys.readouterr()
+    assert status == 2 and "profiling:" not in captured.out
+    assert "(2 problems)" in captured.err and "--write: the folder of" in captured.err
+    assert "--device-memory: expected a positive number" in captured.err
+
+
+def test_plan_without_advise_refuses_a_missing_model_config(capsys):
+    """An explicit --model-config that cannot be read is an error, not a plan whose memory table is skipped."""
+    assert main(["plan", str(QUICKSTART), "--device", "cpu", "--cluster", "1x1", "--model-config", "nope"]) == 2
+    assert "--model-config: no model config at 'nope" in capsys.readouterr().err
 
 
 def test_a_profile_without_spans_says_how_to_record_one(tmp_path):
