@@ -132,3 +132,16 @@ def test_the_device_map_of_a_start_is_nothing_to_lose(tmp_path: Path) -> None:
     assert previous_run(tmp_path) == []
     (tmp_path / "notes.txt").write_text("mine")
     assert previous_run(tmp_path) == ["notes.txt (not a run's)"]
+
+
+def test_a_folder_the_checks_cannot_see_into_is_refused_by_its_key(capsys: pytest.CaptureFixture[str]) -> None:
+    """/proc takes no folders, though as root access() says it is writable: creating trainer.out there fails,
+    and the run ends with one sentence naming trainer.out, not a traceback."""
+    from hybridrl.cli import main
+
+    out = f"/proc/hybridrl-{os.getpid()}"
+    quickstart = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+    assert main(["train", str(quickstart), f"trainer.out={out}", "trainer.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.out: " in err and out in err and "Traceback" not in err
+    assert not Path(out).exists()
