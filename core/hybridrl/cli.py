@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import signal
 import sys
@@ -39,6 +38,7 @@ def check_plan_flags(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from hybridrl.model.shape import MemoryEstimateError, read_hf_config
+    from hybridrl.run.faults import not_writable
 
     problems: list[tuple[str, str]] = []
     for flag, value in (("--device-memory", args.device_memory), ("--host-memory", args.host_memory)):
@@ -60,8 +60,8 @@ def check_plan_flags(args: argparse.Namespace) -> None:
             problems.append((flag, f"'{path}' is a folder; give a file path"))
         elif not path.resolve().parent.is_dir():
             problems.append((flag, f"the folder of '{path}' does not exist"))
-        elif not os.access(path.resolve().parent, os.W_OK):
-            problems.append((flag, f"cannot write into the folder of '{path}'"))
+        elif why := not_writable(path.resolve().parent):
+            problems.append((flag, f"{why}, the folder of '{path}'"))
     if len(outputs) == 2 and outputs[0][1].resolve() == outputs[1][1].resolve():
         problems.append(("--json", f"'{outputs[1][1]}' is also --write's file; give them different paths"))
     if problems:

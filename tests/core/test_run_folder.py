@@ -135,13 +135,22 @@ def test_the_device_map_of_a_start_is_nothing_to_lose(tmp_path: Path) -> None:
 
 
 def test_a_folder_the_checks_cannot_see_into_is_refused_by_its_key(capsys: pytest.CaptureFixture[str]) -> None:
-    """/proc takes no folders, though as root access() says it is writable: creating trainer.out there fails,
-    and the run ends with one sentence naming trainer.out, not a traceback."""
+    """/proc takes no folders, though as root access() says it is writable: pre-flight tries one, and the run
+    ends with one sentence naming trainer.out, not a traceback from creating it."""
     from hybridrl.cli import main
 
     out = f"/proc/hybridrl-{os.getpid()}"
     quickstart = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
     assert main(["train", str(quickstart), f"trainer.out={out}", "trainer.steps=1"]) == 2
     err = capsys.readouterr().err
-    assert "trainer.out: " in err and out in err and "Traceback" not in err
+    assert "trainer.out: '/proc' is not writable" in err and "Traceback" not in err
     assert not Path(out).exists()
+
+
+def test_an_export_into_a_folder_the_checks_cannot_see_into_is_refused_first(tmp_path: Path) -> None:
+    """The same place as --out: refused with the reason before any checkpoint is read (the run folder here is
+    empty, so reading one would fail with another sentence)."""
+    from hybridrl.run.export import ExportError, export_checkpoint
+
+    with pytest.raises(ExportError, match=r"--out '/proc/hybridrl-export': '/proc' is not writable"):
+        export_checkpoint(tmp_path, "/proc/hybridrl-export")

@@ -23,6 +23,7 @@ from hybridrl.errors import HybridRLError
 from hybridrl.lora import LoraSpec, pair_adapters, target_names, write_adapter
 from hybridrl.run import checkpoint as ckpt
 from hybridrl.run.atomic_dir import replaced_atomically
+from hybridrl.run.faults import not_writable
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,9 @@ def export_target_problem(run: Path, out: Path, force: bool) -> str | None:
         return f"--out '{out}' is the run folder '{run}' or holds it; export to a folder of its own"
     if target.is_relative_to(checkpoints):
         return f"--out '{out}' is inside the run's checkpoints ('{checkpoints}'); export to a folder of its own"
+    unwritable = not_writable(target.parent)
+    if unwritable:
+        return f"--out '{out}': {unwritable}"
     if not target.is_dir() or not any(target.iterdir()):
         return None
     if not (target / EXPORT_MARKER).is_file():

@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import signal
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -209,9 +210,14 @@ def nearest_existing(path: Path) -> Path:
 
 def not_writable(path: Path) -> str | None:
     """Why nothing can be created in ``path`` (or, when it does not exist yet, in the folder that would hold
-    it): 'read-only file system' or 'permission denied'; None when it can."""
+    it): 'read-only file system' or 'permission denied'; None when it can. Where ``access()`` says yes (always,
+    for root), an empty folder is made and removed there: a filesystem that takes none (``/proc``) says so."""
     where = nearest_existing(path)
     if os.access(where, os.W_OK | os.X_OK):
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".hybridrl-probe-", dir=where))
+        except OSError as exc:
+            return f"'{where}' is not writable ({(exc.strerror or str(exc)).lower()})"
         return None
     try:  # access() says why only through errno; statvfs tells a read-only mount from permissions
         read_only = bool(os.statvfs(where).f_flag & os.ST_RDONLY)

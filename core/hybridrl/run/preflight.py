@@ -431,9 +431,6 @@ def prepare_run(cfg: RunConfig, registry: Registry, cluster: ClusterSpec, overwr
         lock = acquire_run_lock(cfg.trainer.out)  # held until this process ends (hybridrl.run.run_lock)
     except RunLocked as exc:
         raise ConfigError([("trainer.out", str(exc))]) from None
-    except OSError as exc:  # a place the checks above cannot see through (a root user on a special filesystem)
-        raise ConfigError([("trainer.out", f"cannot write the run's folder '{cfg.trainer.out}': "
-                                           f"{(exc.strerror or str(exc)).lower()}")]) from None
     if lock.note():
         notes.insert(0, lock.note())
     model_path, tokenizer = prepare_model(cfg)
