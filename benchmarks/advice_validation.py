@@ -236,10 +236,10 @@ def signature(cfg: Any, plan: Any) -> tuple[Any, ...]:
 
 def choose(ranked: list[Any], wanted: list[str], device: str) -> list[Any]:
     """The candidates to validate: those named (a name, or a kind: the best-ranked of that kind), else on CPU
-    the best colocated, split, pipelined and in-flight map, on a GPU the colocated one."""
+    the best map of every kind, on a GPU the colocated one."""
     kept = [r for r in ranked if r.prediction is not None]
     if not wanted:
-        wanted = ["colocated", "split", "pipelined", "in_flight"] if device == "cpu" else ["colocated"]
+        wanted = ["colocated", "split", "pipelined", "in_flight", "fractional"] if device == "cpu" else ["colocated"]
     out: list[Any] = []
     for name in wanted:
         match = next((r for r in ranked if r.candidate.name == name), None) or \
@@ -298,8 +298,8 @@ def main() -> None:
                         help="a run config, or a model-shape folder (examples/configs/qwen2.5-0.5b)")
     parser.add_argument("--cluster", default=None, help="NODESxDEVICES the maps are made for (default: detected)")
     parser.add_argument("--maps", default="", help="comma-separated candidate names or kinds (colocated, split, "
-                                                  "pipelined, in_flight, fractional); default: CPU the first "
-                                                  "four kinds, a GPU colocated")
+                                                  "pipelined, in_flight, fractional); default: CPU all five "
+                                                  "kinds, a GPU colocated")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the mean")
     parser.add_argument("--rounds", type=int, default=1, help="run the arms back to back this many times")

@@ -364,12 +364,28 @@ def test_the_step_adds_serial_phases_and_overlaps_pipelined_ones():
     assert pipelined.step == pytest.approx(max(p["gen"], train) + p["reshard"] + p["fixed"])
     assert pipelined.step < split.step
     assert split.samples_per_s == pytest.approx(16 * 16 / split.step)  # quickstart: 16 prompts x 16 samples
-    # fractional: the trainers' and the rollout's processes on the same devices time-slice them
-    from hybridrl.placement.advice.predict import TIME_SLICED_GEN, TIME_SLICED_TRAIN
-
+    # fractional on CPU slots: the node's cores do both pools' work, nothing overlaps (no wake and sleep)
     fractional = ranked["fractional 1x2"]
     f = fractional.phases
-    assert "wake" not in f and fractional.bound == "time-sliced"
+    assert "wake" not in f and fractional.bound == "shared cores" and fractional.error_band is None
+    assert fractional.step == pytest.approx(sum(f.values()))
+    assert fractional.step < colocated.step
+
+
+def test_a_fractional_map_on_gpus_time_slices_them():
+    """On GPUs the rollout's and the trainers' processes time-slice the devices (the fitted one-GPU model), and
+    the model's measured error goes with the prediction."""
+    from hybridrl.placement.advice.predict import TIME_SLICED_ERROR, TIME_SLICED_GEN, TIME_SLICED_TRAIN
+    from hybridrl.placement.memory import model_shape
+    from hybridrl.plugins.discovery import get_registry
+
+    cluster = ClusterSpec(1, 1, "cuda", declared=True)
+    planner = plan_candidate(cluster, get_registry(()), 80 * 2**30, model_shape(load_config(QUICKSTART))[0])
+    ranked = {r.candidate.name: r.prediction for r in advise(QUICKSTART, [], cluster, fit_profile(RECORDED), planner)}
+    fractional = ranked["fractional 1x1"]
+    assert fractional is not None and fractional.bound == "time-sliced"
+    assert fractional.error_band == TIME_SLICED_ERROR and ranked["colocated 1x1"].error_band is None
+    f = fractional.phases
     gen, train = f["gen"], f.get("ref", 0.0) + f["update_actor"]
     sliced = max(gen, train, TIME_SLICED_GEN * gen + TIME_SLICED_TRAIN * train)
     assert fractional.step == pytest.approx(sliced + f["reshard"] + f["fixed"])

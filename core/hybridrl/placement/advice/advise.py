@@ -12,7 +12,7 @@ from typing import Any
 
 from hybridrl.config import ConfigError, RunConfig, load_config
 from hybridrl.placement.advice.candidates import Candidate, candidate_maps
-from hybridrl.placement.advice.predict import MODEL_ERROR, Prediction, predict
+from hybridrl.placement.advice.predict import Prediction, predict
 from hybridrl.placement.advice.profile import CostProfile
 from hybridrl.placement.memory import GIB
 from hybridrl.placement.plan import ClusterSpec
@@ -142,12 +142,12 @@ def rank_key(r: Ranked) -> tuple[float, int, int, int]:
 
 
 def model_error(r: Ranked, best: Ranked) -> float | None:
-    """The error band of the one-GPU model (``MODEL_ERROR``: fractional, in flight) that predicted ``r`` or
-    ``best``, where ``r`` is predicted within it of ``best``: there the ranking between them is not known, only
-    measured; None elsewhere."""
+    """The error band of the fitted one-GPU model (``Prediction.error_band``: fractional on GPUs, in flight) that
+    predicted ``r`` or ``best``, where ``r`` is predicted within it of ``best``: there the ranking between them is
+    not known, only measured; None elsewhere."""
     if r.prediction is None or best.prediction is None or r is best:
         return None
-    bands = [MODEL_ERROR[k] for k in (r.candidate.kind, best.candidate.kind) if k in MODEL_ERROR]
+    bands = [p.error_band for p in (r.prediction, best.prediction) if p.error_band is not None]
     if not bands or r.prediction.step > best.prediction.step * (1 + max(bands)):
         return None
     return max(bands)
@@ -169,6 +169,8 @@ def why_it_loses(r: Ranked, best: Ranked) -> str:
         reasons.append(f"{_measure_both(band)}: measure both")
     if p.bound == "time-sliced":
         reasons.append("rollout and trainers time-slice their devices")
+    elif p.bound == "shared cores":
+        reasons.append("rollout and trainers share their cores: nothing overlaps")
     elif r.candidate.kind not in ("colocated", "in_flight"):
         if p.bound == "gen":
             reasons.append("gen-bound")

@@ -12,7 +12,9 @@ trainer runs them.
 * pipelined (staleness 1): the rollout generates step k+1 while step k trains: ``max(gen, train) + reshard``.
 * fractional (the rollout's pool on the trainers' devices, pipelined): both run at once on one GPU, which without
   MPS time-slices between the processes: the trainer slows while the engine decodes beside it, and only part of
-  the generation stays in the step: ``max(gen, train, TIME_SLICED_GEN x gen + TIME_SLICED_TRAIN x train)``.
+  the generation stays in the step: ``max(gen, train, TIME_SLICED_GEN x gen + TIME_SLICED_TRAIN x train)``. On
+  CPU slots the node's cores, which either pool's phases keep busy alone (each slot gets ``cores // slots``
+  threads), do both pools' work: nothing overlaps, ``gen + train``.
 
 A map whose run asks the rollout for its sampled tokens' log-probs (the candidate's resolved
 ``roles.rollout.log_probs``: on with importance sampling, which every asynchronous map turns on) when the profile's
@@ -55,8 +57,6 @@ TIME_SLICED_ERROR = 0.40
 IN_FLIGHT_GEN = 0.96
 #: how far a measured in-flight step fell from that factor's prediction, out of sample
 IN_FLIGHT_ERROR = 0.20
-#: each one-GPU model's error band, by the candidate kind it predicts
-MODEL_ERROR = {"fractional": TIME_SLICED_ERROR, "in_flight": IN_FLIGHT_ERROR}
 #: the phases on the train side of a step (after the batch is generated, before the reshard)
 TRAIN_PHASES = ("ref", "old_log_prob", "values", "update_critic", "update_actor")
 #: the train backend whose collectives ``fsdp_collectives`` counts (``hybridrl_fsdp``)
@@ -78,6 +78,7 @@ class Prediction:
     bound: str  # the phase group that sets the step: "gen", "train" or "serial"
     notes: list[str] = field(default_factory=list)
     log_prob_factor: float = 1.0  # what the rollout's log-probs did to the generation (``log_prob_factor``)
+    error_band: float | None = None  # the fitted one-GPU model's measured error (``*_ERROR``); None: not fitted
 
     @property
     def critic(self) -> float | None:
@@ -238,6 +239,9 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
     if candidate.kind == "pipelined":
         step = max(gen, train) + phases["reshard"] + profile.fixed
         bound = "gen" if gen >= train else "train"
+    elif candidate.kind == "fractional" and plan.cluster.device == "cpu":
+        step = gen + train + phases["reshard"] + profile.fixed
+        bound = "shared cores"
     elif candidate.kind == "fractional":
         step = time_sliced(gen, train) + phases["reshard"] + profile.fixed
         bound = "time-sliced"
@@ -253,4 +257,5 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
             for pool in {plan.role_pool[r] for r in roles if r in plan.role_pool}:
                 work[pool] = work.get(pool, 0.0) + phases[phase]
     busy = {pool: min(1.0, work.get(pool, 0.0) / step) for pool in plan.pools}
-    return Prediction(step, sequences / step, phases, busy, bound, log_prob_factor=log_probs)
+    band = TIME_SLICED_ERROR if bound == "time-sliced" else IN_FLIGHT_ERROR if candidate.kind == "in_flight" else None
+    return Prediction(step, sequences / step, phases, busy, bound, log_prob_factor=log_probs, error_band=band)
