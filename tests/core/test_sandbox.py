@@ -77,7 +77,7 @@ def timed(box: Sandbox, code: str) -> tuple[ToolResult, float]:
 
 
 # --- files --------------------------------------------------------------------------------------------------
-def test_host_files_are_not_readable(box, run_folder):
+def test_host_files_are_not_readable(roomy_box, run_folder):
     code = f"""
 import os
 for path in ('/etc/passwd', '/etc/shadow', '/etc/hostname', {str(run_folder / 'secret.txt')!r}, '/root/.bashrc'):
@@ -88,7 +88,7 @@ for path in ('/etc/passwd', '/etc/shadow', '/etc/hostname', {str(run_folder / 's
 print(sorted(os.listdir('/')))
 print(sorted(os.listdir('/etc')))
 """
-    result = box.run(code)
+    result = roomy_box.run(code)
     assert not result.error, result.content
     assert "TOKEN-1234" not in result.content and "root:" not in result.content
     lines = result.content.splitlines()
@@ -99,7 +99,7 @@ print(sorted(os.listdir('/etc')))
     assert {"passwd", "group"} <= set(eval(lines[6])) <= {"passwd", "group", "ld.so.cache"}
 
 
-def test_writes_outside_the_tmpfs_fail(box, run_folder):
+def test_writes_outside_the_tmpfs_fail(roomy_box, run_folder):
     shard = run_folder / "checkpoints" / "step_1" / "shard.bin"
     before = shard.read_bytes()
     targets = [str(shard), str(run_folder / "new.txt"), "/usr/x", "/x", "/etc/passwd", "/dev/shm/x", "/dev/x",
@@ -115,7 +115,7 @@ for path in {targets!r}:
 open('here.txt', 'w').write('ok')
 print(open('here.txt').read(), os.getcwd())
 """
-    result = box.run(code)
+    result = roomy_box.run(code)
     assert not result.error, result.content
     assert "WROTE" not in result.content, result.content
     assert result.content.rstrip().endswith("ok /sandbox")
@@ -123,13 +123,13 @@ print(open('here.txt').read(), os.getcwd())
     assert not (run_folder / "new.txt").exists() and not Path("/x").exists() and not Path("/usr/x").exists()
 
 
-def test_the_writable_folder_is_small_and_fresh(box):
+def test_the_writable_folder_is_small_and_fresh(roomy_box):
     fill = ("import os\nn = 0\ntry:\n    while True:\n        open(f'f{n}', 'wb').write(b'x' * 2**20)\n"
             "        n += 1\nexcept OSError as exc:\n    print(n, exc.strerror)")
-    result = box.run(fill)
+    result = roomy_box.run(fill)
     n, why = result.content.split(" ", 1)
     assert int(n) <= LIMITS.disk_mb and "No space left" in why, result.content
-    assert box.run("import os; print(os.listdir('.'))").content.strip() == "[]"  # nothing kept between calls
+    assert roomy_box.run("import os; print(os.listdir('.'))").content.strip() == "[]"  # nothing kept between calls
 
 
 # --- processes ----------------------------------------------------------------------------------------------
@@ -164,9 +164,9 @@ def test_a_grandchild_holding_stdout_cannot_stretch_the_deadline(box, roomy_box)
     assert host_processes_with(token) == []
 
 
-def test_processes_are_limited(box):
-    if not box.backend.processes_limited:
-        pytest.skip(f"no process limit on this machine: {box.describe()}")
+def test_processes_are_limited(roomy_box):
+    if not roomy_box.backend.processes_limited:
+        pytest.skip(f"no process limit on this machine: {roomy_box.describe()}")
     token = f"{time.time_ns() % 10**6}.0311"
     count = f"""
 import os
@@ -179,7 +179,7 @@ try:
 except OSError as exc:
     print(n, exc.strerror)
 """
-    result, _ = timed(box, count)
+    result, _ = timed(roomy_box, count)
     n, why = result.content.split(" ", 1)
     assert int(n) < LIMITS.processes and "Resource temporarily unavailable" in why, result.content
     time.sleep(0.2)
@@ -212,7 +212,7 @@ def test_a_memory_hog_is_contained(box):
     assert growing.error and "MemoryError" in growing.content
 
 
-def test_the_network_is_unreachable(box):
+def test_the_network_is_unreachable(roomy_box):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -227,15 +227,15 @@ for host, port in (('127.0.0.1', {port}), ('1.1.1.1', 80)):
         print(host, type(exc).__name__)
 """
     try:
-        result = box.run(code)
+        result = roomy_box.run(code)
     finally:
         server.close()
     assert not result.error and "CONNECTED" not in result.content, result.content
     assert len(result.content.strip().splitlines()) == 2
 
 
-def test_runs_as_an_unprivileged_user(box):
-    result = box.run("import os; print(os.getuid(), os.getgid(), "
+def test_runs_as_an_unprivileged_user(roomy_box):
+    result = roomy_box.run("import os; print(os.getuid(), os.getgid(), "
                      "open('/proc/self/status').read().count('0000000000000000'))")
     uid, gid, zero_caps = result.content.split()
     assert (uid, gid) == ("65534", "65534") and int(zero_caps) >= 3  # inheritable, permitted, effective: none
