@@ -53,7 +53,7 @@ ROLLOUT_METRICS = ("rollout/", "async/", "gen/")
 #: each phase's NVML busy share of its devices (``busy/<phase>``, GPUs with nvidia-ml-py) and the step's
 BUSY_METRICS = ("busy/", "device/")
 #: the phases compared per row (measured ``timing/<phase>`` means beside the predicted seconds)
-PHASES = ("wake", "gen", "sleep", "ref", "old_log_prob", "values", "update_critic", "update_actor", "reshard")
+PHASES = ("wake", "gen", "sleep", "reward", "ref", "old_log_prob", "values", "update_critic", "update_actor", "reshard")
 
 
 # --- what runs where ------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The device-map advisor (``hybridrl.placement.advice``): the cost model's fit, the ranking, the refusals and
 ``hybridrl plan --advise``. CPU only: the profiles are recorded (``tests/core/profiles/quickstart``, 4 steps of
 ``examples/quickstart.yaml`` on one CPU slot; ``tests/core/profiles/ppo``, 6 steps of it as PPO with ``PPO``'s
-overrides) or written here with known rates."""
+overrides; ``tests/core/profiles/reward_model``, 4 steps of it with ``RM``'s reward model) or written here with
+known rates."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ QWEN7B = ROOT / "examples" / "qwen7b-colocated.yaml"
 #: tests/core/profiles/ppo: 6 steps of the quick start as PPO (a critic colocated with the actor) on one CPU slot
 RECORDED_PPO = Path(__file__).parent / "profiles" / "ppo"
 PPO = ["algorithm.name=ppo", "algorithm.critic_warmup=0", "data.prompts_per_step=16", "algorithm.n_samples=8"]
+#: tests/core/profiles/reward_model: 4 steps of the quick start with a tiny reward model beside its rule reward,
+#: colocated with the actor on one CPU slot
+RECORDED_RM = Path(__file__).parent / "profiles" / "reward_model"
+RM = ["roles.reward.model.tiny.hidden_size=32"]
 
 
 def _write_run(folder: Path, steps: list[tuple[float, float]], gen_a: float, gen_b: float, train_tps: float,
@@ -181,6 +186,61 @@ def test_a_critic_gets_a_pool_of_its_own_and_is_time_shared_when_colocated(capsy
                  "--profile", str(RECORDED_PPO)]) == 0
     out = capsys.readouterr().out
     assert "critic s" in out.splitlines()[1] and "split train 1x2:critic 1x1:gen 1x1" in out
+
+
+def _rm_ranked(profile: CostProfile, devices: int, overrides: list[str] = RM) -> dict:
+    from hybridrl.placement.memory import model_shape
+    from hybridrl.plugins.discovery import get_registry
+
+    cluster = ClusterSpec(1, devices, "cpu", declared=True)
+    registry = get_registry(())
+    planner = plan_candidate(cluster, registry, None, model_shape(load_config(QUICKSTART, overrides))[0])
+    return {r.candidate.name: r for r in advise(QUICKSTART, overrides, cluster, profile, planner, registry=registry)}
+
+
+def test_the_recorded_reward_model_profile_predicts_its_own_step():
+    """A reward model's phase is fitted as a rate of its pool (not driver work), and the profiled map is predicted
+    within 20% of the steps it was fitted from; without a reward model the rule rewards stay fixed work."""
+    profile = fit_profile(RECORDED_RM)
+    assert 0 < profile.reward_tps < float("inf")
+    rows = [json.loads(line) for line in (RECORDED_RM / "metrics.jsonl").read_text().splitlines()][1:]
+    reward = sum(r["timing/reward"] for r in rows) / len(rows)
+    assert profile.fixed < reward  # the scoring is the model's phase, not the driver's
+    p = _rm_ranked(profile, 1)["colocated 1x1"].prediction
+    assert p is not None and p.phases["reward"] == pytest.approx(reward, rel=0.2)
+    assert p.step == pytest.approx(sum(r["timing/step"] for r in rows) / len(rows), rel=0.2)
+    rule_only = fit_profile(RECORDED)
+    assert rule_only.reward_tps == float("inf")
+    assert "reward" not in _rm_ranked(rule_only, 1, [])["colocated 1x1"].prediction.phases
+
+
+def test_a_reward_model_gets_a_pool_of_its_own_and_is_time_shared_when_colocated(capsys):
+    profile = free_collectives(fit_profile(RECORDED_RM))
+    ranked = _rm_ranked(profile, 4)
+    one = _rm_ranked(profile, 1)["colocated 1x1"].prediction
+    colocated, own = ranked["colocated 1x4"].prediction, ranked["split train 1x2:reward 1x1:gen 1x1"].prediction
+    assert one and colocated and own
+    speedup = profile.data_parallel_speedup([4], "cpu")  # CPU slots of one node share its cores
+    assert colocated.phases["reward"] == pytest.approx(one.phases["reward"] / speedup)
+    assert own.phases["reward"] == pytest.approx(one.phases["reward"])  # its 1 device; the trainer waits for it
+    assert set(own.busy) == {"train", "reward", "gen"}
+    assert own.busy["reward"] == pytest.approx(own.phases["reward"] / own.step)
+    assert own.step == pytest.approx(sum(own.phases.values()))  # sync split: every phase in turn
+    assert main(["plan", str(QUICKSTART), *RM, "--advise", "--device", "cpu", "--cluster", "1x4",
+                 "--profile", str(RECORDED_RM)]) == 0
+    out = capsys.readouterr().out
+    assert "split train 1x2:reward 1x1:gen 1x1" in out
+
+
+def test_more_cpu_slots_than_the_profiles_cores_are_named(capsys):
+    """Ranks beyond a node's cores take turns on them, which the model does not count: the table says so."""
+    cores = fit_profile(RECORDED_RM).node_cores
+    assert cores is not None
+    for slots, warned in ((cores, False), (cores + 1, True)):
+        assert main(["plan", str(QUICKSTART), "--advise", "--device", "cpu", "--cluster", f"1x{slots}",
+                     "--profile", str(RECORDED_RM)]) == 0
+        note = f"note: {slots} CPU slots a node, and the profile's node has {cores} cores"
+        assert (note in capsys.readouterr().out) == warned
 
 
 def _best_split_gen_devices(profile: CostProfile) -> int:

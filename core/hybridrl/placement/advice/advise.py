@@ -194,6 +194,9 @@ def why_it_loses(r: Ranked, best: Ranked) -> str:
     best_critic = best.prediction.critic if best.prediction else None
     if p.critic is not None and best_critic is not None and p.critic > 1.1 * best_critic and p.bound != "gen":
         reasons.append("critic on fewer devices")
+    best_reward = best.prediction.phases.get("reward") if best.prediction else None
+    if best_reward and p.phases.get("reward", 0.0) > 1.1 * best_reward and p.bound != "gen":
+        reasons.append("reward model on fewer devices")
     return ", ".join(dict.fromkeys(reasons)) or "slower"
 
 
@@ -222,6 +225,10 @@ def render(ranked: list[Ranked], profile: CostProfile, cluster: ClusterSpec) -> 
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     best = next((r for r in ranked if r.prediction is not None), None)
+    if cluster.device == "cpu" and profile.node_cores and cluster.devices_per_node > profile.node_cores:
+        lines.append(f"note: {cluster.devices_per_node} CPU slots a node, and the profile's node has "
+                     f"{profile.node_cores} cores: ranks beyond the cores take turns on them, which the cost model "
+                     "does not count, so maps of more ranks than cores are predicted too fast (docs/advisor.md)")
     if best is None:
         lines.append("no candidate map fits: see the reasons above")
     else:

@@ -3,8 +3,8 @@
 Over ``nodes x devices``: everything colocated on every device, synchronous and with groups in flight
 (``trainer.mode=async``: partial rollouts, a backend declaring ``partial``); the same devices shared by a train
 pool and a rollout pool, both resident, pipelined (fractional, ``pools.gen.share``); the actor (and reference,
-critic) split from the rollout at a few gen:train ratios (inside each node, or by whole nodes); with a reference,
-the same splits with the reference on a pool of its own, and with a critic, with the critic on a pool of its own;
+critic, reward model) split from the rollout at a few gen:train ratios (inside each node, or by whole nodes); with
+a reference, the same splits with the reference on a pool of its own, and so with a critic and a reward model;
 each split map also pipelined (``trainer.pipelined``, staleness 1); and each map with the rollout's tensor
 parallelism 1, 2, 4 ... up to the rollout's devices on a node (1 only for a backend that runs one engine per rank).
 """
@@ -18,7 +18,7 @@ from hybridrl.config import RunConfig
 #: the shares of a node's devices (or of the nodes) given to generation in the split maps
 GEN_SHARES = (0.25, 0.5, 0.75)
 #: pool names of the candidate maps
-MAIN, TRAIN, GEN, REF, CRITIC = "main", "train", "gen", "ref", "critic"
+MAIN, TRAIN, GEN, REF, CRITIC, REWARD = "main", "train", "gen", "ref", "critic", "reward"
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ def candidate_maps(cfg: RunConfig, nodes: int, per_node: int, rollout_tp: bool =
     """Every candidate map of ``cfg`` over ``nodes x per_node`` devices (see the module docstring);
     ``rollout_tp``: whether the rollout backend splits an engine over ranks."""
     roles = list(cfg.role_configs())
-    own_pools = [(role, pool) for role, pool in (("ref", REF), ("critic", CRITIC)) if role in roles]
+    own_pools = [(role, pool) for role, pool in (("ref", REF), ("critic", CRITIC), ("reward", REWARD))
+                 if role in roles]
     out: list[Candidate] = []
     colocated = [(MAIN, nodes, per_node)]
     for tp in _tps(per_node, rollout_tp):
@@ -87,7 +88,7 @@ def candidate_maps(cfg: RunConfig, nodes: int, per_node: int, rollout_tp: bool =
             splits.append(((nodes - j, per_node), (j, per_node)))
     for (tn, td), (gn, gd) in splits:
         layouts = [([(TRAIN, tn, td), (GEN, gn, gd)], {r: (GEN if r == "rollout" else TRAIN) for r in roles})]
-        for role, own in own_pools:  # the reference or the critic on half the train devices
+        for role, own in own_pools:  # the reference, the critic or the reward model on half the train devices
             if td >= 2:
                 rd = td // 2
                 layouts.append(([(TRAIN, tn, td - rd), (own, tn, rd), (GEN, gn, gd)],

@@ -31,8 +31,9 @@ node's cores), plus, on an FSDP pool of several ranks, its collectives over the 
 alpha-beta model of ``profile.LINK_LATENCY`` and ``LINK_BANDWIDTH``); a sharded trainer's reshard adds one gather
 per parameter tensor. With a critic its ``values`` and ``update_critic`` join the train phases, on the critic's
 pool: time-shared with the actor's phases when it shares their pool, and still in turn with them on a pool of its
-own (the trainer waits for each call; a critic pool buys memory, not overlap). Plus the driver's fixed work every
-step. A pool's busy fraction is its phases' seconds over the step.
+own (the trainer waits for each call; a critic pool buys memory, not overlap). A reward model's ``reward`` is a
+train-side phase on its pool the same way (the trainer scores the batch before the reference pass). Plus the
+driver's fixed work every step. A pool's busy fraction is its phases' seconds over the step.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ IN_FLIGHT_GEN = 0.96
 #: how far a measured in-flight step fell from that factor's prediction, out of sample
 IN_FLIGHT_ERROR = 0.20
 #: the phases on the train side of a step (after the batch is generated, before the reshard)
-TRAIN_PHASES = ("ref", "old_log_prob", "values", "update_critic", "update_actor")
+TRAIN_PHASES = ("reward", "ref", "old_log_prob", "values", "update_critic", "update_actor")
 #: the train backend whose collectives ``fsdp_collectives`` counts (``hybridrl_fsdp``)
 FSDP = "fsdp"
 #: the scalar all-reduces of an FSDP engine call besides its gathers (``hybridrl_fsdp.engine``): a forward's check
@@ -220,6 +221,8 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
         work = tokens * (epochs if backward else 1) / (tps * data_parallel_devices(profile, plan, role))
         return work + fsdp_seconds(profile, cfg, plan, shape, role, sequences, tokens, backward, work)
 
+    if "reward" in plan.role_pool:  # a reward model (rule rewards alone run in the driver: fixed work)
+        phases["reward"] = train_phase("reward", profile.reward_tps, False)
     if "ref" in plan.role_pool and cfg.algorithm.kl is not None and cfg.algorithm.kl.coef > 0:
         phases["ref"] = train_phase("ref", profile.ref_tps, False)
     if old_log_probs_needed(cfg, kl_in_reward(cfg)):  # else the update's own log-probs serve (one optimizer step)
@@ -249,7 +252,8 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
         step = gen + train + phases["reshard"] + profile.fixed
         bound = "serial" if candidate.kind in ("colocated", "in_flight") else ("gen" if gen >= train else "train")
     work: dict[str, float] = {}
-    for phase, roles in (("gen", ("rollout",)), ("wake", ("rollout",)), ("sleep", ("rollout",)), ("ref", ("ref",)),
+    for phase, roles in (("gen", ("rollout",)), ("wake", ("rollout",)), ("sleep", ("rollout",)),
+                         ("reward", ("reward",)), ("ref", ("ref",)),
                          ("old_log_prob", ("actor",)), ("update_actor", ("actor",)), ("values", ("critic",)),
                          ("update_critic", ("critic",)),
                          ("reshard", ("actor", "rollout"))):

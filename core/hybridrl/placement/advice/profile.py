@@ -9,16 +9,17 @@ The forms, chosen to be fitted from the few steps of a short profiling run:
   (``roles.rollout.options.max_num_seqs``, else ``DEFAULT_CONCURRENCY``). Decoding is memory-bound: a round of
   ``concurrency`` sequences costs about what one sequence does. With fewer than two distinct ``rounds`` among the
   profiled steps the intercept cannot be told apart and is taken as 0.
-* **train, reference and old log-probs**, and a critic's **values** and **update_critic**: tokens per second per
-  device, each on the devices of its own role's pool: linear in GPUs; CPU slots of a node share its cores, so
+* **train, reference and old log-probs**, a critic's **values** and **update_critic**, and a reward model's
+  **reward** (the whole phase: its rule rewards, if any, with the model's forward): tokens per second per device,
+  each on the devices of its own role's pool: linear in GPUs; CPU slots of a node share its cores, so
   they scale up to ``node_cores / slot_threads`` of the profile's slot (``CostProfile.data_parallel_speedup``).
   An FSDP pool of several ranks adds its collectives (``predict.fsdp_seconds``): count x the link's latency +
   bytes / its bandwidth (``collective_seconds``, the alpha-beta model; ``LINK_LATENCY``, ``LINK_BANDWIDTH``).
 * **reshard**: ``reshard_fixed`` plus the bytes of one sync over the link between the pools
   (``LINK_BANDWIDTH``, overridable), and with several trainer ranks the gather's collectives (one per parameter
   tensor) x the link's latency.
-* **wake and sleep** of a colocated rollout, and the driver's fixed per-step work (data, rule rewards,
-  advantages): seconds per step.
+* **wake and sleep** of a colocated rollout, and the driver's fixed per-step work (data, rule rewards without a
+  reward model, advantages): seconds per step.
 
 The profile also records whether its rollout returned the sampled tokens' log-probs (the run's resolved
 ``roles.rollout.log_probs``): a map whose run asks for them, or not, when the profile's did the other, has its
@@ -62,10 +63,13 @@ DEFAULT_SECONDS = {"gen_fixed": 1.0, "wake": 2.0, "sleep": 1.0, "fixed": 1.0, "r
 #: parameters assumed by the default profile when the model's shape cannot be read
 DEFAULT_PARAMS = 7e9
 
-#: the phases the model predicts; the other ``timing/<phase>`` of a step (data, reward, adv ...) are fixed work
+#: the phases the model predicts; the other ``timing/<phase>`` of a step (data, rule rewards, adv ...) are fixed
+#: work, and so is ``reward`` unless a reward model scores it (``REWARD``)
 MODELLED = ("gen", "wake", "sleep", "ref", "old_log_prob", "update_actor", "values", "update_critic", "reshard")
 #: the phases a critic adds to the step (``roles.ROLES["critic"]``): its forward and its update
 CRITIC_PHASES = ("values", "update_critic")
+#: the phase a reward model adds (``roles.ROLES["reward"]``): modelled only in a run that has one
+REWARD = "reward"
 #: timings that are no phase of a steady step
 NOT_FIXED = ("step", "sync_check", "val", "gen_baseline", "overlap_saved")
 PROFILE_HOWTO = ("record one with `hybridrl train CONFIG trainer.steps=3 trainer.out=RUN` (a run writes "
@@ -93,6 +97,7 @@ class CostProfile:
     reshard_fixed: float  # s per sync besides the bytes
     values_tps: float = math.inf  # critic forward tokens/s per device (inf: no critic was profiled)
     critic_train_tps: float = math.inf  # update_critic tokens/s per device (tokens counted once per epoch)
+    reward_tps: float = math.inf  # reward-model phase tokens/s per device (inf: no reward model was profiled)
     response_length: float | None = None  # mean response tokens; None: the config's max_new_tokens
     prompt_length: float | None = None  # mean prompt tokens; None: half the config's max_prompt_len
     tp_exponent: float = TP_EXPONENT
@@ -137,7 +142,7 @@ def default_profile(device: str, active_params: float | None) -> CostProfile:
                        train_tps=flops / (6 * params), ref_tps=flops / (2 * params),
                        old_log_prob_tps=flops / (2 * params), wake=s["wake"], sleep=s["sleep"], fixed=s["fixed"],
                        reshard_fixed=s["reshard_fixed"], values_tps=flops / (2 * params),
-                       critic_train_tps=flops / (6 * params),
+                       critic_train_tps=flops / (6 * params), reward_tps=flops / (2 * params),
                        source=f"default ({device}, {params / 1e9:.2g}B parameters)")
 
 
@@ -217,7 +222,9 @@ def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None,
         steps = steps[1:]
     has_ref = _get(config, "roles.ref") is not None and (_get(config, "algorithm.kl.coef", 0) or 0) > 0
     has_critic = _get(config, "roles.critic") is not None
-    needed = ["gen", "update_actor"] + (["ref"] if has_ref else []) + (list(CRITIC_PHASES) if has_critic else [])
+    has_reward_model = _get(config, "roles.reward.model") is not None
+    needed = ["gen", "update_actor"] + (["ref"] if has_ref else []) + (list(CRITIC_PHASES) if has_critic else []) \
+        + ([REWARD] if has_reward_model else [])
     seen = {s.phase for step in steps for s in by_step[step]}
     absent = [p for p in needed if p not in seen]
     if not steps or absent:
@@ -232,7 +239,7 @@ def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None,
     concurrency = int(_get(config, "roles.rollout.options.max_num_seqs", DEFAULT_CONCURRENCY))
     xs, ys, lengths, prompt_lengths = [], [], [], []
     rates: dict[str, list[tuple[float, float]]] = {p: [] for p in ("update_actor", "ref", "old_log_prob",
-                                                                    *CRITIC_PHASES)}
+                                                                    *CRITIC_PHASES, REWARD)}
     for step in steps:
         spans, row = by_step[step], metrics[step]
         length = float(row.get("response_length/mean") or 0.0)
@@ -260,15 +267,16 @@ def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None,
         values = [float(metrics[s][key]) for s in steps if metrics[s].get(key) is not None]
         return statistics.median(values) if values else 0.0
 
+    modelled = MODELLED + ((REWARD,) if has_reward_model else ())
     fixed = statistics.median(sum(float(v) for k, v in metrics[s].items() if k.startswith("timing/")
-                                  and k.removeprefix("timing/") not in MODELLED + NOT_FIXED) for s in steps)
+                                  and k.removeprefix("timing/") not in modelled + NOT_FIXED) for s in steps)
     links = {**LINK_BANDWIDTH, **(bandwidth or {})}
     colocated = _get(config, "roles.rollout.pool") == _get(config, "roles.actor.pool")
     moved = median("reshard/bytes") / links["self" if colocated else "net"]
     threads, cores = slot_threads_and_cores(folder)
     return CostProfile(gen_fixed=gen_fixed, gen_round=gen_round, train_tps=rate("update_actor"), ref_tps=rate("ref"),
                        old_log_prob_tps=rate("old_log_prob"), values_tps=rate("values"),
-                       critic_train_tps=rate("update_critic"), wake=median("timing/wake"),
+                       critic_train_tps=rate("update_critic"), reward_tps=rate(REWARD), wake=median("timing/wake"),
                        sleep=median("timing/sleep"), fixed=fixed,
                        reshard_fixed=max(0.0, median("timing/reshard") - moved),
                        response_length=statistics.fmean(lengths) if lengths else None,
