@@ -232,6 +232,32 @@ def test_a_reward_model_gets_a_pool_of_its_own_and_is_time_shared_when_colocated
     assert "split train 1x2:reward 1x1:gen 1x1" in out
 
 
+@pytest.mark.parametrize(("overrides", "missing"), [
+    (PPO, "has no rates for a critic (values, update_critic), which this config runs"),
+    (RM, "has no rates for a reward model (reward), which this config runs"),
+    (["algorithm.kl.coef=0"], None),  # a phase the profile ran and the config does not: nothing to price
+])
+def test_a_profile_without_a_phase_the_config_runs_is_refused(overrides, missing, capsys):
+    """The quick start's profile has no critic and no reward model: planning a config that runs one from it
+    would predict that phase free, so the command says what the profile lacks and how to get one."""
+    status = main(["plan", str(QUICKSTART), *overrides, "--advise", "--device", "cpu", "--cluster", "1x2",
+                   "--profile", str(RECORDED)])
+    err = capsys.readouterr().err
+    if missing is None:
+        assert status == 0, err
+        return
+    assert status == 2 and missing in err and "--profile-steps 3" in err and "Traceback" not in err
+
+
+def test_old_log_probs_a_profile_skipped_cost_the_references_forward():
+    """The quick start's profile skipped the old log-probs (one optimizer step); two epochs run the pass, priced
+    at the reference's rate (the same model's forward), not free."""
+    profile = fit_profile(RECORDED)
+    assert profile.old_log_prob_tps == float("inf") and profile.ref_tps < float("inf")
+    p = _rm_ranked(profile, 1, ["algorithm.epochs=2"])["colocated 1x1"].prediction
+    assert p is not None and p.phases["old_log_prob"] == pytest.approx(p.phases["ref"])
+
+
 def test_more_cpu_slots_than_the_profiles_cores_are_named(capsys):
     """Ranks beyond a node's cores take turns on them, which the model does not count: the table says so."""
     cores = fit_profile(RECORDED_RM).node_cores

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridrl.algorithms.objective import kl_in_reward, old_log_probs_needed
 from hybridrl.config import ConfigError, RunConfig, load_config
 from hybridrl.placement.advice.candidates import Candidate, candidate_maps
 from hybridrl.placement.advice.predict import Prediction, predict
-from hybridrl.placement.advice.profile import CostProfile
+from hybridrl.placement.advice.profile import PROFILE_THIS, CostProfile, ProfileError, uncovered_roles
 from hybridrl.placement.memory import GIB
 from hybridrl.placement.plan import ClusterSpec
 
@@ -99,7 +100,8 @@ def advise(config: str | Path, overrides: Sequence[str], cluster: ClusterSpec, p
     the maps place the roles the algorithm adds (a PPO config's critic, unwritten in its YAML), and each
     candidate is planned as its run would resolve it (``run.preflight.resolve_roles``: a map in flight
     oversamples, so its KV cache holds more sequences; an asynchronous one corrects with importance sampling,
-    so its rollout returns log-probs)."""
+    so its rollout returns log-probs). A measured profile without a rate for a phase the config runs (its run
+    had no critic, say) is a ``ProfileError``: that phase would be predicted free."""
     def resolved(cfg: RunConfig) -> RunConfig:
         if registry is None:
             return cfg
@@ -108,6 +110,13 @@ def advise(config: str | Path, overrides: Sequence[str], cluster: ClusterSpec, p
         return with_algorithm_roles(cfg, registry)[0]
 
     base = resolved(load_config(config, list(overrides)))
+    roles = base.role_configs()
+    kl = base.algorithm.kl is not None and base.algorithm.kl.coef > 0
+    uncovered = uncovered_roles(profile, "ref" in roles and kl, "critic" in roles, "reward" in roles,
+                                old_log_probs_needed(base, kl_in_reward(base)))
+    if uncovered:
+        raise ProfileError(f"the profile ({profile.source}) has no rates for {' or '.join(uncovered)}, which this "
+                           f"config runs (its run had none: they would be predicted free); {PROFILE_THIS}")
     kept: list[Ranked] = []
     dropped: list[Ranked] = []
     for candidate in candidate_maps(base, cluster.nodes, cluster.devices_per_node, rollout_tp):

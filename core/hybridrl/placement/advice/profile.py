@@ -72,6 +72,8 @@ CRITIC_PHASES = ("values", "update_critic")
 REWARD = "reward"
 #: timings that are no phase of a steady step
 NOT_FIXED = ("step", "sync_check", "val", "gen_baseline", "overlap_saved")
+#: how to get a profile of the very config being planned
+PROFILE_THIS = "profile the config itself: `hybridrl plan CONFIG --advise --profile-steps 3`"
 PROFILE_HOWTO = ("record one with `hybridrl train CONFIG trainer.steps=3 trainer.out=RUN` (a run writes "
                  "spans.jsonl and metrics.jsonl into trainer.out)")
 
@@ -144,6 +146,21 @@ def default_profile(device: str, active_params: float | None) -> CostProfile:
                        reshard_fixed=s["reshard_fixed"], values_tps=flops / (2 * params),
                        critic_train_tps=flops / (6 * params), reward_tps=flops / (2 * params),
                        source=f"default ({device}, {params / 1e9:.2g}B parameters)")
+
+
+def uncovered_roles(profile: CostProfile, has_ref: bool, has_critic: bool, has_reward_model: bool,
+                    has_old_log_prob: bool = False) -> list[str]:
+    """What a config runs (a reference forward, a critic, a reward model, the actor's old log-probs) that a
+    measured profile's run did not, so that the profile has no rate for it: those phases would be predicted free.
+    The old log-probs are priced by the reference's rate where the profile skipped them (the same forward).
+    Empty for the default profile, which prices every phase."""
+    if not profile.profiled:
+        return []
+    wanted = (("a reference (ref)", has_ref, profile.ref_tps),
+              ("old log-probs (old_log_prob)", has_old_log_prob, min(profile.old_log_prob_tps, profile.ref_tps)),
+              ("a critic (values, update_critic)", has_critic, min(profile.values_tps, profile.critic_train_tps)),
+              ("a reward model (reward)", has_reward_model, profile.reward_tps))
+    return [what for what, runs, rate in wanted if runs and math.isinf(rate)]
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
