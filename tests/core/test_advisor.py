@@ -258,6 +258,24 @@ def test_old_log_probs_a_profile_skipped_cost_the_references_forward():
     assert p is not None and p.phases["old_log_prob"] == pytest.approx(p.phases["ref"])
 
 
+def test_a_profile_of_another_device_or_model_size_is_named(tmp_path, capsys):
+    """The tiny quick start profiled on a CPU slot, used to plan a 7B model on GPUs: its rates are used as they
+    are, and the table says whose they are; the JSON carries the same notes."""
+    profile = fit_profile(RECORDED_RM)
+    assert profile.device == "cpu" and profile.active_params is not None and profile.active_params < 10**6
+    out = tmp_path / "advice.json"
+    assert main(["plan", str(QWEN7B), "--advise", "--cluster", "1x8", "--profile", str(RECORDED_RM),
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    notes = json.loads(out.read_text())["notes"]
+    assert any(n.startswith("the profile ran on cpu, these maps are for cuda") for n in notes)
+    assert any("this config's 7.6" in n and "profile the model you plan for" in n for n in notes)
+    assert all(f"note: {n}" in printed for n in notes)
+    assert main(["plan", str(QUICKSTART), "--advise", "--device", "cpu", "--cluster", "1x2", "--profile",
+                 str(RECORDED_RM), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["notes"] == []
+
+
 def test_more_cpu_slots_than_the_profiles_cores_are_named(capsys):
     """Ranks beyond a node's cores take turns on them, which the model does not count: the table says so."""
     cores = fit_profile(RECORDED_RM).node_cores

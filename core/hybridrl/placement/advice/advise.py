@@ -209,6 +209,31 @@ def why_it_loses(r: Ranked, best: Ranked) -> str:
     return ", ".join(dict.fromkeys(reasons)) or "slower"
 
 
+#: a profile's model this far from the planned one in size (either way) gets a note: its rates are another model's
+SIZE_MISMATCH = 1.1
+
+
+def profile_notes(ranked: list[Ranked], profile: CostProfile, cluster: ClusterSpec) -> list[str]:
+    """What makes a measured profile's rates another setting's than the maps': a different device kind or model
+    size (the rates are used as they are), more CPU slots a node than the profile's cores."""
+    notes = []
+    if profile.device is not None and profile.device != cluster.device:
+        notes.append(f"the profile ran on {profile.device}, these maps are for {cluster.device}: its rates are "
+                     f"another device's; profile on the devices you plan for")
+    shape = next((r.planned.shape for r in ranked if r.planned.shape is not None), None)
+    if profile.active_params and shape is not None:
+        ratio = shape.active_param_count() / profile.active_params
+        if not 1 / SIZE_MISMATCH <= ratio <= SIZE_MISMATCH:
+            notes.append(f"the profile's model has {profile.active_params / 1e9:.3g}B active parameters, this "
+                         f"config's {shape.active_param_count() / 1e9:.3g}B: its rates are used as they are; "
+                         "profile the model you plan for")
+    if cluster.device == "cpu" and profile.node_cores and cluster.devices_per_node > profile.node_cores:
+        notes.append(f"{cluster.devices_per_node} CPU slots a node, and the profile's node has {profile.node_cores} "
+                     "cores: ranks beyond the cores take turns on them, which the cost model does not count, so "
+                     "maps of more ranks than cores are predicted too fast (docs/advisor.md)")
+    return notes
+
+
 def render(ranked: list[Ranked], profile: CostProfile, cluster: ClusterSpec) -> str:
     """The ranked table ``hybridrl plan --advise`` prints."""
     critic = any(r.prediction is not None and r.prediction.critic is not None for r in ranked)
@@ -234,10 +259,7 @@ def render(ranked: list[Ranked], profile: CostProfile, cluster: ClusterSpec) -> 
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     best = next((r for r in ranked if r.prediction is not None), None)
-    if cluster.device == "cpu" and profile.node_cores and cluster.devices_per_node > profile.node_cores:
-        lines.append(f"note: {cluster.devices_per_node} CPU slots a node, and the profile's node has "
-                     f"{profile.node_cores} cores: ranks beyond the cores take turns on them, which the cost model "
-                     "does not count, so maps of more ranks than cores are predicted too fast (docs/advisor.md)")
+    lines += [f"note: {note}" for note in profile_notes(ranked, profile, cluster)]
     if best is None:
         lines.append("no candidate map fits: see the reasons above")
     else:
@@ -271,7 +293,8 @@ def ranked_json(ranked: list[Ranked], profile: CostProfile, cluster: ClusterSpec
                        phases_s={k: round(v, 3) for k, v in p.phases.items()},
                        why_it_loses="best" if i == 1 else r.why)
         rows.append(row)
-    return {"cluster": cluster.describe(), "costs": profile.source, "profiled": profile.profiled, "rows": rows}
+    return {"cluster": cluster.describe(), "costs": profile.source, "profiled": profile.profiled,
+            "notes": profile_notes(ranked, profile, cluster), "rows": rows}
 
 
 def write_config(config: str | Path, overrides: Sequence[str], candidate: Candidate, out: str | Path) -> Path:

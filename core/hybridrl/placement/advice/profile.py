@@ -110,6 +110,8 @@ class CostProfile:
     slot_threads: int | None = None  # torch threads of the profile's CPU slot (device_map.json); None: unknown
     node_cores: int | None = None  # CPU cores of the profile's node; None: unknown
     log_probs: bool = False  # the profiled rollout returned its sampled tokens' log-probs (roles.rollout.log_probs)
+    device: str | None = None  # "cuda" or "cpu": what the profiled run computed on (device_map.json); None: unknown
+    active_params: int | None = None  # the profiled run's model, active parameters; None: not readable here
 
     def collective_seconds(self, collectives: float, nbytes: float, link: str) -> float:
         """The alpha-beta cost of ``collectives`` collectives moving ``nbytes`` in all over ``link``: each pays the
@@ -212,6 +214,31 @@ def slot_threads_and_cores(folder: Path) -> tuple[int | None, int | None]:
     return (max(threads) if threads else None), (min(cores) if cores else None)
 
 
+def profiled_device(folder: Path) -> str | None:
+    """"cuda" when a rank of the run held a GPU, "cpu" when none did (``device_map.json``), None without the
+    file."""
+    from hybridrl.runtime.device_map import DEVICE_MAP_FILE
+
+    try:
+        rows = json.loads((folder / DEVICE_MAP_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    rows = [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+    return None if not rows else "cuda" if any(r.get("gpu_ids") for r in rows) else "cpu"
+
+
+def profiled_params(folder: Path) -> int | None:
+    """The active parameters of the run's model (its ``config.json``), None where the model cannot be read here
+    (a checkpoint on another machine, a config of an older version)."""
+    from hybridrl.config import load_config
+    from hybridrl.model.shape import model_shape
+
+    try:
+        return model_shape(load_config(folder / "config.json"), None, (folder, folder.parent))[0].active_param_count()
+    except (HybridRLError, OSError, ValueError):
+        return None
+
+
 def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None,
                 latency: Mapping[str, float] | None = None) -> CostProfile:
     """The cost model of the run folder ``run`` (its ``spans.jsonl``, ``metrics.jsonl`` and ``config.json``; the
@@ -300,4 +327,5 @@ def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None,
                        prompt_length=max(0.0, statistics.fmean(prompt_lengths)) if prompt_lengths else None,
                        profiled=True, source=f"profile {run} ({len(steps)} step(s))", bandwidth=links,
                        latency={**LINK_LATENCY, **(latency or {})}, slot_threads=threads, node_cores=cores,
-                       log_probs=_get(config, "roles.rollout.log_probs") is True)
+                       log_probs=_get(config, "roles.rollout.log_probs") is True, device=profiled_device(folder),
+                       active_params=profiled_params(folder))
