@@ -274,6 +274,10 @@ def test_a_profile_of_another_device_or_model_size_is_named(tmp_path, capsys):
     assert main(["plan", str(QUICKSTART), "--advise", "--device", "cpu", "--cluster", "1x2", "--profile",
                  str(RECORDED_RM), "--json", str(out)]) == 0
     assert json.loads(out.read_text())["notes"] == []
+    assert main(["plan", str(QUICKSTART), "roles.rollout.backend=vllm", "--advise", "--device", "cpu", "--cluster",
+                 "1x2", "--profile", str(RECORDED_RM), "--skip-engine-check", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["notes"] == [
+        "the profile's rollout ran on 'hf', this config's on 'vllm': its rates are another backend's"]
 
 
 def test_more_cpu_slots_than_the_profiles_cores_are_named(capsys):

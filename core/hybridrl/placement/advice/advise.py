@@ -214,12 +214,18 @@ SIZE_MISMATCH = 1.1
 
 
 def profile_notes(ranked: list[Ranked], profile: CostProfile, cluster: ClusterSpec) -> list[str]:
-    """What makes a measured profile's rates another setting's than the maps': a different device kind or model
-    size (the rates are used as they are), more CPU slots a node than the profile's cores."""
+    """What makes a measured profile's rates another setting's than the maps': a different device kind, backend or
+    model size (the rates are used as they are), more CPU slots a node than the profile's cores."""
     notes = []
     if profile.device is not None and profile.device != cluster.device:
         notes.append(f"the profile ran on {profile.device}, these maps are for {cluster.device}: its rates are "
                      f"another device's; profile on the devices you plan for")
+    cfg = next((r.planned.cfg for r in ranked if r.planned.cfg is not None), None)
+    for role, backend in profile.backends.items():
+        planned = getattr(cfg.roles, role).backend if cfg is not None else None
+        if planned is not None and planned != backend:
+            notes.append(f"the profile's {role} ran on '{backend}', this config's on '{planned}': its rates are "
+                         "another backend's")
     shape = next((r.planned.shape for r in ranked if r.planned.shape is not None), None)
     if profile.active_params and shape is not None:
         ratio = shape.active_param_count() / profile.active_params

@@ -112,6 +112,7 @@ class CostProfile:
     log_probs: bool = False  # the profiled rollout returned its sampled tokens' log-probs (roles.rollout.log_probs)
     device: str | None = None  # "cuda" or "cpu": what the profiled run computed on (device_map.json); None: unknown
     active_params: int | None = None  # the profiled run's model, active parameters; None: not readable here
+    backends: dict[str, str] = field(default_factory=dict)  # the profiled run's backend of the actor and rollout
 
     def collective_seconds(self, collectives: float, nbytes: float, link: str) -> float:
         """The alpha-beta cost of ``collectives`` collectives moving ``nbytes`` in all over ``link``: each pays the
@@ -328,4 +329,6 @@ def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None,
                        profiled=True, source=f"profile {run} ({len(steps)} step(s))", bandwidth=links,
                        latency={**LINK_LATENCY, **(latency or {})}, slot_threads=threads, node_cores=cores,
                        log_probs=_get(config, "roles.rollout.log_probs") is True, device=profiled_device(folder),
-                       active_params=profiled_params(folder))
+                       active_params=profiled_params(folder),
+                       backends={role: str(name) for role in ("actor", "rollout")
+                                 if (name := _get(config, f"roles.{role}.backend")) is not None})
