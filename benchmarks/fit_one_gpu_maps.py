@@ -17,7 +17,9 @@ For each (device, workload) with a synchronous colocated row (the profile run, w
 prediction was fitted from), the fractional and in-flight rows give one equation each. The factors minimise the
 relative error; each row's error is also given out of sample (fitted without that row): ``*_ERROR`` in
 ``hybridrl.placement.advice.predict`` is the largest such error, the band in which the advisor says "measure
-both". Prints the table and writes ``--out`` (``benchmarks/results/one_gpu_maps_fit.json``).
+both". Each row also carries the GPU's busy share of each phase (NVML, ``busy/<phase>``) of the synchronous step and
+of the map's, where the runs logged them (``busy``): what a model of how the two overlap would be fitted from. Prints
+the table and writes ``--out`` (``benchmarks/results/one_gpu_maps_fit.json``).
 
     python benchmarks/fit_one_gpu_maps.py
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,7 @@ class Point:
     train: float
     rest: float
     measured: float
+    busy: dict[str, dict[str, float]] = field(default_factory=dict)  # "sync" / "map" -> phase -> NVML busy share
 
 
 def points(rows: list[dict[str, Any]], kind: str, log_prob_cost: float = 1.0) -> list[Point]:
@@ -71,9 +74,15 @@ def points(rows: list[dict[str, Any]], kind: str, log_prob_cost: float = 1.0) ->
         else:
             rest = sync["predicted_step_s"] - sync["predicted_phases_s"]["gen"]
             gen = sync["predicted_phases_s"]["gen"]
+        busy = {side: shares for side, row in (("sync", sync), ("map", r)) if (shares := phase_busy(row))}
         out.append(Point(r["device"], r["workload"], r["map"], gen * log_prob_cost, train, rest,
-                         r["measured_step_s"]))
+                         r["measured_step_s"], busy))
     return out
+
+
+def phase_busy(row: dict[str, Any]) -> dict[str, float]:
+    """The row's ``busy/<phase>`` shares (``advice_validation.py``'s ``measured_busy``), by phase."""
+    return {k.removeprefix("busy/"): v for k, v in (row.get("measured_busy") or {}).items() if k.startswith("busy/")}
 
 
 #: the rollout backend the GPU rows ran (``advice_validation.py``'s workloads)
@@ -137,7 +146,8 @@ def evaluate(pts: list[Point], fit, model) -> tuple[Any, list[dict[str, Any]]]:
         out.append({"device": p.device, "workload": p.workload, "map": p.map, "measured_step_s": p.measured,
                     "predicted_step_s": round(pred, 4), "error": round(pred / p.measured - 1, 4),
                     "predicted_out_of_sample_s": None if loo_pred is None else round(loo_pred, 4),
-                    "error_out_of_sample": None if loo_pred is None else round(loo_pred / p.measured - 1, 4)})
+                    "error_out_of_sample": None if loo_pred is None else round(loo_pred / p.measured - 1, 4),
+                    **({"busy": p.busy} if p.busy else {})})
     return coef, out
 
 

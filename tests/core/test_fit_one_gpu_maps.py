@@ -45,6 +45,18 @@ def test_the_fit_recovers_the_factors_that_made_the_steps():
     assert fit.band(fractional) == 0.0 and fit.band(flight) == 0.0
 
 
+def test_rows_carry_the_busy_shares_the_runs_logged():
+    """Where the runs logged each phase's NVML busy share, the fitted rows keep the synchronous step's and the
+    map's side by side; rows without them carry none."""
+    rows = rows_of(0.5, 2.0, 1.3)
+    rows[0]["measured_busy"] = {"busy/gen": 0.41, "busy/update_actor": 0.93, "device/default.0/busy": 0.6}
+    rows[1]["measured_busy"] = {"busy/gen": 0.55, "busy/update_actor": 0.48}
+    _, fitted = fit.evaluate(fit.points(rows, "fractional"), fit.fit_time_sliced, fit.time_sliced)
+    assert fitted[0]["busy"] == {"sync": {"gen": 0.41, "update_actor": 0.93},
+                                 "map": {"gen": 0.55, "update_actor": 0.48}}
+    assert "busy" not in fitted[1]
+
+
 def test_one_map_cannot_fit_two_time_sliced_factors():
     rows = rows_of(0.5, 2.0, 1.3)
     with pytest.raises(ValueError, match="two measured maps"):
