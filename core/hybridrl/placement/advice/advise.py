@@ -115,8 +115,8 @@ def advise(config: str | Path, overrides: Sequence[str], cluster: ClusterSpec, p
     uncovered = uncovered_roles(profile, "ref" in roles and kl, "critic" in roles, "reward" in roles,
                                 old_log_probs_needed(base, kl_in_reward(base)))
     if uncovered:
-        raise ProfileError(f"the profile ({profile.source}) has no rates for {' or '.join(uncovered)}, which this "
-                           f"config runs (its run had none: they would be predicted free); {PROFILE_THIS}")
+        raise ProfileError(f"{profile.source} has no rates for {' or '.join(uncovered)}, which this config runs "
+                           f"(its run had none, so they would be predicted free); {PROFILE_THIS}")
     kept: list[Ranked] = []
     dropped: list[Ranked] = []
     for candidate in candidate_maps(base, cluster.nodes, cluster.devices_per_node, rollout_tp):
