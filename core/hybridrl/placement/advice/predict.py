@@ -226,9 +226,7 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
     if "ref" in plan.role_pool and cfg.algorithm.kl is not None and cfg.algorithm.kl.coef > 0:
         phases["ref"] = train_phase("ref", profile.ref_tps, False)
     if old_log_probs_needed(cfg, kl_in_reward(cfg)):  # else the update's own log-probs serve (one optimizer step)
-        # a profile that skipped the pass: the actor's forward costs what the reference's (the same model) did
-        rate = profile.old_log_prob_tps if math.isfinite(profile.old_log_prob_tps) else profile.ref_tps
-        phases["old_log_prob"] = train_phase("actor", rate, False)
+        phases["old_log_prob"] = train_phase("actor", profile.actor_forward_tps, False)
     phases["update_actor"] = train_phase("actor", profile.train_tps, True)
     if "critic" in plan.role_pool:
         phases["values"] = train_phase("critic", profile.values_tps, False)

@@ -114,6 +114,12 @@ class CostProfile:
     active_params: int | None = None  # the profiled run's model, active parameters; None: not readable here
     backends: dict[str, str] = field(default_factory=dict)  # the profiled run's backend of the actor and rollout
 
+    @property
+    def actor_forward_tps(self) -> float:
+        """The old log-probs' rate: as profiled, else (a run that skipped the pass) the reference's, the same
+        model's forward."""
+        return self.old_log_prob_tps if math.isfinite(self.old_log_prob_tps) else self.ref_tps
+
     def collective_seconds(self, collectives: float, nbytes: float, link: str) -> float:
         """The alpha-beta cost of ``collectives`` collectives moving ``nbytes`` in all over ``link``: each pays the
         link's latency whatever its size (small ones are all latency), the bytes its bandwidth."""
@@ -155,12 +161,12 @@ def uncovered_roles(profile: CostProfile, has_ref: bool, has_critic: bool, has_r
                     has_old_log_prob: bool = False) -> list[str]:
     """What a config runs (a reference forward, a critic, a reward model, the actor's old log-probs) that a
     measured profile's run did not, so that the profile has no rate for it: those phases would be predicted free.
-    The old log-probs are priced by the reference's rate where the profile skipped them (the same forward).
+    The old log-probs are priced by the reference's rate where the profile skipped them (``actor_forward_tps``).
     Empty for the default profile, which prices every phase."""
     if not profile.profiled:
         return []
     wanted = (("a reference (ref)", has_ref, profile.ref_tps),
-              ("old log-probs (old_log_prob)", has_old_log_prob, min(profile.old_log_prob_tps, profile.ref_tps)),
+              ("old log-probs (old_log_prob)", has_old_log_prob, profile.actor_forward_tps),
               ("a critic (values, update_critic)", has_critic, min(profile.values_tps, profile.critic_train_tps)),
               ("a reward model (reward)", has_reward_model, profile.reward_tps))
     return [what for what, runs, rate in wanted if runs and math.isinf(rate)]
@@ -200,31 +206,27 @@ def _get(data: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
     return node
 
 
-def slot_threads_and_cores(folder: Path) -> tuple[int | None, int | None]:
-    """The torch threads a rank of the run computed with and its node's CPU cores, from the run's
-    ``device_map.json`` (each rank's ``threads`` and ``cores``); None for what the file does not say."""
-    from hybridrl.runtime.device_map import DEVICE_MAP_FILE
-
-    path = folder / DEVICE_MAP_FILE
-    try:
-        rows = json.loads(path.read_text()) if path.is_file() else []
-    except ValueError:
-        rows = []
-    threads = [int(r["threads"]) for r in rows if isinstance(r, dict) and r.get("threads")]
-    cores = [int(r["cores"]) for r in rows if isinstance(r, dict) and r.get("cores")]
-    return (max(threads) if threads else None), (min(cores) if cores else None)
-
-
-def profiled_device(folder: Path) -> str | None:
-    """"cuda" when a rank of the run held a GPU, "cpu" when none did (``device_map.json``), None without the
-    file."""
+def device_map_rows(folder: Path) -> list[dict[str, Any]]:
+    """The ranks of the run's ``device_map.json`` (empty without the file, or where it cannot be read)."""
     from hybridrl.runtime.device_map import DEVICE_MAP_FILE
 
     try:
         rows = json.loads((folder / DEVICE_MAP_FILE).read_text())
     except (OSError, ValueError):
-        return None
-    rows = [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+        return []
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+def slot_threads_and_cores(rows: list[dict[str, Any]]) -> tuple[int | None, int | None]:
+    """The torch threads a rank of the run computed with and its node's CPU cores, from the device map's ``rows``
+    (each rank's ``threads`` and ``cores``); None for what they do not say."""
+    threads = [int(r["threads"]) for r in rows if r.get("threads")]
+    cores = [int(r["cores"]) for r in rows if r.get("cores")]
+    return (max(threads) if threads else None), (min(cores) if cores else None)
+
+
+def profiled_device(rows: list[dict[str, Any]]) -> str | None:
+    """"cuda" when a rank of the device map's ``rows`` held a GPU, "cpu" when none did, None without rows."""
     return None if not rows else "cuda" if any(r.get("gpu_ids") for r in rows) else "cpu"
 
 
@@ -318,7 +320,8 @@ def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None,
     links = {**LINK_BANDWIDTH, **(bandwidth or {})}
     colocated = _get(config, "roles.rollout.pool") == _get(config, "roles.actor.pool")
     moved = median("reshard/bytes") / links["self" if colocated else "net"]
-    threads, cores = slot_threads_and_cores(folder)
+    device_map = device_map_rows(folder)
+    threads, cores = slot_threads_and_cores(device_map)
     return CostProfile(gen_fixed=gen_fixed, gen_round=gen_round, train_tps=rate("update_actor"), ref_tps=rate("ref"),
                        old_log_prob_tps=rate("old_log_prob"), values_tps=rate("values"),
                        critic_train_tps=rate("update_critic"), reward_tps=rate(REWARD), wake=median("timing/wake"),
@@ -328,7 +331,7 @@ def fit_profile(run: str | Path, bandwidth: Mapping[str, float] | None = None,
                        prompt_length=max(0.0, statistics.fmean(prompt_lengths)) if prompt_lengths else None,
                        profiled=True, source=f"profile {run} ({len(steps)} step(s))", bandwidth=links,
                        latency={**LINK_LATENCY, **(latency or {})}, slot_threads=threads, node_cores=cores,
-                       log_probs=_get(config, "roles.rollout.log_probs") is True, device=profiled_device(folder),
+                       log_probs=_get(config, "roles.rollout.log_probs") is True, device=profiled_device(device_map),
                        active_params=profiled_params(folder),
                        backends={role: str(name) for role in ("actor", "rollout")
                                  if (name := _get(config, f"roles.{role}.backend")) is not None})
