@@ -23,6 +23,7 @@ the standard GRPO workload of ``benchmarks/model_sizes.py`` on random weights bu
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -158,6 +159,20 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+def profile_started(folder: Path) -> str | None:
+    """When the run in ``folder`` began (its first span, UTC, ISO 8601): which profile a GPU row was measured
+    against (``row_key``)."""
+    try:
+        with (folder / "spans.jsonl").open() as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):
+        return None
+    start = first.get("start") if isinstance(first, dict) else None
+    if not isinstance(start, (int, float)):
+        return None
+    return datetime.datetime.fromtimestamp(start, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def read_metrics(folder: Path) -> list[dict[str, Any]]:
     path = folder / "metrics.jsonl"
     if not path.is_file():
@@ -253,20 +268,27 @@ def choose(ranked: list[Any], wanted: list[str], device: str) -> list[Any]:
 
 
 # --- the result file ------------------------------------------------------------------------------------------
+def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What a new row replaces: the row of the same (device, map, workload) on CPU; on a GPU also of the same
+    profile run (``profile_started``), so that the rows of each GPU machine stay beside their own profile: machines
+    of one kind differ by up to 1.5x, and the one-GPU fits (``fit_one_gpu_maps.py``) pair each map with its own."""
+    key = (row.get("device"), row.get("map"), row.get("workload"))
+    return key if str(row.get("device", "")).startswith("cpu") else (*key, row.get("profile_started"))
+
+
 def merge(path: Path, rows: list[dict[str, Any]], context: dict[str, Any]) -> dict[str, Any]:
-    """The file's rows with those of the same (device, map, workload) replaced; ``runs`` keeps each (device,
-    workload)'s context (command, steps, profile)."""
+    """The file's rows with those of the same ``row_key`` replaced; ``runs`` keeps each (device, workload)'s
+    context (command, steps, profile), per profile run on a GPU."""
     data: dict[str, Any] = {}
     if path.is_file():
         try:
             data = json.loads(path.read_text())
         except ValueError:
             data = {}
-    key = ("device", "map", "workload")
-    new = {tuple(r[k] for k in key) for r in rows}
-    kept = [r for r in data.get("rows", []) if tuple(r.get(k) for k in key) not in new]
-    runs = [c for c in data.get("runs", []) if (c.get("device"), c.get("workload")) !=
-            (context["device"], context["workload"])]
+    new = {row_key(r) for r in rows}
+    kept = [r for r in data.get("rows", []) if row_key(r) not in new]
+    mine = row_key({**context, "map": None})
+    runs = [c for c in data.get("runs", []) if row_key({**c, "map": None}) != mine]
     return {"benchmark": "advice_validation",
             "about": "predicted step (hybridrl plan --advise, fitted from the profile run) against the mean "
                      "measured timing/step after the warm-up steps (a pipelined run's last step, a drain that only "
@@ -359,7 +381,8 @@ def main() -> None:
     context: dict[str, Any] = {"device": device, "workload": workload, "command": command, "config": str(given),
                                "overrides": overrides, "cluster": cluster.describe(), "steps": args.steps,
                                "skip": args.skip, "rounds": args.rounds, "profile_step_s": profile_run.get(
-                                   "mean_step_s"), "profile_step_seconds": profile_run["step_seconds"]}
+                                   "mean_step_s"), "profile_step_seconds": profile_run["step_seconds"],
+                               "profile_started": profile_started(profile_dir)}
     rows: list[dict[str, Any]] = []
     try:
         ranked, profile, own = ranked_maps(config, overrides, cluster, profile_dir)
@@ -427,8 +450,10 @@ def main() -> None:
 
 
 def write_rows(out: Path, rows: list[dict[str, Any]], context: dict[str, Any], start: float) -> None:
-    """Merge ``rows`` into the result file ``out`` (``merge``), with the time spent so far in ``context``."""
+    """Merge ``rows``, each stamped with its profile run's start (``row_key``), into the result file ``out``
+    (``merge``), with the time spent so far in ``context``."""
     context["wall_s"] = round(time.perf_counter() - start, 1)
+    rows = [{**r, "profile_started": context.get("profile_started")} for r in rows]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(merge(out, rows, context), indent=2) + "\n")
 

@@ -109,3 +109,33 @@ def test_each_round_is_compared_with_its_own_control():
     assert row["control_step_s"] == [1.2, 0.9]
     assert row["vs_control"] == pytest.approx(((2.88 / 1.2) / 2.0 + (1.8 / 0.9) / 2.0) / 2)  # 1.2 and 1.0
     assert "vs_control" not in advice_validation.row_of(ranked, arms, "cpu", "quickstart", "cmd", args)
+
+
+def test_gpu_rows_of_another_profile_run_are_kept_beside_it_cpu_rows_are_replaced(tmp_path):
+    """Two GPU machines of one kind differ by up to 1.5x: a new profile run's rows join the file instead of
+    replacing the earlier machine's (each map stays beside its own profile); a CPU row is replaced as before."""
+    import json
+
+    out = tmp_path / "rows.json"
+    gpu, cpu = "1x GPU", "cpu 2 cores"
+
+    def write(device: str, started: str, measured: float) -> None:
+        context = {"device": device, "workload": "w"}
+        rows = [{"device": device, "map": "fractional 1x1", "workload": "w", "measured_step_s": measured}]
+        advice_validation.write_rows(out, rows, {**context, "profile_started": started}, 0.0)
+
+    write(gpu, "2026-01-01T00:00:00+00:00", 4.0)
+    write(gpu, "2026-01-02T00:00:00+00:00", 5.0)
+    write(gpu, "2026-01-02T00:00:00+00:00", 6.0)  # the same profile measured again: replaced
+    write(cpu, "2026-01-01T00:00:00+00:00", 0.2)
+    write(cpu, "2026-01-02T00:00:00+00:00", 0.3)
+    data = json.loads(out.read_text())
+    assert sorted((r["device"], r["measured_step_s"]) for r in data["rows"]) == [
+        (gpu, 4.0), (gpu, 6.0), (cpu, 0.3)]
+    assert sorted(r["device"] for r in data["runs"]) == sorted([gpu, gpu, cpu])
+
+
+def test_a_profile_run_is_named_by_its_first_span(tmp_path):
+    (tmp_path / "spans.jsonl").write_text('{"step": 1, "phase": "step", "start": 0.0, "end": 1.0}\n')
+    assert advice_validation.profile_started(tmp_path) == "1970-01-01T00:00:00+00:00"
+    assert advice_validation.profile_started(tmp_path / "missing") is None
