@@ -499,6 +499,25 @@ def test_a_fractional_map_on_gpus_time_slices_them():
     assert fractional.step == pytest.approx(sliced + f["reshard"] + f["fixed"])
 
 
+def test_a_fractional_map_on_gpus_is_not_charged_the_log_probs_an_in_flight_one_is():
+    """Both asynchronous maps ask the rollout for log-probs; measured on GPUs, the fractional generation hid that
+    cost beside the trainer (the fit reads it uncharged), while the in-flight one pays it in the step."""
+    from hybridrl.placement.memory import model_shape
+    from hybridrl.plugins.discovery import get_registry
+
+    registry = get_registry(())
+    cost = registry.backend("rollout", "vllm").log_prob_cost
+    cluster = ClusterSpec(1, 1, "cuda", declared=True)
+    planner = plan_candidate(cluster, registry, 80 * 2**30, model_shape(load_config(QUICKSTART))[0])
+    ranked = {r.candidate.name: r for r in advise(QUICKSTART, ["roles.rollout.backend=vllm"], cluster,
+                                                  fit_profile(RECORDED), planner, registry=registry)}
+    colocated, flight, fractional = (ranked[m].prediction for m in ("colocated 1x1", "in-flight 1x1",
+                                                                      "fractional 1x1"))
+    assert ranked["fractional 1x1"].planned.cfg.roles.rollout.log_probs is True
+    assert fractional.log_prob_factor == 1.0 and fractional.phases["gen"] == pytest.approx(colocated.phases["gen"])
+    assert flight.log_prob_factor == pytest.approx(cost) and flight.phases["gen"] > colocated.phases["gen"]
+
+
 def test_groups_in_flight_are_a_colocated_candidate_for_a_rollout_that_resumes(capsys):
     """Each colocated map also with ``trainer.mode=async`` (partial rollouts), predicted as the synchronous step
     with its generation as long as measured in flight (the cost model counts a step's mean response length: no

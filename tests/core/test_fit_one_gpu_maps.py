@@ -71,3 +71,13 @@ def test_the_advisor_predicts_with_the_committed_fit():
         result["time_sliced"]["gen"], result["time_sliced"]["train"], result["time_sliced"]["error"])
     assert (predict.IN_FLIGHT_GEN, predict.IN_FLIGHT_ERROR) == (result["in_flight"]["gen"],
                                                                 result["in_flight"]["error"])
+
+
+def test_a_map_is_paired_with_the_profile_run_it_was_measured_against():
+    """Rows of two machines of one kind: each fractional row is fitted against its own machine's synchronous
+    step (``profile_started``), not the other's."""
+    rows = rows_of(0.5, 2.0, 1.3)[:2]
+    other = [{**r, "profile_started": "later"} for r in rows]
+    other[0] = {**other[0], "measured_phases_s": {k: 2 * v for k, v in other[0]["measured_phases_s"].items()}}
+    pts = fit.points(rows + other, "fractional")
+    assert [p.gen for p in pts] == [rows[0]["measured_phases_s"]["gen"], other[0]["measured_phases_s"]["gen"]]

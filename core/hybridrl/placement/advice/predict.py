@@ -12,7 +12,8 @@ trainer runs them.
 * pipelined (staleness 1): the rollout generates step k+1 while step k trains: ``max(gen, train) + reshard``.
 * fractional (the rollout's pool on the trainers' devices, pipelined): both run at once on one GPU, which without
   MPS time-slices between the processes: the trainer slows while the engine decodes beside it, and only part of
-  the generation stays in the step: ``max(gen, train, TIME_SLICED_GEN x gen + TIME_SLICED_TRAIN x train)``. On
+  the generation stays in the step: ``max(gen, train, TIME_SLICED_GEN x gen + TIME_SLICED_TRAIN x train)``, the
+  generation not charged the log-probs' cost below (measured, it hides beside the trainer). On
   CPU slots the node's cores, which either pool's phases keep busy alone (each slot gets ``cores // slots``
   threads), do both pools' work: nothing overlaps, ``gen + train``.
 
@@ -20,7 +21,7 @@ A map whose run asks the rollout for its sampled tokens' log-probs (the candidat
 ``roles.rollout.log_probs``: on with importance sampling, which every asynchronous map turns on) when the profile's
 run did not has its generation ``log_prob_cost`` times as long (the backend's ``BackendSpec.log_prob_cost``,
 measured by ``benchmarks/gen_profile.py``: the engine's bookkeeping of them each step), and the other way round
-divided by it.
+divided by it. The fractional map on GPUs is the exception (above).
 
 Both one-GPU models are fitted from measured steps by ``benchmarks/fit_one_gpu_maps.py`` (benchmarks/README.md,
 "the one-GPU maps against measured steps"); ``TIME_SLICED_ERROR`` and ``IN_FLIGHT_ERROR`` are the largest error
@@ -50,10 +51,10 @@ from hybridrl.placement.advice.profile import DEFAULT_CONCURRENCY, CostProfile
 from hybridrl.placement.memory import DTYPE_BYTES
 
 #: a fractional step: max(gen, train, TIME_SLICED_GEN x gen + TIME_SLICED_TRAIN x train) (see the docstring)
-TIME_SLICED_GEN = 0.21
-TIME_SLICED_TRAIN = 1.90
+TIME_SLICED_GEN = 0.27
+TIME_SLICED_TRAIN = 1.94
 #: how far a measured fractional step fell from the factors' prediction, out of sample (see the docstring)
-TIME_SLICED_ERROR = 0.40
+TIME_SLICED_ERROR = 0.30
 #: an in-flight step's generation over the synchronous one's, its log-probs' cost aside (see the docstring)
 IN_FLIGHT_GEN = 0.96
 #: how far a measured in-flight step fell from that factor's prediction, out of sample
@@ -212,7 +213,8 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
     tp = max(1, cfg.roles.rollout.tensor_parallel)
     replicas = max(1, gen_devices // tp)
     concurrency = int((cfg.roles.rollout.options or {}).get("max_num_seqs") or DEFAULT_CONCURRENCY)
-    log_probs = log_prob_factor(cfg, profile, log_prob_cost)
+    time_sliced_map = candidate.kind == "fractional" and plan.cluster.device != "cpu"
+    log_probs = 1.0 if time_sliced_map else log_prob_factor(cfg, profile, log_prob_cost)  # see the docstring
     phases = {"gen": profile.gen_seconds(math.ceil(sequences / replicas), length, concurrency, tp) * log_probs}
     if candidate.kind == "in_flight":
         phases["gen"] *= IN_FLIGHT_GEN
