@@ -268,12 +268,18 @@ def choose(ranked: list[Any], wanted: list[str], device: str) -> list[Any]:
 
 
 # --- the result file ------------------------------------------------------------------------------------------
-def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    """What a new row replaces: the row of the same (device, map, workload) on CPU; on a GPU also of the same
-    profile run (``profile_started``), so that the rows of each GPU machine stay beside their own profile: machines
-    of one kind differ by up to 1.5x, and the one-GPU fits (``fit_one_gpu_maps.py``) pair each map with its own."""
-    key = (row.get("device"), row.get("map"), row.get("workload"))
+def profile_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """Which profile run a row (or a run's context) was measured against: its (device, workload), on a GPU also
+    the run's start (``profile_started``), so that the rows of each GPU machine stay beside their own profile:
+    machines of one kind differ by up to 1.5x, and the one-GPU fits (``fit_one_gpu_maps.py``) pair each map with
+    its own. CPU rows of a new profile replace the old ones."""
+    key = (row.get("device"), row.get("workload"))
     return key if str(row.get("device", "")).startswith("cpu") else (*key, row.get("profile_started"))
+
+
+def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What a new row replaces: the row of the same map against the same profile (``profile_key``)."""
+    return (*profile_key(row), row.get("map"))
 
 
 def merge(path: Path, rows: list[dict[str, Any]], context: dict[str, Any]) -> dict[str, Any]:
@@ -287,8 +293,7 @@ def merge(path: Path, rows: list[dict[str, Any]], context: dict[str, Any]) -> di
             data = {}
     new = {row_key(r) for r in rows}
     kept = [r for r in data.get("rows", []) if row_key(r) not in new]
-    mine = row_key({**context, "map": None})
-    runs = [c for c in data.get("runs", []) if row_key({**c, "map": None}) != mine]
+    runs = [c for c in data.get("runs", []) if profile_key(c) != profile_key(context)]
     return {"benchmark": "advice_validation",
             "about": "predicted step (hybridrl plan --advise, fitted from the profile run) against the mean "
                      "measured timing/step after the warm-up steps (a pipelined run's last step, a drain that only "

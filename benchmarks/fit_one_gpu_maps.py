@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from advice_validation import profile_key  # the rows' own file: benchmarks/ is no package
+
 from hybridrl.placement.advice.predict import TRAIN_PHASES
 from hybridrl.placement.advice.predict import time_sliced as sliced_seconds
 
@@ -65,7 +67,7 @@ def points(rows: list[dict[str, Any]], kind: str, log_prob_cost: float = 1.0) ->
         if r.get("kind") != kind or r.get("error") or not r.get("measured_step_s") or "cpu" in r["device"]:
             continue
         sync = next((s for s in rows if s.get("kind") == "colocated" and s.get("profile_run") and not s.get("error")
-                     and same_profile(s, r)), None)
+                     and profile_key(s) == profile_key(r)), None)
         if sync is None:
             continue
         phases = sync["measured_phases_s"]
@@ -80,12 +82,6 @@ def points(rows: list[dict[str, Any]], kind: str, log_prob_cost: float = 1.0) ->
         out.append(Point(r["device"], r["workload"], r["map"], gen * log_prob_cost, train, rest,
                          r["measured_step_s"], busy))
     return out
-
-
-def same_profile(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two rows were measured against the same profile run: same device and workload, and the same
-    ``profile_started`` (rows of older files have none): one GPU machine, not another of its kind."""
-    return all(a.get(k) == b.get(k) for k in ("device", "workload", "profile_started"))
 
 
 def phase_busy(row: dict[str, Any]) -> dict[str, float]:

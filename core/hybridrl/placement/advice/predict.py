@@ -244,12 +244,12 @@ def predict(candidate: Candidate, cfg: RunConfig, plan: Any, profile: CostProfil
     if candidate.kind == "pipelined":
         step = max(gen, train) + phases["reshard"] + profile.fixed
         bound = "gen" if gen >= train else "train"
-    elif candidate.kind == "fractional" and plan.cluster.device == "cpu":
-        step = gen + train + phases["reshard"] + profile.fixed
-        bound = "shared cores"
-    elif candidate.kind == "fractional":
+    elif time_sliced_map:
         step = time_sliced(gen, train) + phases["reshard"] + profile.fixed
         bound = "time-sliced"
+    elif candidate.kind == "fractional":  # on CPU slots
+        step = gen + train + phases["reshard"] + profile.fixed
+        bound = "shared cores"
     else:
         step = gen + train + phases["reshard"] + profile.fixed
         bound = "serial" if candidate.kind in ("colocated", "in_flight") else ("gen" if gen >= train else "train")
