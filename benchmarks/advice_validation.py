@@ -11,6 +11,9 @@ an ``error``. ``--rounds N`` runs the arms back to back N times (a shared machin
 is the mean of the rounds, ``spread_s`` their range. On CPU (``--control``) each round first trains the profile's
 own map again, and each row's ``vs_control`` compares the map with that control of its round: how far the
 advisor's figure relative to the profile's map held, apart from the machine's drift since the profile.
+``--budget S`` keeps the whole call inside S seconds (a GPU host's limit on one command): a map starts only when
+the longest run of the call so far would still end in time, and the same command again with ``--reuse`` trains
+the maps left out.
 
     python benchmarks/advice_validation.py --rounds 3                      # CPU: quick start, 1x2
     python benchmarks/advice_validation.py --config examples/configs/qwen2.5-0.5b --steps 6 --skip 2   # 1 GPU
@@ -33,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +105,33 @@ def workload_file(args: argparse.Namespace, size: str, workdir: Path) -> Path:
     return path
 
 
+# --- the call's seconds ---------------------------------------------------------------------------------------
+@dataclass
+class CallBudget:
+    """The seconds one call may take (``--budget``; None: no limit). A run starts only when the longest run the
+    call has trained so far would end inside what is left (a reused run, read and not trained, teaches nothing),
+    and no run may outlast the budget: a call cut short by the host would leave its engine holding the GPU."""
+
+    seconds: float | None
+    margin: float = 15.0  # the rows' writing and the report after the last run
+    start: float = field(default_factory=time.perf_counter)
+    longest: float = 0.0
+
+    def left(self) -> float:
+        return float("inf") if self.seconds is None else self.seconds - (time.perf_counter() - self.start)
+
+    def room(self) -> bool:
+        """Whether another run can start: the longest so far fits in what is left, less the margin."""
+        return self.left() - self.margin > self.longest
+
+    def timeout(self, timeout: float) -> float:
+        """A run's timeout: ``timeout``, or what is left of the budget when that is less."""
+        return min(timeout, self.left() - self.margin)
+
+    def spent(self, run: dict[str, Any]) -> None:
+        self.longest = max(self.longest, float(run.get("wall_s") or 0.0))
+
+
 # --- one run --------------------------------------------------------------------------------------------------
 def run_arm(config: Path, overrides: list[str], steps: int, skip: int, out: Path, timeout: float,
             reuse: bool = False) -> dict[str, Any]:
@@ -108,9 +139,8 @@ def run_arm(config: Path, overrides: list[str], steps: int, skip: int, out: Path
     ``skip``, every step's seconds, the phases' means; ``error`` when it failed or finished fewer steps. With
     ``reuse``, a folder that already holds this arm's finished steps (same config, overrides, steps) is read
     instead of trained again: a second call on the same GPU host measures new maps against the same profile."""
-    key = arm_key(config, overrides, steps)
-    rows = read_metrics(out) if reuse and _read_json(out / ARM_KEY) == key else []
-    if reuse and len(rows) >= steps:  # the same arm, finished by an earlier call on this machine
+    rows = read_metrics(out) if reuse and finished(config, overrides, steps, out) else []
+    if rows:  # the same arm, finished by an earlier call on this machine
         print(f"  reusing {out} ({len(rows)} steps)", flush=True)
         code, log, wall = 0, "", 0.0
     else:
@@ -119,7 +149,7 @@ def run_arm(config: Path, overrides: list[str], steps: int, skip: int, out: Path
                                              *RUN_KEYS], timeout)
         rows = read_metrics(out)
         if out.is_dir():
-            (out / ARM_KEY).write_text(json.dumps(key))
+            (out / ARM_KEY).write_text(json.dumps(arm_key(config, overrides, steps)))
     result: dict[str, Any] = {"folder": str(out), "wall_s": round(wall, 1), "returncode": code,
                               "step_seconds": [round(r["timing/step"], 4) for r in rows if "timing/step" in r]}
     later = steady_steps(rows, skip)
@@ -144,6 +174,11 @@ def error_line(log: str) -> str:
     last line."""
     lines = [line.strip() for line in log.strip().splitlines() if line.strip()] or ["(no output)"]
     return next((line for line in reversed(lines) if "Error" in line or "error:" in line), lines[-1])
+
+
+def finished(config: Path, overrides: list[str], steps: int, out: Path) -> bool:
+    """Whether ``out`` holds this arm's ``steps`` steps, trained by an earlier call (``--reuse`` reads it)."""
+    return _read_json(out / ARM_KEY) == arm_key(config, overrides, steps) and len(read_metrics(out)) >= steps
 
 
 def arm_key(config: Path, overrides: list[str], steps: int) -> dict[str, Any]:
@@ -337,6 +372,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "advice_validation.json"))
     parser.add_argument("--workdir", default=None, help="run folders and built models (default: a fresh temp)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for one run")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole call: maps that would not end in time are left for the same "
+                             "command with --reuse")
     parser.add_argument("--reuse", action="store_true",
                         help="read a run folder in --workdir that already finished the same arm instead of "
                              "training it again (a second call on the same machine)")
@@ -350,6 +388,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.skip >= args.steps:
         raise SystemExit("advice_validation: --skip must leave steps to measure")
+    if args.budget is not None and args.budget <= 60:
+        raise SystemExit(f"advice_validation: --budget {args.budget:g} leaves no time for a run (give more than 60 s)")
 
     from hybridrl.cli import parse_cluster
     from hybridrl.placement.plan import ClusterSpec
@@ -380,7 +420,10 @@ def main() -> None:
     start = time.perf_counter()
     out = Path(args.out)
     profile_dir = workdir / "profile"
-    profile_run = run_arm(config, overrides, args.steps, args.skip, profile_dir, args.timeout, args.reuse)
+    budget = CallBudget(args.budget)
+    profile_run = run_arm(config, overrides, args.steps, args.skip, profile_dir, budget.timeout(args.timeout),
+                          args.reuse)
+    budget.spent(profile_run)
     print(f"profile: {profile_run.get('mean_step_s', float('nan')):.3f} s a step ({profile_run['wall_s']} s)",
           flush=True)
     context: dict[str, Any] = {"device": device, "workload": workload, "command": command, "config": str(given),
@@ -425,10 +468,15 @@ def main() -> None:
         control = args.control if args.control is not None else args.device == "cpu"
         controls: dict[int, dict[str, Any]] = {}
         predicted_control = as_given(own, profile).prediction if control and mine is not None else None
+        left_out: list[str] = []
         for round_no in range(args.rounds):
-            if predicted_control is not None:
+            if predicted_control is not None and not left_out:
+                if not budget.room():
+                    left_out.append(f"rounds {round_no + 1}-{args.rounds}")
+                    break
                 arm = run_arm(config, overrides, args.steps, args.skip, workdir / f"control-{round_no}",
-                              args.timeout, args.reuse)
+                              budget.timeout(args.timeout), args.reuse)
+                budget.spent(arm)
                 print(f"  control (the profile's map) round {round_no + 1}: "
                       f"{arm.get('mean_step_s', float('nan')):.3f} s a step", flush=True)
                 if "mean_step_s" in arm:
@@ -440,12 +488,22 @@ def main() -> None:
                     measured[name].append({**profile_run, "profile_run": True, "round": round_no})
                     continue
                 folder = workdir / f"{name.replace(' ', '_').replace(':', '-')}-{round_no}"
-                arm = run_arm(config, [*overrides, *r.candidate.overrides], args.steps, args.skip, folder,
-                              args.timeout, args.reuse)
+                arm_overrides = [*overrides, *r.candidate.overrides]
+                reused = args.reuse and finished(config, arm_overrides, args.steps, folder)
+                if not reused and (left_out or not budget.room()):
+                    left_out.append(f"{name} round {round_no + 1}")
+                    continue
+                arm = run_arm(config, arm_overrides, args.steps, args.skip, folder, budget.timeout(args.timeout),
+                              args.reuse)
+                budget.spent(arm)
                 print(f"  {name} round {round_no + 1}: {arm.get('mean_step_s', float('nan')):.3f} s a step "
                       f"({arm['wall_s']} s){'  ' + arm['error'] if 'error' in arm else ''}", flush=True)
                 measured[name].append({**arm, "round": round_no})
                 write_rows(out, rows_so_far(), context, start)  # a call cut short keeps the maps it measured
+        if left_out:
+            context["left_out"] = left_out
+            print(f"no time left in the {args.budget:.0f} s budget for: {', '.join(left_out)}; the same command "
+                  f"with --reuse (on this machine, same --workdir) trains them", flush=True)
         if controls:
             context["control_step_s"] = [round(controls[n]["mean_step_s"], 4) for n in sorted(controls)]
         rows += rows_so_far()

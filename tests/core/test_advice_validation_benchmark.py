@@ -139,3 +139,29 @@ def test_a_profile_run_is_named_by_its_first_span(tmp_path):
     (tmp_path / "spans.jsonl").write_text('{"step": 1, "phase": "step", "start": 0.0, "end": 1.0}\n')
     assert advice_validation.profile_started(tmp_path) == "1970-01-01T00:00:00+00:00"
     assert advice_validation.profile_started(tmp_path / "missing") is None
+
+
+def test_a_call_budget_starts_a_run_only_where_the_longest_so_far_still_ends_in_time():
+    budget = advice_validation.CallBudget(300.0, margin=15.0)
+    budget.start -= 100.0  # 100 s spent: about 200 left
+    assert budget.room() and budget.timeout(600.0) == pytest.approx(185.0, abs=1.0)
+    budget.spent({"wall_s": 150.0})
+    assert budget.room()  # 185 s usable > the longest run's 150
+    budget.spent({"wall_s": 0.0})  # a reused run, read and not trained, leaves the estimate alone
+    assert budget.longest == 150.0
+    budget.spent({"wall_s": 190.0})
+    assert not budget.room()
+    assert budget.timeout(60.0) == 60.0  # the run's own limit when it is the shorter
+
+
+def test_no_budget_never_leaves_a_run_out():
+    budget = advice_validation.CallBudget(None)
+    budget.spent({"wall_s": 1e9})
+    assert budget.room() and budget.timeout(600.0) == 600.0
+
+
+def test_a_finished_arm_is_known_before_the_budget_is_asked(tmp_path, monkeypatch):
+    config, folder, _ = _finished_arm(tmp_path, monkeypatch, steps=3)
+    assert advice_validation.finished(config, ["a=1"], 3, folder)
+    assert not advice_validation.finished(config, ["a=1"], 4, folder)
+    assert not advice_validation.finished(config, ["a=2"], 3, folder)
