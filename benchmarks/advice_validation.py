@@ -469,17 +469,26 @@ def main() -> None:
         controls: dict[int, dict[str, Any]] = {}
         predicted_control = as_given(own, profile).prediction if control and mine is not None else None
         left_out: list[str] = []
+
+        def budgeted_arm(label: str, arm_overrides: list[str], folder: Path) -> dict[str, Any] | None:
+            """``run_arm`` inside the call's budget: None, and ``label`` left out, where the arm has no earlier
+            finished run to read and no time to train (nor has any arm after one left out: they keep their order)."""
+            if not (args.reuse and finished(config, arm_overrides, args.steps, folder)) and (
+                    left_out or not budget.room()):
+                left_out.append(label)
+                return None
+            arm = run_arm(config, arm_overrides, args.steps, args.skip, folder, budget.timeout(args.timeout),
+                          args.reuse)
+            budget.spent(arm)
+            return arm
+
         for round_no in range(args.rounds):
-            if predicted_control is not None and not left_out:
-                if not budget.room():
-                    left_out.append(f"rounds {round_no + 1}-{args.rounds}")
-                    break
-                arm = run_arm(config, overrides, args.steps, args.skip, workdir / f"control-{round_no}",
-                              budget.timeout(args.timeout), args.reuse)
-                budget.spent(arm)
-                print(f"  control (the profile's map) round {round_no + 1}: "
-                      f"{arm.get('mean_step_s', float('nan')):.3f} s a step", flush=True)
-                if "mean_step_s" in arm:
+            if predicted_control is not None:
+                arm = budgeted_arm(f"control round {round_no + 1}", overrides, workdir / f"control-{round_no}")
+                if arm is not None:
+                    print(f"  control (the profile's map) round {round_no + 1}: "
+                          f"{arm.get('mean_step_s', float('nan')):.3f} s a step", flush=True)
+                if arm is not None and "mean_step_s" in arm:
                     controls[round_no] = arm
             for r in chosen:
                 name = r.candidate.name
@@ -488,14 +497,9 @@ def main() -> None:
                     measured[name].append({**profile_run, "profile_run": True, "round": round_no})
                     continue
                 folder = workdir / f"{name.replace(' ', '_').replace(':', '-')}-{round_no}"
-                arm_overrides = [*overrides, *r.candidate.overrides]
-                reused = args.reuse and finished(config, arm_overrides, args.steps, folder)
-                if not reused and (left_out or not budget.room()):
-                    left_out.append(f"{name} round {round_no + 1}")
+                arm = budgeted_arm(f"{name} round {round_no + 1}", [*overrides, *r.candidate.overrides], folder)
+                if arm is None:
                     continue
-                arm = run_arm(config, arm_overrides, args.steps, args.skip, folder, budget.timeout(args.timeout),
-                              args.reuse)
-                budget.spent(arm)
                 print(f"  {name} round {round_no + 1}: {arm.get('mean_step_s', float('nan')):.3f} s a step "
                       f"({arm['wall_s']} s){'  ' + arm['error'] if 'error' in arm else ''}", flush=True)
                 measured[name].append({**arm, "round": round_no})
