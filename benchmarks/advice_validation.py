@@ -222,12 +222,14 @@ def read_metrics(folder: Path) -> list[dict[str, Any]]:
 
 
 # --- the advice -----------------------------------------------------------------------------------------------
-def ranked_maps(config: Path, overrides: list[str], cluster: Any, profile_dir: Path) -> tuple[list[Any], Any, Any]:
+def ranked_maps(config: Path, overrides: list[str], cluster: Any,
+                profile_dir: Path | None) -> tuple[list[Any], Any, Any]:
     """The candidates ranked as ``hybridrl plan --advise --profile`` ranks them (its planner, shape and
-    registry), the fitted profile, and the profile run's own map as planned (``Planned``)."""
+    registry), the fitted profile (``profile_dir`` None: the default one, as without ``--profile``), and the
+    profile run's own map as planned (``Planned``)."""
     from hybridrl.config import load_config
     from hybridrl.placement.advice.advise import advise, plan_candidate
-    from hybridrl.placement.advice.profile import fit_profile
+    from hybridrl.placement.advice.profile import default_profile, fit_profile
     from hybridrl.placement.memory import (
         MemoryEstimateError,
         model_shape,
@@ -245,7 +247,10 @@ def ranked_maps(config: Path, overrides: list[str], cluster: Any, profile_dir: P
         shape, _ = model_shape(cfg, None, bases)
     except MemoryEstimateError:
         shape = None
-    profile = fit_profile(profile_dir)
+    if profile_dir is None:
+        profile = default_profile(cluster.device, shape.active_param_count() if shape else None)
+    else:
+        profile = fit_profile(profile_dir)
     memory = planned_device_memory_bytes(cluster.device, cfg.cluster.device_memory_gb, local=True)  # runs here
     planner = plan_candidate(cluster, registry, memory, shape, model_shapes_by_role(cfg, bases))
     try:

@@ -280,6 +280,18 @@ def test_a_profile_of_another_device_or_model_size_is_named(tmp_path, capsys):
         "the profile's rollout ran on 'hf', this config's on 'vllm': its rates are another backend's"]
 
 
+def test_the_default_gpu_costs_name_the_backends_they_were_measured_with(tmp_path):
+    """Unprofiled GPU costs are fitted from FSDP and vLLM steps: a config whose rollout is another backend's (the
+    7B example's transformers rollout) gets a note, one of FSDP and vLLM none."""
+    out = tmp_path / "advice.json"
+    assert main(["plan", str(QWEN7B), "--advise", "--cluster", "1x8", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["notes"] == [
+        "the profile's rollout ran on 'vllm', this config's on 'hf': its rates are another backend's"]
+    assert main(["plan", str(QWEN7B), "roles.rollout.backend=vllm", "--advise", "--cluster", "1x8",
+                 "--skip-engine-check", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["notes"] == []
+
+
 def test_more_cpu_slots_than_the_profiles_cores_are_named(capsys):
     """Ranks beyond a node's cores take turns on them, which the model does not count: the table says so."""
     cores = fit_profile(RECORDED_RM).node_cores

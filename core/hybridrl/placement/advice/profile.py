@@ -53,13 +53,19 @@ LINK_LATENCY: dict[str, float] = {"self": 0.0, "nvlink": 30e-6, "nvswitch": 30e-
 TP_EXPONENT = 0.8
 #: sequences a replica decodes at once when the rollout options do not say (``max_num_seqs``)
 DEFAULT_CONCURRENCY = 256
-#: the default (unprofiled) profile's device: sustained FLOP/s of a train or forward pass, memory bytes/s of a
-#: decode round, by device kind (an H100-class GPU at ~35% of its bf16 peak; a few CPU cores)
-DEFAULT_FLOPS = {"cuda": 140e12, "cpu": 50e9}
-DEFAULT_MEMORY_BW = {"cuda": 1.8e12, "cpu": 20e9}
-#: the default profile's per-step seconds: a generate call's set-up, wake, sleep, the driver's work, a sync's
-#: set-up (on a CPU slot a tenth of these)
-DEFAULT_SECONDS = {"gen_fixed": 1.0, "wake": 2.0, "sleep": 1.0, "fixed": 1.0, "reshard_fixed": 0.5}
+#: the default (unprofiled) profile, by device kind. ``cuda``: fitted from the colocated GRPO steps measured on one
+#: GPU at 0.5B-7B (``benchmarks/fit_default_costs.py``, ``results/default_costs_fit.json``, which a test holds these
+#: to); ``cpu``: a few cores. Effective FLOP/s of a training and of a forward pass (at 6 and 2 FLOPs per parameter
+#: and token); a decode round's fixed seconds, and the bytes/s at which it reads the weights besides
+DEFAULT_TRAIN_FLOPS = {"cuda": 465e12, "cpu": 50e9}
+DEFAULT_FORWARD_FLOPS = {"cuda": 537e12, "cpu": 50e9}
+DEFAULT_ROUND_S = {"cuda": 0.00384, "cpu": 0.0}
+DEFAULT_MEMORY_BW = {"cuda": 2.43e12, "cpu": 20e9}
+#: the backends the default's rates were measured with (a config of others gets a note under the table)
+DEFAULT_BACKENDS = {"cuda": {"actor": "fsdp", "rollout": "vllm"}, "cpu": {}}
+#: the default profile's per-step seconds: a generate call's set-up, wake, sleep, the driver's work, a sync's set-up
+DEFAULT_SECONDS = {"cuda": {"gen_fixed": 0.0, "wake": 0.02, "sleep": 0.04, "fixed": 0.32, "reshard_fixed": 0.1},
+                   "cpu": {"gen_fixed": 0.1, "wake": 0.2, "sleep": 0.1, "fixed": 0.1, "reshard_fixed": 0.05}}
 #: parameters assumed by the default profile when the model's shape cannot be read
 DEFAULT_PARAMS = 7e9
 
@@ -142,18 +148,19 @@ class CostProfile:
 
 
 def default_profile(device: str, active_params: float | None) -> CostProfile:
-    """The unprofiled costs of a model of ``active_params`` on ``device``: train at 6 FLOPs per parameter and
-    token, forward at 2, a decode round reads the weights once (bf16 on GPUs, fp32 on CPU slots)."""
+    """The unprofiled costs of a model of ``active_params`` on ``device`` (another kind than ``cpu`` is priced as
+    ``cuda``): train at 6 FLOPs per parameter and token, forward at 2, a decode round a fixed cost plus the weights
+    read once (bf16 on GPUs, fp32 on CPU slots)."""
+    kind = "cpu" if device == "cpu" else "cuda"
     params = active_params or DEFAULT_PARAMS
-    flops = DEFAULT_FLOPS.get(device, DEFAULT_FLOPS["cuda"])
-    scale = 1.0 if device == "cuda" else 0.1
-    weight_bytes = params * (2 if device == "cuda" else 4)
-    s = {k: v * scale for k, v in DEFAULT_SECONDS.items()}
-    return CostProfile(gen_fixed=s["gen_fixed"], gen_round=weight_bytes / DEFAULT_MEMORY_BW.get(device, 1.8e12),
-                       train_tps=flops / (6 * params), ref_tps=flops / (2 * params),
-                       old_log_prob_tps=flops / (2 * params), wake=s["wake"], sleep=s["sleep"], fixed=s["fixed"],
-                       reshard_fixed=s["reshard_fixed"], values_tps=flops / (2 * params),
-                       critic_train_tps=flops / (6 * params), reward_tps=flops / (2 * params),
+    train, forward = DEFAULT_TRAIN_FLOPS[kind] / (6 * params), DEFAULT_FORWARD_FLOPS[kind] / (2 * params)
+    weight_bytes = params * (2 if kind == "cuda" else 4)
+    s = DEFAULT_SECONDS[kind]
+    gen_round = DEFAULT_ROUND_S[kind] + weight_bytes / DEFAULT_MEMORY_BW[kind]
+    return CostProfile(gen_fixed=s["gen_fixed"], gen_round=gen_round,
+                       train_tps=train, ref_tps=forward, old_log_prob_tps=forward, wake=s["wake"], sleep=s["sleep"],
+                       fixed=s["fixed"], reshard_fixed=s["reshard_fixed"], values_tps=forward,
+                       critic_train_tps=train, reward_tps=forward, backends=dict(DEFAULT_BACKENDS[kind]),
                        source=f"default ({device}, {params / 1e9:.2g}B parameters)")
 
 
