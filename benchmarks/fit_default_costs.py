@@ -27,26 +27,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from advice_validation import ranked_maps  # noqa: E402  (benchmarks/ is not a package)
-from grpo_step import write_prompts  # noqa: E402
-from model_sizes import SHAPES, SIZES, workload_config  # noqa: E402
+from advice_validation import ranked_maps, workload_file  # noqa: E402  (benchmarks/ is not a package)
+from model_sizes import SHAPES, SIZES  # noqa: E402
 
 from hybridrl.placement.advice import profile as costs
+from hybridrl.placement.advice.profile import FORWARD_FLOPS_PER_TOKEN, TRAIN_FLOPS_PER_TOKEN
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-#: FLOPs per parameter and token of a training pass and of a forward pass (``profile.default_profile``)
-TRAIN_FLOPS_PER_TOKEN, FORWARD_FLOPS_PER_TOKEN = 6, 2
 #: the phases the advisor prices at the forward rate
 FORWARD_PHASES = ("ref", "old_log_prob")
-#: the per-step seconds fitted as medians, and the measured phases each is read from
+#: the per-step seconds fitted as medians (``Constants.seconds``)
 SECONDS = ("wake", "sleep", "reshard_fixed", "fixed")
 
 
@@ -83,9 +80,9 @@ def fit(sizes: list[Size]) -> Constants:
     """The constants that price ``sizes``' steps (see the docstring); needs two sizes of different parameters."""
     if len({s.params for s in sizes}) < 2:
         raise ValueError(f"the round's per-parameter cost needs two model sizes ({len(sizes)} given)")
-    train = geometric_mean([s.train_tokens * TRAIN_FLOPS_PER_TOKEN * s.params / s.measured["update_actor"]
+    train = statistics.geometric_mean([s.train_tokens * TRAIN_FLOPS_PER_TOKEN * s.params / s.measured["update_actor"]
                             for s in sizes])
-    forward = geometric_mean([s.forward_tokens * FORWARD_FLOPS_PER_TOKEN * s.params / s.measured["forward"]
+    forward = statistics.geometric_mean([s.forward_tokens * FORWARD_FLOPS_PER_TOKEN * s.params / s.measured["forward"]
                               for s in sizes])
     # per-round seconds r_i = gen_i / rounds_i; the relative error of rounds_i x (a + b N_i) is (a + b N_i) / r_i - 1
     xs = [s.params for s in sizes]
@@ -103,10 +100,6 @@ def fit(sizes: list[Size]) -> Constants:
             "gen", "forward", "update_actor", "wake", "sleep", "reshard")) for s in sizes),
     }
     return Constants(train, forward, a, b, seconds)
-
-
-def geometric_mean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def predicted_phases(s: Size, c: Constants) -> dict[str, float]:
@@ -159,25 +152,19 @@ def measured_size(size: str, result: dict[str, Any], work: dict[str, float], par
 def colocated_phases(size: str, workload: dict[str, Any], device_gib: float, workdir: Path) -> tuple[dict, float]:
     """The advisor's phases of the colocated map of ``size``'s standard workload on one GPU of ``device_gib``
     (default costs, as ``hybridrl plan --advise`` ranks it), and the parameters it priced them for."""
-    from hybridrl.config import load_config
-    from hybridrl.placement.memory import model_shape
     from hybridrl.placement.plan import ClusterSpec
 
-    data = workdir / "prompts.jsonl"
-    write_prompts(data, workload["prompts"], workload["prompt_len"])
-    shape = argparse.Namespace(device="cuda", prompt_len=workload["prompt_len"], prompts=workload["prompts"],
+    shape = argparse.Namespace(device="cuda", model_path=str(ROOT / "examples" / "configs" / SHAPES[size]),
+                               prompt_len=workload["prompt_len"], prompts=workload["prompts"],
                                samples=workload["samples"], backend="vllm", new_tokens=workload["new_tokens"],
                                steps=1)
-    config = workdir / f"config-{size}.json"
-    config.write_text(json.dumps(workload_config(shape, size, ROOT / "examples" / "configs" / SHAPES[size], data,
-                                                 workdir / "unused")))
+    config = workload_file(shape, size, workdir)
     overrides = [f"cluster.device_memory_gb={device_gib:.1f}"]
     ranked, _, _ = ranked_maps(config, overrides, ClusterSpec(1, 1, "cuda", declared=True), None)
     colocated = next((r for r in ranked if r.candidate.kind == "colocated"), None)
-    if colocated is None or colocated.prediction is None:
+    if colocated is None or colocated.prediction is None or colocated.planned.shape is None:
         raise SystemExit(f"{size}: the advisor kept no colocated map on one {device_gib:.0f} GiB GPU")
-    model, _ = model_shape(load_config(config, overrides), None, (config.parent,))
-    return colocated.prediction.phases, float(model.active_param_count())
+    return colocated.prediction.phases, float(colocated.planned.shape.active_param_count())
 
 
 def other_machines(rows: list[dict[str, Any]], sizes: dict[str, Size], c: Constants) -> list[dict[str, Any]]:

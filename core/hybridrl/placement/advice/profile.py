@@ -66,6 +66,8 @@ DEFAULT_BACKENDS = {"cuda": {"actor": "fsdp", "rollout": "vllm"}, "cpu": {}}
 #: the default profile's per-step seconds: a generate call's set-up, wake, sleep, the driver's work, a sync's set-up
 DEFAULT_SECONDS = {"cuda": {"gen_fixed": 0.0, "wake": 0.02, "sleep": 0.04, "fixed": 0.32, "reshard_fixed": 0.1},
                    "cpu": {"gen_fixed": 0.1, "wake": 0.2, "sleep": 0.1, "fixed": 0.1, "reshard_fixed": 0.05}}
+#: FLOPs per parameter and token of a training pass and of a forward pass, as the default profile counts them
+TRAIN_FLOPS_PER_TOKEN, FORWARD_FLOPS_PER_TOKEN = 6, 2
 #: parameters assumed by the default profile when the model's shape cannot be read
 DEFAULT_PARAMS = 7e9
 
@@ -153,7 +155,8 @@ def default_profile(device: str, active_params: float | None) -> CostProfile:
     read once (bf16 on GPUs, fp32 on CPU slots)."""
     kind = "cpu" if device == "cpu" else "cuda"
     params = active_params or DEFAULT_PARAMS
-    train, forward = DEFAULT_TRAIN_FLOPS[kind] / (6 * params), DEFAULT_FORWARD_FLOPS[kind] / (2 * params)
+    train = DEFAULT_TRAIN_FLOPS[kind] / (TRAIN_FLOPS_PER_TOKEN * params)
+    forward = DEFAULT_FORWARD_FLOPS[kind] / (FORWARD_FLOPS_PER_TOKEN * params)
     weight_bytes = params * (2 if kind == "cuda" else 4)
     s = DEFAULT_SECONDS[kind]
     gen_round = DEFAULT_ROUND_S[kind] + weight_bytes / DEFAULT_MEMORY_BW[kind]
